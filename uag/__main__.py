@@ -1,0 +1,5 @@
+import sys
+
+from uag.cli import main
+
+sys.exit(main())

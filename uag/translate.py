@@ -1,0 +1,358 @@
+"""Translation between a drafter's and a target's vocabularies. Pure Python, no mlx.
+
+A translator keeps two token sequences for the same text: the target's committed ids and the drafter's
+ids, and maps each cycle's drafts into target ids (`propose`) and the target's committed tokens back into
+drafter ids (`commit`). Strategies:
+
+- ``identity``: both models share a vocabulary; ids pass unchanged (chosen automatically).
+- ``none``: draft ids pass through as if they were target ids (a control); ids the target vocabulary
+  lacks end the proposal. The drafter is still re-synced through text.
+- ``naive``: decode drafts to text, re-encode with no context (the SLEM baseline; word boundaries break).
+- ``context``: decode and re-encode with a window of W committed tokens in front, then strip it at the
+  exact character boundary, in both directions.
+
+Absorption: re-encoding ``context + text`` may merge the last context token with the first new one
+("w" + "ino" → "wino"). The committed token cannot change, so the proposal must start exactly at the
+committed boundary. We detect the merge from character offsets and re-encode the absorbed remainder
+on its own (anchored), so the proposal always extends the committed sequence exactly and never stalls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from uag.vocab import Vocab
+
+STRATEGIES = ("none", "naive", "context")
+DEFAULT_WINDOW = 10
+REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
+# Prefixes that end a word and do not merge with what follows in the tokenizers we know; each
+# candidate is checked with offsets, so a tokenizer that does merge one simply moves to the next.
+ANCHORS = ("\n", "a", ".", " ")
+MAX_BACKOFF = 4  # drafter tokens re-encoded at most when a merge crosses the re-sync boundary
+
+
+# --- text ↔ ids at a boundary -------------------------------------------------------------------
+
+
+def text_after(vocab: Vocab, context: Sequence[int], new: Sequence[int]) -> str:
+    """Text that `new` adds after `context`, decoded together so leading spaces survive.
+
+    Example (SentencePiece): context ['▁Ala'], new ['▁ma'] -> ' ma'   (alone: 'ma')
+    """
+    if not context:
+        return vocab.decode(new)
+    head = vocab.decode(context)
+    full = vocab.decode([*context, *new])
+    if full.startswith(head):
+        return full[len(head) :]
+    return vocab.decode(new)  # a decoder that rewrites the joint; rare, and only costs acceptance
+
+
+def stable_text(vocab: Vocab, context: Sequence[int], new: Sequence[int]) -> tuple[str, int]:
+    """Text of `new` after `context`, without trailing tokens that end inside a UTF-8 character.
+
+    Returns (text, n): `text` is the text of new[:n]; new[n:] are held back until they complete.
+    Example: ['▁ma', '<0xC5>'] -> (' ma', 1)
+    """
+    n = len(new)
+    text = text_after(vocab, context, new)
+    # A character is at most 4 bytes, so at most 4 tokens can be waiting for its end.
+    while text.endswith(REPLACEMENT) and n > 0 and len(new) - n < 4:
+        n -= 1
+        text = text_after(vocab, context, new[:n])
+    if text.endswith(REPLACEMENT):  # a real U+FFFD in the output, not an incomplete character
+        return text_after(vocab, context, new), len(new)
+    return text, n
+
+
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    """Ids for some text placed after a boundary, and how they were obtained."""
+
+    ids: list[int]
+    absorbed: bool = False  # a token crossed the boundary; its remainder was re-encoded on its own
+    fallback: bool = False  # the whole text had to be encoded on its own
+
+
+def _split_at(offsets: Sequence[tuple[int, int]], boundary: int) -> tuple[int, int | None]:
+    """(first token starting at or after `boundary`, index of a token crossing it or None)."""
+    for i, (start, end) in enumerate(offsets):
+        if start >= boundary:
+            return i, None
+        if end > boundary:
+            return i, i
+    return len(offsets), None
+
+
+def encode_anchored(vocab: Vocab, text: str) -> list[int] | None:
+    """Ids of `text` as a continuation in the middle of a text: no dummy prefix, no merge backwards.
+
+    Example (SentencePiece): 'ino' -> ['ino']   (a plain encode gives ['▁in', 'o'])
+    """
+    if not text:
+        return []
+    for anchor in ANCHORS:
+        ids, offsets = vocab.encode(anchor + text)
+        i, crossing = _split_at(offsets, len(anchor))
+        if crossing is None:
+            return ids[i:]
+    return None
+
+
+def encode_after(vocab: Vocab, prefix: str, text: str) -> Encoding:
+    """Ids for `text` as the tokenizer splits it after `prefix`, starting exactly at the boundary.
+
+    Example (SentencePiece): prefix 'Ala', text ' ma kota' -> ['▁ma', '▁k', 'ota']
+    Absorption: prefix 'w', text 'ino' would encode as ['▁wino']; the committed 'w' cannot change, so
+    the part of the crossing token after the boundary is encoded on its own: ['ino'].
+    """
+    if not prefix:
+        return Encoding(vocab.encode(text)[0])
+    ids, offsets = vocab.encode(prefix + text)
+    boundary = len(prefix)
+    i, crossing = _split_at(offsets, boundary)
+    if crossing is None:
+        return Encoding(ids[i:])
+    # Tokens wholly after the crossing token keep their in-context split; the crossing token's
+    # remainder is encoded on its own.
+    end = offsets[crossing][1]
+    rest = crossing + 1
+    while rest < len(ids) and offsets[rest][0] < end:  # tokens sharing the crossing token's span
+        end = max(end, offsets[rest][1])
+        rest += 1
+    head = encode_anchored(vocab, text[: end - boundary])
+    if head is not None:
+        return Encoding(head + ids[rest:], absorbed=True)
+    whole = encode_anchored(vocab, text)
+    return Encoding(whole or [], absorbed=True, fallback=True)
+
+
+# --- translators ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """Target ids proposed for verification, from one cycle's drafts."""
+
+    ids: list[int]
+    absorbed: bool = False
+    fallback: bool = False
+    empty: bool = False  # there were drafts, but no target token came out of them
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """How the drafter's sequence changed after a commit.
+
+    The drafter's old sequence followed by the cycle's drafts is kept up to `cut`; everything after it
+    in `Translator.drafter_ids` is new and has not been seen by the drafter.
+    """
+
+    cut: int
+    absorbed: bool = False  # drafter tokens before the boundary were re-encoded because of a merge
+
+
+def longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Example: [5, 6, 7] vs [5, 6, 9] -> 2"""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Translator:
+    """Both sides' token sequences for one text, plus the mapping between them.
+
+    Subclasses decide how drafts become target ids (`propose`) and how committed target tokens become
+    drafter ids (`commit`). `target_ids` and `drafter_ids` include the prompt.
+    """
+
+    name = "identity"
+
+    def __init__(self, target: Vocab, drafter: Vocab, *, window: int = DEFAULT_WINDOW):
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (got {window})")
+        self.target = target
+        self.drafter = drafter
+        self.window = window
+        self.target_ids: list[int] = []
+        self.drafter_ids: list[int] = []
+
+    def start(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Begin a run on the target's prompt; return the drafter's prompt ids."""
+        self.target_ids = list(prompt_ids)
+        self.drafter_ids = list(prompt_ids)
+        return list(self.drafter_ids)
+
+    def usable(self, draft_ids: Sequence[int]) -> list[int]:
+        """The drafts worth translating: all of them when ids are shared (a drafted EOS is a real guess)."""
+        return list(draft_ids)
+
+    def propose(self, draft_ids: Sequence[int]) -> Proposal:
+        return Proposal(list(draft_ids))
+
+    def commit(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:
+        """Append the target's newly committed tokens; bring the drafter to the same text."""
+        keep = len(self.drafter_ids) + longest_common_prefix(draft_ids, new_ids)
+        self.target_ids.extend(new_ids)
+        self.drafter_ids.extend(new_ids)
+        return Resync(keep)
+
+
+class TextTranslator(Translator):
+    """Translation through text, with `window` committed tokens of context (0 = naive)."""
+
+    name = "context"
+
+    def __init__(self, target: Vocab, drafter: Vocab, *, window: int = DEFAULT_WINDOW):
+        super().__init__(target, drafter, window=window)
+        self.target_stable = 0  # target_ids[:target_stable] is text the drafter has been given
+
+    # The drafter sees the target's prompt as text; special tokens pass only where the drafter has
+    # the same control token (ChatML's <|im_start|> in both, say), otherwise they are dropped.
+    def start(self, prompt_ids: Sequence[int]) -> list[int]:
+        self.target_ids = list(prompt_ids)
+        self.target_stable = len(self.target_ids)
+        # What the target's tokenizer adds by itself (its BOS) is the drafter tokenizer's job to add.
+        own = self.target.encode_prompt("")
+        first = len(own) if own and list(prompt_ids[: len(own)]) == own else 0
+        pieces: list[str] = []
+        run_start = first
+        for i, token in enumerate([*prompt_ids[first:], None], start=first):
+            if token is not None and token not in self.target.special_ids:
+                continue
+            if run_start < i:
+                context = prompt_ids[max(first, run_start - self.window) : run_start]
+                pieces.append(text_after(self.target, context, prompt_ids[run_start:i]))
+            if token is not None:
+                content = self.target.token_content(token)
+                if self.drafter.special_id(content) is not None:
+                    pieces.append(content)
+            run_start = i + 1
+        self.drafter_ids = self.drafter.encode_prompt("".join(pieces))
+        return list(self.drafter_ids)
+
+    def usable(self, draft_ids: Sequence[int]) -> list[int]:
+        """Drafts up to the drafter's first control token: those never become text."""
+        return _until_special(draft_ids, self.drafter.special_ids)
+
+    def _target_context(self) -> list[int]:
+        return self.target_ids[max(0, self.target_stable - self.window) : self.target_stable]
+
+    def _drafter_context(self) -> list[int]:
+        return self.drafter_ids[max(0, len(self.drafter_ids) - self.window) :] if self.window else []
+
+    def _draft_text(self, draft_ids: Sequence[int]) -> str:
+        return stable_text(self.drafter, self._drafter_context(), draft_ids)[0]
+
+    def _to_target(self, text: str) -> Encoding:
+        if not self.window:
+            return Encoding(self.target.encode(text)[0])
+        return encode_after(self.target, self.target.decode(self._target_context()), text)
+
+    def propose(self, draft_ids: Sequence[int]) -> Proposal:
+        text = self._draft_text(draft_ids)
+        if not text:
+            return Proposal([], empty=bool(draft_ids))
+        enc = self._to_target(text)
+        ids = enc.ids
+        # Target tokens already committed but still waiting for the rest of a character: the
+        # re-encoded text must reproduce them before it can propose anything new.
+        held = self.target_ids[self.target_stable :]
+        if held:
+            if ids[: len(held)] != held:
+                return Proposal([], absorbed=enc.absorbed, fallback=True, empty=True)
+            ids = ids[len(held) :]
+        ids = _until_special(ids, self.target.special_ids)
+        return Proposal(ids, absorbed=enc.absorbed, fallback=enc.fallback, empty=not ids)
+
+    def commit(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:
+        self.target_ids.extend(new_ids)
+        new_text, n = stable_text(self.target, self._target_context(), self.target_ids[self.target_stable :])
+        self.target_stable += n
+        base = len(self.drafter_ids)
+        if not new_text:  # only part of a character so far; the drafter waits for the rest
+            return Resync(base)
+
+        # 1. Keep the drafts whose text the target committed: they are valid drafter tokens for it.
+        context = self._drafter_context()
+        kept, covered = 0, ""
+        for j in range(1, len(draft_ids) + 1):
+            text = text_after(self.drafter, context, draft_ids[:j])
+            if text.endswith(REPLACEMENT):  # mid-character; the next draft may complete it
+                continue
+            if not new_text.startswith(text):
+                break
+            kept, covered = j, text
+        sequence = [*self.drafter_ids, *draft_ids[:kept]]
+        rest = new_text[len(covered) :]
+
+        # 2. Encode the remainder after what is kept. If the drafter's tokenizer would merge across
+        #    that boundary, step back a token (the drafter re-reads it, canonically split) and retry.
+        cut, absorbed = len(sequence), False
+        while True:
+            if not self.window:
+                ids = self.drafter.encode(rest)[0]
+                break
+            prefix = self.drafter.decode(sequence[max(0, cut - self.window) : cut])
+            enc = encode_after(self.drafter, prefix, rest)
+            if not enc.absorbed:
+                ids = enc.ids
+                break
+            step_back = self._step_back(sequence, cut, base)
+            if step_back is None:
+                ids, absorbed = enc.ids, True
+                break
+            cut, rest = cut - 1, step_back + rest
+            absorbed = True
+        self.drafter_ids = [*sequence[:cut], *ids]
+        return Resync(cut, absorbed=absorbed)
+
+    def _step_back(self, sequence: list[int], cut: int, base: int) -> str | None:
+        """Text of sequence[cut-1] if the drafter may re-read it; None if it may not."""
+        if cut <= 1 or cut <= base - MAX_BACKOFF:
+            return None
+        context = sequence[max(0, cut - 1 - self.window) : cut - 1]
+        text = text_after(self.drafter, context, sequence[cut - 1 : cut])
+        return None if (not text or REPLACEMENT in text) else text
+
+
+class NaiveTranslator(TextTranslator):
+    """Decode → re-encode with no context (SLEM). Kept as the study's control: boundaries break."""
+
+    name = "naive"
+
+    def __init__(self, target: Vocab, drafter: Vocab, *, window: int = 0):
+        super().__init__(target, drafter, window=0)
+
+
+class PassThroughTranslator(TextTranslator):
+    """Draft ids go to the target unchanged (a control). The drafter is re-synced through text."""
+
+    name = "none"
+
+    def propose(self, draft_ids: Sequence[int]) -> Proposal:
+        valid = next((n for n, i in enumerate(draft_ids) if not 0 <= i < self.target.size), len(draft_ids))
+        return Proposal(list(draft_ids[:valid]), empty=bool(draft_ids) and valid == 0)
+
+
+def _until_special(ids: Sequence[int], special_ids: frozenset[int]) -> list[int]:
+    """Ids up to the first special token. Example: [5, 6, EOS, 7] -> [5, 6]"""
+    for n, i in enumerate(ids):
+        if i in special_ids:
+            return list(ids[:n])
+    return list(ids)
+
+
+def make_translator(strategy: str, target: Vocab, drafter: Vocab, *, window: int, shared: bool) -> Translator:
+    """The translator for a strategy; `shared` vocabularies always get the identity translator."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if shared:
+        return Translator(target, drafter, window=window)
+    cls = {"none": PassThroughTranslator, "naive": NaiveTranslator, "context": TextTranslator}[strategy]
+    return cls(target, drafter, window=window)
