@@ -1,0 +1,219 @@
+"""Cost model: the study's Table 7, Leviathan's E, measured profiles. Expected values are worked by hand."""
+
+import doctest
+import json
+import math
+
+import numpy as np
+import pytest
+
+from uag import costmodel
+from uag.costmodel import (
+    CostProfile,
+    break_even,
+    break_even_leviathan,
+    expected_tokens,
+    fit_c,
+    fit_c_from_speedups,
+    fit_r_c,
+    speedup,
+    speedup_leviathan,
+)
+
+R, C = 0.07, 0.185  # the study's M2 Pro numbers
+
+# Table 7: α* = r + c·k in %, and as printed (capped at 100 %).
+TABLE_7 = [(2, 0.44, 0.44), (4, 0.81, 0.81), (6, 1.18, 1.00), (8, 1.55, 1.00)]
+
+
+def test_docstring_examples():
+    failures, _ = doctest.testmod(costmodel)
+    assert failures == 0
+
+
+@pytest.mark.parametrize("k, alpha_star, printed", TABLE_7)
+def test_table_7(k, alpha_star, printed):
+    assert break_even(k, R, C) == pytest.approx(alpha_star, abs=1e-12)
+    assert break_even(k, R, C, cap=True) == pytest.approx(printed, abs=1e-12)
+    # S = 1 at the break-even, by definition.
+    assert speedup(alpha_star, k, R, C) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_break_even_vectorised():
+    got = break_even(np.array([2, 4, 6, 8]), R, C, cap=True)
+    np.testing.assert_allclose(got, [row[2] for row in TABLE_7], atol=1e-12)
+
+
+def test_speedup_by_hand():
+    # (1 + 2·0.5) / (1 + 2·0.07 + 0.185·4) = 2 / 1.88
+    assert speedup(0.5, 2, R, C) == pytest.approx(2 / 1.88, rel=1e-12)
+    # (1 + 4·0.9) / (1 + 0.28 + 2.96) = 4.6 / 4.24
+    assert speedup(0.9, 4, R, C) == pytest.approx(4.6 / 4.24, rel=1e-12)
+    grid = speedup(np.array([[0.0], [1.0]]), np.array([1, 2]), R, C)
+    np.testing.assert_allclose(grid, [[1 / 1.255, 1 / 1.88], [2 / 1.255, 3 / 1.88]], rtol=1e-12)
+
+
+def test_fit_c_from_two_break_evens():
+    assert fit_c([(2, 0.44), (4, 0.81)], R) == pytest.approx(0.185, abs=0.005)
+
+
+def test_fit_r_c_recovers_both():
+    r, c = fit_r_c([(2, 0.44), (4, 0.81), (6, 1.18), (8, 1.55)])
+    assert r == pytest.approx(0.07, abs=1e-12)
+    assert c == pytest.approx(0.185, abs=1e-12)
+
+
+def test_fit_rejects_uninformative_points():
+    with pytest.raises(ValueError):
+        fit_c([(0, 0.1)], R)
+    with pytest.raises(ValueError):
+        fit_r_c([(2, 0.4), (2, 0.5)])
+
+
+# --- Leviathan ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [0, 1, 2, 5, 8])
+def test_expected_tokens_ends(k):
+    assert expected_tokens(0.0, k) == 1.0
+    assert expected_tokens(1.0, k) == k + 1
+    # Near 1 the closed form cancels; the polynomial must not.
+    assert expected_tokens(1 - 1e-12, k) == pytest.approx(k + 1, abs=1e-9)
+
+
+def test_expected_tokens_values():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75, abs=1e-15)
+    assert expected_tokens(0.8, 3) == pytest.approx((1 - 0.8**4) / 0.2, rel=1e-12)
+    got = expected_tokens(np.array([0.0, 0.5, 1.0]), np.array([2, 2, 3]))
+    np.testing.assert_allclose(got, [1.0, 1.75, 4.0])
+    with pytest.raises(ValueError):
+        expected_tokens(1.2, 2)
+
+
+def test_break_even_leviathan_by_hand():
+    # k = 2: 1 + α + α² = 1.88 -> quadratic formula
+    expected = (-1 + math.sqrt(1 + 4 * 0.88)) / 2
+    assert break_even_leviathan(2, R, C) == pytest.approx(expected, abs=1e-12)
+    # k = 8: the cycle costs 1 + 0.56 + 11.84 = 13.4 target steps > 9 tokens at α = 1
+    assert break_even_leviathan(8, R, C) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("r, c", [(0.07, 0.185), (0.02, 0.05), (0.1, 0.0)])
+def test_break_even_leviathan_consistent(k, r, c):
+    alpha_star = break_even_leviathan(k, r, c)
+    if alpha_star is None:
+        assert speedup_leviathan(1.0, k, r, c) < 1
+        return
+    assert speedup_leviathan(alpha_star, k, r, c) == pytest.approx(1.0, abs=1e-9)
+    # Leviathan's E ≤ 1 + kα, so it breaks even no earlier than the study's form.
+    assert alpha_star >= break_even(k, r, c) - 1e-12
+
+
+# --- fitting c from speedups --------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["study", "leviathan"])
+@pytest.mark.parametrize("c_true", [0.185, 0.03, 0.4])
+def test_fit_c_from_speedups_noiseless(form, c_true):
+    rng = np.random.default_rng(7)
+    alpha = rng.uniform(0.05, 0.95, 60)
+    k = rng.integers(1, 9, 60)
+    if form == "study":
+        tokens = 1 + k * alpha
+    else:  # E as the plain sum 1 + α + … + α^k
+        tokens = np.array([sum(a**i for i in range(j + 1)) for a, j in zip(alpha, k)])
+    observed = tokens / (1 + k * R + c_true * k**2)
+    fit = fit_c_from_speedups(alpha, k, observed, R, form=form)
+    assert fit.c == pytest.approx(c_true, abs=1e-6)
+    assert fit.rmse < 1e-9
+    assert fit.r2 == pytest.approx(1.0, abs=1e-9)
+    assert fit.n == 60
+
+
+def test_fit_c_from_speedups_noisy_is_close():
+    rng = np.random.default_rng(3)
+    alpha = rng.uniform(0.1, 0.9, 400)
+    k = rng.integers(1, 7, 400)
+    observed = (1 + k * alpha) / (1 + k * R + C * k**2) + rng.normal(0, 0.02, 400)
+    fit = fit_c_from_speedups(alpha, k, observed, R)
+    assert fit.c == pytest.approx(C, abs=0.005)
+    assert 0.015 < fit.rmse < 0.025
+
+
+# --- measured profiles --------------------------------------------------------------------------------------
+def test_measured_profile_by_hand():
+    p = CostProfile({1: 10.0, 3: 12.0, 4: 14.0}, drafter_ms=1.0, translate_ms=0.5)
+    assert p.target_at(2) == 11.0  # interpolated
+    assert p.target_at(6) == 18.0  # extrapolated at 2 ms per token
+    assert p.cycle_ms(0) == 10.0  # plain target step
+    assert p.cycle_ms(2) == 2 + 0.5 + 12
+    assert p.cycle_ms(4) == 4 + 0.5 + 16
+    assert p.cycle_ms(2, w=4) == 2 + 0.5 + 14  # translation gave 3 target tokens
+    assert p.baseline_rate() == 0.1
+    # Leviathan (default): E(0.5, 2) = 1.75 tokens in 14.5 ms vs 1 token in 10 ms
+    assert p.expected_rate(0.5, 2) == pytest.approx(1.75 / 14.5)
+    assert p.speedup(0.5, 2) == pytest.approx(17.5 / 14.5)
+
+
+def test_profile_never_gets_cheaper_beyond_table():
+    p = CostProfile({1: 10.0, 2: 9.0}, drafter_ms=1.0)
+    assert p.target_at(5) == 9.0
+
+
+def test_profile_rejects_bad_tables():
+    with pytest.raises(ValueError):
+        CostProfile({2: 10.0}, drafter_ms=1.0)  # no w = 1
+    with pytest.raises(ValueError):
+        CostProfile({1: -1.0}, drafter_ms=1.0)
+    with pytest.raises(ValueError):
+        CostProfile({1: 1.0}, drafter_ms=1.0, form="quadratic")
+
+
+@pytest.mark.parametrize("k", range(0, 9))
+def test_parametric_profile_cycle_cost(k):
+    p = CostProfile.from_parametric(R, C, target_ms1=25.0)
+    assert p.cycle_ms(k) / p.target_ms[1] == pytest.approx(1 + k * R + C * k * k, rel=1e-12)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_parametric_profile_matches_study(k):
+    p = CostProfile.from_parametric(R, C, target_ms1=40.0)
+    alphas = np.linspace(0, 1, 11)
+    np.testing.assert_allclose(p.speedup(alphas, k), (1 + k * alphas) / (1 + k * R + C * k * k), rtol=1e-12)
+    np.testing.assert_allclose(p.speedup(alphas, k), speedup(alphas, k, R, C), rtol=1e-12)
+    alpha_star = R + C * k
+    if alpha_star <= 1:
+        assert p.break_even(k) == pytest.approx(alpha_star, abs=1e-9)
+    else:
+        assert p.break_even(k) is None
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_parametric_profile_matches_leviathan(k):
+    p = CostProfile.from_parametric(R, C, form="leviathan")
+    for alpha in (0.0, 0.3, 0.7, 1.0):
+        assert p.speedup(alpha, k) == pytest.approx(speedup_leviathan(alpha, k, R, C), rel=1e-12)
+    expected = break_even_leviathan(k, R, C)
+    if expected is None:
+        assert p.break_even(k) is None
+    else:
+        assert p.break_even(k) == pytest.approx(expected, abs=1e-9)
+
+
+def test_best_k():
+    p = CostProfile.from_parametric(R, C)
+    # The cheapest break-even is k = 1 at 0.07 + 0.185 = 0.255; below it nothing pays.
+    assert p.best_k(0.2, 8) == 0
+    assert p.best_k(0.0, 8) == 0
+    # α = 0.9: k = 1 gives 1.9 / 1.255 = 1.514, k = 2 gives 2.8 / 1.88 = 1.489, k = 3 gives 3.7 / 2.875
+    assert p.best_k(0.9, 8) == 1
+    # A cheaper verifier makes longer drafts worth it: c = 0.01, α = 0.9
+    # -> rate (1 + 0.9k) / (1 + 0.07k + 0.01k²)
+    cheap = CostProfile.from_parametric(R, 0.01)
+    rates = [(1 + 0.9 * k) / (1 + 0.07 * k + 0.01 * k * k) for k in range(9)]
+    assert cheap.best_k(0.9, 8) == rates.index(max(rates))
+    assert cheap.best_k(0.9, 8) > 1
+
+
+def test_profile_json_round_trip():
+    p = CostProfile({1: 20.5, 2: 21.0, 5: 30.25, 16: 80.0}, drafter_ms=1.5, translate_ms=0.3, form="study")
+    back = CostProfile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert back == p
+    assert back.target_at(3) == p.target_at(3)
