@@ -44,7 +44,7 @@ class HFVocab:
     """`Vocab` over a Hugging Face tokenizer's `tokenizers.Tokenizer` backend."""
 
     def __init__(self, tokenizer):
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)  # unwrap mlx_lm's TokenizerWrapper
+        hf = tokenizer  # an HF tokenizer, or mlx-lm's TokenizerWrapper, which forwards attributes to one
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None:
             raise ValueError(f"{type(hf).__name__} has no fast (Rust) backend; uag needs a tokenizer.json")

@@ -1,0 +1,21 @@
+"""Shared fixtures. Models load once per test session; the demo pair converts once per cache dir."""
+
+from __future__ import annotations
+
+import pytest
+
+import uag  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
+
+
+@pytest.fixture(scope="session")
+def store():
+    """One ModelStore for the whole session, so each model is loaded once."""
+    from uag.models import ModelStore
+
+    return ModelStore()
+
+
+@pytest.fixture(scope="session")
+def demo_pair(store):
+    """(target, drafter) of the embedded offline demo pair."""
+    return store.get("demo-target"), store.get("demo-drafter")

@@ -1,0 +1,177 @@
+"""Plotly figures shared by the app and the analysis report. Built from plain data; no mlx, no gradio.
+
+Runs come as a DataFrame with one row per speculative run and (at least) the columns
+``alpha`` (0–1), ``speedup`` (speculative tokens/s ÷ baseline tokens/s on the same prompt), ``k`` and
+``group`` (the series a run belongs to, e.g. "demo-drafter · context"); ``prompt`` is shown on hover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from uag.costmodel import break_even, speedup
+from uag.records import Cycle
+from uag.stats import BreakEven, break_even_ols
+
+STUDY_R = 0.07  # drafter/target bytes in the study (Qwen2.5-1.5B 4-bit vs Bielik-11B 8-bit)
+STUDY_C = 0.185  # verification-cost coefficient fitted on the study's M2 Pro
+PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4d7c0f", "#be185d")
+CURVE_COLOURS = ("#64748b", "#94a3b8", "#334155", "#cbd5e1")
+
+
+def _hover(frame: pd.DataFrame) -> list[str]:
+    prompts = frame.get("prompt", pd.Series([""] * len(frame), index=frame.index)).fillna("").astype(str)
+    return [
+        f"{p[:80] + ('…' if len(p) > 80 else '')}<br>α {a:.0%} · speedup {s:.2f}× · k {k}"
+        for p, a, s, k in zip(prompts, frame["alpha"], frame["speedup"], frame["k"])
+    ]
+
+
+def fit_groups(runs: pd.DataFrame) -> dict[str, BreakEven]:
+    """Per group: OLS of speedup on α and the break-even α* where the fitted speedup reaches 1."""
+    fits = {}
+    for group, frame in runs.dropna(subset=["alpha", "speedup"]).groupby("group", sort=False):
+        fits[str(group)] = break_even_ols(frame["alpha"], frame["speedup"], 1.0)
+    return fits
+
+
+def speedup_vs_alpha(
+    runs: pd.DataFrame,
+    *,
+    ks: Sequence[int] = (2, 4),
+    r: float | None = STUDY_R,
+    c: float = STUDY_C,
+    title: str = "Speedup vs acceptance",
+) -> go.Figure:
+    """Runs as points; per group the OLS line and break-even α* with its confidence band; the parametric
+    S(α, k) = (1 + kα)/(1 + kr + ck²) for each k with its break-even α* = r + ck marked."""
+    fig = go.Figure()
+    fig.add_hline(y=1.0, line=dict(color="#475569", width=1, dash="dot"), annotation_text="break-even")
+    grid = np.linspace(0.0, 1.0, 101)
+    runs = runs.dropna(subset=["alpha", "speedup"]) if len(runs) else runs
+    fits = fit_groups(runs) if len(runs) else {}
+    for i, (group, frame) in enumerate(runs.groupby("group", sort=False) if len(runs) else []):
+        colour = PALETTE[i % len(PALETTE)]
+        fig.add_trace(
+            go.Scatter(
+                x=frame["alpha"],
+                y=frame["speedup"],
+                mode="markers",
+                name=str(group),
+                legendgroup=str(group),
+                marker=dict(color=colour, size=9, opacity=0.8),
+                hovertext=_hover(frame),
+                hoverinfo="text",
+            )
+        )
+        fit = fits[str(group)]
+        if fit.a is None or fit.b is None:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=grid,
+                y=fit.a + fit.b * grid,
+                mode="lines",
+                name=f"{group}: OLS",
+                legendgroup=str(group),
+                showlegend=False,
+                line=dict(color=colour, width=2),
+                hoverinfo="skip",
+            )
+        )
+        if fit.alpha_star is not None and 0 <= fit.alpha_star <= 1:
+            if fit.has_interval:
+                lo, hi = max(fit.ci_low, 0.0), min(fit.ci_high, 1.0)
+                fig.add_vrect(x0=lo, x1=hi, fillcolor=colour, opacity=0.12, line_width=0)
+            fig.add_vline(
+                x=fit.alpha_star,
+                line=dict(color=colour, width=1.5, dash="dash"),
+                annotation_text=f"α* {fit.alpha_star:.0%}",
+                annotation_font_color=colour,
+            )
+    if r is not None:
+        for j, k in enumerate(ks):
+            colour = CURVE_COLOURS[j % len(CURVE_COLOURS)]
+            fig.add_trace(
+                go.Scatter(
+                    x=grid,
+                    y=speedup(grid, k, r, c),
+                    mode="lines",
+                    name=f"S(α, k={k}), r={r:.2f}, c={c:.3f}",
+                    line=dict(color=colour, width=1.5, dash="dot"),
+                    hovertemplate=f"k={k}: α %{{x:.0%}} → %{{y:.2f}}×<extra></extra>",
+                )
+            )
+            alpha_star = float(break_even(k, r, c))
+            if alpha_star <= 1:
+                fig.add_trace(
+                    go.Scatter(
+                        x=[alpha_star],
+                        y=[1.0],
+                        mode="markers",
+                        name=f"α*(k={k}) = {alpha_star:.0%}",
+                        marker=dict(symbol="diamond", size=11, color=colour, line=dict(color="#0f172a", width=1)),
+                    )
+                )
+    fig.update_layout(
+        title=title,
+        xaxis=dict(title="acceptance rate α", tickformat=".0%", range=[0, 1]),
+        yaxis=dict(title="speedup (× baseline tokens/s)", rangemode="tozero"),
+        template="plotly_white",
+        legend=dict(orientation="h", y=-0.2),
+        margin=dict(l=60, r=20, t=60, b=40),
+    )
+    return fig
+
+
+def cycle_ribbon(cycles: Sequence[Cycle], *, title: str = "Per cycle: proposed vs accepted") -> go.Figure:
+    """Bars per verification cycle: target tokens proposed, accepted, and the target's own token."""
+    index = [c.index + 1 for c in cycles]
+    accepted = [c.accepted for c in cycles]
+    rejected = [c.proposed - c.accepted for c in cycles]
+    own = [c.emitted - c.accepted for c in cycles]
+    fig = go.Figure(
+        [
+            go.Bar(x=index, y=accepted, name="accepted draft", marker_color="#16a34a"),
+            go.Bar(x=index, y=rejected, name="rejected draft", marker_color="#fca5a5"),
+            go.Bar(x=index, y=own, name="target's own token", marker_color="#94a3b8"),
+        ]
+    )
+    fig.update_layout(
+        barmode="stack",
+        title=title,
+        xaxis_title="cycle",
+        yaxis_title="tokens",
+        template="plotly_white",
+        height=260,
+        bargap=0.05,
+        legend=dict(orientation="h", y=-0.3),
+        margin=dict(l=50, r=10, t=40, b=30),
+    )
+    return fig
+
+
+def alpha_by_strategy(runs: pd.DataFrame, *, title: str = "Acceptance by strategy") -> go.Figure:
+    """Box plot of α per strategy, one colour per drafter (columns: alpha, strategy, drafter)."""
+    fig = go.Figure()
+    for i, (drafter, frame) in enumerate(runs.groupby("drafter", sort=False)):
+        fig.add_trace(
+            go.Box(
+                x=frame["strategy"],
+                y=frame["alpha"],
+                name=str(drafter),
+                marker_color=PALETTE[i % len(PALETTE)],
+                boxmean=True,
+            )
+        )
+    fig.update_layout(
+        title=title,
+        boxmode="group",
+        yaxis=dict(title="acceptance rate α", tickformat=".0%", range=[0, 1]),
+        template="plotly_white",
+    )
+    return fig
