@@ -12,10 +12,12 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.cli import main
 from uag.generate import GenerationConfig, generate, prompt_ids, stream, stream_speculative
+from uag.costmodel import CostProfile
 from uag.models import ModelError, check_pair
+from uag.policy import AdaptiveK
 from uag.translate import make_translator
 
-STRATEGIES = ("none", "naive", "context")
+STRATEGIES = ("none", "naive", "context", "tli", "auto")
 KS = (1, 2, 4)
 PROMPTS = ["Stolica Polski to", "W 1989 roku w Polsce", "Zażółć gęślą jaźń, a w winie 🙂"]
 
@@ -39,7 +41,9 @@ def test_tiny_models_greedy_output_equals_baseline(tiny, drafter_name, strategy)
     for prompt in PROMPTS:
         expected = baseline_ids(target, prompt, 20)
         for k in KS:
-            run = generate(target, drafters[drafter_name], prompt, GenerationConfig(strategy=strategy, k=k, max_tokens=20))
+            run = generate(
+                target, drafters[drafter_name], prompt, GenerationConfig(strategy=strategy, k=k, max_tokens=20)
+            )
             assert run.token_ids == expected, (prompt, strategy, k)
             assert run.generated == 20 and run.finish_reason == "length"
             assert run.stalls == 0 and all(c.emitted >= 1 for c in run.cycles)
@@ -101,7 +105,7 @@ def assert_cache_holds(model, cache, ids):
 
 
 @pytest.mark.parametrize("stop_after", [None, 3])
-@pytest.mark.parametrize("strategy", ["context", "naive"])
+@pytest.mark.parametrize("strategy", ["context", "naive", "tli"])
 def test_caches_hold_the_committed_sequences_after_a_run_and_after_an_early_stop(tiny, strategy, stop_after):
     target, drafters = tiny
     drafter = drafters["llama"]
@@ -120,6 +124,25 @@ def test_caches_hold_the_committed_sequences_after_a_run_and_after_an_early_stop
     assert caches[0][0].offset == len(translator.target_ids) - 1  # every committed token but the newest
     assert_cache_holds(target, caches[0], translator.target_ids)
     assert_cache_holds(drafter, caches[1], translator.drafter_ids)
+
+
+def test_auto_drafts_long_when_a_profile_says_drafts_are_cheap_and_stays_lossless(tiny):
+    """Self-speculation accepts everything; with a cheap drafter, auto should go to k_max."""
+    target, _ = tiny
+    cheap = CostProfile({1: 10.0, 2: 10.2, 5: 10.5, 9: 11.0}, drafter_ms=0.2, translate_ms=0.05)
+    config = GenerationConfig(strategy="auto", k=4, max_tokens=40)
+    policy = AdaptiveK(k_max=4, profile=cheap)
+    ids = prompt_ids(target, PROMPTS[0])
+    run = list(stream_speculative(check_pair(target, target), ids, config, policy=policy))[-1].run
+    assert run.token_ids == baseline_ids(target, PROMPTS[0], 40)
+    assert run.policy == "auto" and [c.k for c in run.cycles].count(4) >= 5
+
+
+def test_auto_parks_on_a_drafter_that_cannot_pay_and_stays_lossless(tiny):
+    target, drafters = tiny  # random drafter: nothing accepted, and it is bigger than the target
+    run = generate(target, drafters["qwen"], PROMPTS[1], GenerationConfig(strategy="auto", k=4, max_tokens=40))
+    assert run.token_ids == baseline_ids(target, PROMPTS[1], 40)
+    assert sum(c.k == 0 for c in run.cycles) >= 30  # parked, probing now and then
 
 
 def test_drafter_passes_per_cycle_stay_at_k(tiny):
@@ -153,7 +176,9 @@ def test_sliding_window_layers_get_an_exact_trimmable_cache(store):
     past the window (8 tokens here), and speculation stays possible there."""
     gemma = store.get(str(build_tiny("gemma3_text", "llama-3.2", seed=3, tie_embeddings=False)))
     prompt = mx.array(prompt_ids(gemma, "Zażółć gęślą jaźń"))
-    rotating = [t for t, _ in generate_step(prompt, gemma.model, max_tokens=40, prompt_cache=make_prompt_cache(gemma.model))]
+    rotating = [
+        t for t, _ in generate_step(prompt, gemma.model, max_tokens=40, prompt_cache=make_prompt_cache(gemma.model))
+    ]
     plain = [t for t, _ in generate_step(prompt, gemma.model, max_tokens=40, prompt_cache=gemma.make_cache())]
     assert rotating == plain
     run = generate(gemma, gemma, prompt.tolist(), GenerationConfig(k=3, max_tokens=40))
@@ -227,7 +252,7 @@ def test_demo_pair_every_strategy_and_k_reproduces_the_baseline(demo_pair, promp
         for k in KS:
             run = generate(target, drafter, prompt, GenerationConfig(strategy=strategy, k=k, max_tokens=24))
             assert run.token_ids == expected, (strategy, k)
-            accepted += run.accepted if strategy == "context" else 0
+            accepted += run.accepted if strategy in ("context", "tli") else 0
     assert accepted > 0  # a real pair: some drafts really are accepted
 
 
@@ -238,7 +263,10 @@ def test_demo_cli_context_equals_baseline(capsys):
 
     outputs = {}
     for strategy in ("baseline", "context"):
-        assert main(["generate", "--strategy", strategy, "-k", "2", "--max-tokens", "24", "--json", "Stolica Polski to"]) == 0
+        assert (
+            main(["generate", "--strategy", strategy, "-k", "2", "--max-tokens", "24", "--json", "Stolica Polski to"])
+            == 0
+        )
         outputs[strategy] = json.loads(capsys.readouterr().out)
     assert outputs["context"]["token_ids"] == outputs["baseline"]["token_ids"]
     assert outputs["context"]["stats"]["acceptance_rate"] > 0

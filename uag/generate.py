@@ -22,19 +22,30 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from uag.models import LoadedModel, ModelError, Pair, check_pair
+from uag.policy import AdaptiveK, FixedK
 from uag.records import Cycle, Event, Run, Token
-from uag.translate import DEFAULT_WINDOW, STRATEGIES, Translator, longest_common_prefix, make_translator
+from uag.sampling import IdMap, draft_distribution, rejection_verify
+from uag.translate import (
+    DEFAULT_WINDOW,
+    STRATEGIES,
+    IntersectionTranslator,
+    Resync,
+    Translator,
+    longest_common_prefix,
+    make_translator,
+)
 
 DEFAULT_K = 2
 MAX_K = 32
 DEFAULT_MAX_TOKENS = 64
 PREFILL_STEP = 512
-MODES = ("baseline", *STRATEGIES)
+MODES = ("baseline", *STRATEGIES, "auto")
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """What to generate and how. `strategy="baseline"` runs the target alone."""
+    """What to generate and how. `strategy="baseline"` runs the target alone; "auto" translates in
+    context and re-decides the draft length each cycle, with `k` as its maximum."""
 
     strategy: str = "context"
     k: int = DEFAULT_K
@@ -210,12 +221,134 @@ def _drafter_resumes_at(seen: int, cut: int, length: int) -> int:
     return min(seen, cut, length - 1)
 
 
+class _Speculation:
+    """One speculative run's state: both caches, the translator, and how much of each sequence
+    each cache has read. The target has read every committed token but the newest; the drafter has
+    read translator.drafter_ids[:d_seen] and gets the rest in its next forward pass."""
+
+    def __init__(
+        self,
+        pair: Pair,
+        prompt: Sequence[int],
+        config: GenerationConfig,
+        translator: Translator,
+        caches: tuple[list, list] | None,
+        sampler: Callable[[mx.array], mx.array],
+    ):
+        self.target, self.drafter = pair.target, pair.drafter
+        self.config, self.translator, self.sampler = config, translator, sampler
+        self.t_cache, self.d_cache = (
+            caches if caches is not None else (self.target.make_cache(), self.drafter.make_cache())
+        )
+        self.committed = list(prompt)  # target ids: prompt, then every generated token
+        self.unsynced: list[int] = []  # committed target tokens the translator has not been given yet
+        self.t_seen = self.d_seen = 0
+        self.tli = isinstance(translator, IntersectionTranslator)
+        self.id_map: IdMap | None = None  # built on the first drafter pass, which tells its logits' size
+
+    def prefill(self) -> int:
+        """The prompt pass: the target reads the prompt and chooses the first token itself; the
+        drafter reads its own version of the prompt."""
+        first = self.sampler(_logprobs(_prefill(self.target.model, self.t_cache, self.committed))).item()
+        self.t_seen = len(self.committed)
+        drafter_prompt = self.translator.start(self.committed)
+        _prefill(self.drafter.model, self.d_cache, drafter_prompt[:-1])
+        self.d_seen = len(drafter_prompt) - 1
+        self.committed.append(first)
+        self.unsynced.append(first)
+        return first
+
+    def sync_drafter(self, drafts: Sequence[int] = ()) -> Resync:
+        """Give the translator the tokens committed since it last heard, keep what the drafter saw."""
+        resync = self.translator.commit(drafts, self.unsynced)
+        self.unsynced = []
+        self.d_seen = _drafter_resumes_at(self.d_seen, resync.cut, len(self.translator.drafter_ids))
+        _rewind(self.d_cache, self.d_seen)
+        return resync
+
+    def draft(self, k: int) -> tuple[list[int], mx.array | None]:
+        """k drafter passes; the first also feeds what the drafter has not seen. Greedy, except TLI
+        at temperature > 0, which samples and keeps each distribution q for rejection sampling."""
+        base = len(self.translator.drafter_ids)
+        y = mx.array(self.translator.drafter_ids[self.d_seen :])
+        sample = self.tli and self.config.temperature > 0
+        guesses, qs = [], []
+        for _ in range(k):
+            logits = self.drafter.model(y[None], cache=self.d_cache)[:, -1, :]
+            if self.tli:
+                if self.id_map is None:
+                    self.id_map = IdMap(self.translator.to_target, logits.shape[-1])
+                logits = logits + self.id_map.drafter_mask
+            if sample:
+                q = draft_distribution(logits, self.config.temperature)
+                y = mx.random.categorical(mx.log(q))
+                qs.append(q)
+            else:
+                y = mx.argmax(logits, axis=-1)
+            mx.async_eval(y)
+            guesses.append(y)
+        drafts = mx.concatenate(guesses).tolist()
+        self.d_seen = base + k - 1  # every draft but the last has been fed back
+        return drafts, mx.concatenate(qs) if qs else None
+
+    def verify(self, proposed: list[int], drafts: list[int], q: mx.array | None) -> tuple[int, list[int]]:
+        """One target pass over its pending token and the proposal: (accepted, new committed tokens)."""
+        logits = self.target.model(mx.array([self.committed[-1], *proposed])[None], cache=self.t_cache)[0]
+        self.t_seen += 1 + len(proposed)
+        if q is not None:
+            accepted, token = rejection_verify(logits, q, drafts, proposed, self.id_map, self.config.temperature)
+        else:
+            choices = self.sampler(_logprobs(logits)).tolist()  # the target's own choice at each position
+            accepted = longest_common_prefix(proposed, choices)
+            token = choices[accepted]
+        return accepted, [*proposed[:accepted], token]
+
+    def commit(self, new: list[int]) -> None:
+        """Append committed tokens; the target cache keeps all of them but the newest."""
+        self.committed += new
+        self.unsynced += new
+        self.t_seen = len(self.committed) - 1
+        _rewind(self.t_cache, self.t_seen)
+
+    def plain_steps(self, n: int) -> Iterator[int]:
+        """Up to n plain target steps, pipelined by mlx-lm's generate_step, so that parked,
+        speculation costs what the target alone costs. Each token is committed as it comes; the
+        consumer may stop early. generate_step reads one token ahead, so the cache is rewound to
+        the committed state only once the stretch is over."""
+        steps = generate_step(
+            mx.array(self.committed[-1:]),
+            self.target.model,
+            max_tokens=n,
+            sampler=self.sampler,
+            prompt_cache=self.t_cache,
+        )
+        try:
+            for token, _ in steps:
+                self.committed.append(token)
+                self.unsynced.append(token)
+                self.t_seen = len(self.committed)  # at most: it may already have read this token
+                yield token
+        finally:
+            steps.close()
+            self.t_seen = len(self.committed) - 1
+            _rewind(self.t_cache, self.t_seen)
+
+    def restore(self) -> None:
+        """Leave both caches holding exactly the committed sequences, however the run ended."""
+        if self.unsynced and self.translator.target_ids:
+            self.sync_drafter()
+        _rewind(self.t_cache, min(self.t_seen, len(self.committed) - 1))
+        if self.translator.drafter_ids:
+            _rewind(self.d_cache, min(self.d_seen, len(self.translator.drafter_ids) - 1))
+
+
 def stream_speculative(
     pair: Pair,
     prompt: Sequence[int],
     config: GenerationConfig,
     *,
     translator: Translator | None = None,
+    policy: FixedK | AdaptiveK | None = None,
     caches: tuple[list, list] | None = None,
     cancel: threading.Event | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
@@ -224,15 +357,15 @@ def stream_speculative(
     config.validate()
     target, drafter = pair.target, pair.drafter
     if translator is None:
+        translation = "context" if config.strategy == "auto" else config.strategy
         translator = make_translator(
-            config.strategy, target.vocab, drafter.vocab, window=config.window, shared=pair.shared_vocabulary
+            translation, target.vocab, drafter.vocab, window=config.window, shared=pair.shared_vocabulary
         )
-    t_cache, d_cache = caches if caches is not None else (target.make_cache(), drafter.make_cache())
-    sampler = sampler or _sampler(config.temperature)
+    policy = policy or make_policy(config, pair)
+    spec = _Speculation(pair, prompt, config, translator, caches, sampler or _sampler(config.temperature))
     budget = _token_budget(target, len(prompt), config.max_tokens)
-    strategy = "identity" if pair.shared_vocabulary else config.strategy
     run = Run(
-        strategy,
+        translator.name,
         target.name,
         drafter.name,
         k=config.k,
@@ -242,58 +375,65 @@ def stream_speculative(
         max_tokens=config.max_tokens,
         prompt_ids=list(prompt),
         notes=list(pair.notes),
+        policy="auto" if isinstance(policy, AdaptiveK) else "fixed",
     )
     pieces = _Pieces(target)
     eos = target.eos_ids
     if config.seed is not None:
         mx.random.seed(config.seed)
 
-    # `t_seen` / `d_seen`: tokens each cache holds. The target has seen every committed token but
-    # the newest; the drafter has seen drafter_ids[:d_seen] and gets the rest in its next pass.
-    t_seen = d_seen = 0
+    def emit(new: list[int], accepted: int, cycle: Cycle | None, now: float) -> Event:
+        if cycle is not None:
+            run.cycles.append(cycle)
+            policy.observe(cycle)
+        run.last_token_s = now
+        tokens = pieces(new, [i < accepted for i in range(len(new))])
+        run.tokens.extend(tokens)
+        return Event(tokens, cycle, run)
+
     reason = "length"
     tic = time.perf_counter()
     try:
-        # Prompt pass: the target reads the whole prompt and chooses the first token itself.
-        first = sampler(_logprobs(_prefill(target.model, t_cache, prompt))).item()
-        t_seen = len(prompt)
-        drafter_prompt = translator.start(prompt)
-        _prefill(drafter.model, d_cache, drafter_prompt[:-1])
-        d_seen = len(drafter_prompt) - 1
-        cut = translator.commit([], [first]).cut
-        d_seen = _drafter_resumes_at(d_seen, cut, len(translator.drafter_ids))
-        _rewind(d_cache, d_seen)
-        now = time.perf_counter()
-        run.first_token_s = run.last_token_s = now
+        first = spec.prefill()
+        run.first_token_s = now = time.perf_counter()
         run.prompt_ms = (now - tic) * 1000
-        tokens = pieces([first], [False])
-        run.tokens.extend(tokens)
         if first in eos:
             reason = "eos"
-        yield Event(tokens, None, run)
+        yield emit([first], 0, None, now)
 
         while reason == "length" and run.generated < budget:
             if cancel is not None and cancel.is_set():
                 reason = "stopped"
                 break
             remaining = budget - run.generated
-            k = min(config.k, remaining - 1)
-            cycle = Cycle(index=len(run.cycles), k=k, draft_ids=[], proposed_ids=[], accepted=0, emitted=0)
+            k = min(policy.next_k(), remaining - 1)
 
-            # 1. Draft: the first pass also feeds whatever the drafter has not seen yet.
+            if k == 0:  # plain target steps, as many in a row as the policy wants
+                t0 = time.perf_counter()
+                for token in spec.plain_steps(min(policy.plain_steps(), remaining)):
+                    now = time.perf_counter()
+                    cycle = Cycle(
+                        index=len(run.cycles),
+                        k=0,
+                        draft_ids=[],
+                        proposed_ids=[],
+                        accepted=0,
+                        emitted=1,
+                        verify_ms=(now - t0) * 1000,
+                    )
+                    t0 = now
+                    if token in eos:
+                        reason = "eos"
+                    yield emit([token], 0, cycle, now)
+                    if reason != "length" or (cancel is not None and cancel.is_set()):
+                        break
+                continue
+
+            # 1. Draft; the drafter first catches up with whatever the target committed meanwhile.
             t0 = time.perf_counter()
-            drafts: list[int] = []
-            if k > 0:
-                d_base = len(translator.drafter_ids)
-                y = mx.array(translator.drafter_ids[d_seen:])
-                guesses = []
-                for _ in range(k):
-                    y = mx.argmax(drafter.model(y[None], cache=d_cache)[:, -1, :], axis=-1)
-                    mx.async_eval(y)
-                    guesses.append(y)
-                drafts = mx.concatenate(guesses).tolist()
-                d_seen = d_base + k - 1  # every draft but the last has been fed back
-                cycle.drafter_passes = k
+            catch_up = spec.sync_drafter() if spec.unsynced else None
+            t_sync = time.perf_counter()
+            drafts, q = spec.draft(k)
             t1 = time.perf_counter()
 
             # 2. Translate into target tokens (never more than the token budget can take).
@@ -302,47 +442,53 @@ def stream_speculative(
             proposed = proposal.ids[: remaining - 1]
             t2 = time.perf_counter()
 
-            # 3. Verify: one target pass over its pending token and the proposal.
-            pending = translator.target_ids[-1]
-            logits = target.model(mx.array([pending, *proposed])[None], cache=t_cache)[0]
-            choices = sampler(_logprobs(logits)).tolist()
-            t_seen += 1 + len(proposed)
-            t3 = time.perf_counter()
-
-            # 4. Commit the agreed prefix plus the target's own next token; stop at EOS.
-            n_accepted = longest_common_prefix(proposed, choices)  # target's choice per position
-            new = [*proposed[:n_accepted], choices[n_accepted]]
+            # 3. Verify: the longest agreed prefix plus the target's own next token; stop at EOS.
+            accepted, new = spec.verify(proposed, usable, q)
             stop = next((i for i, t in enumerate(new) if t in eos), None)
             if stop is not None:
                 new, reason = new[: stop + 1], "eos"
-            n_accepted = min(n_accepted, len(new))
-            resync = translator.commit(usable, new)
-            t_seen = len(translator.target_ids) - 1
-            _rewind(t_cache, t_seen)
-            d_seen = _drafter_resumes_at(d_seen, resync.cut, len(translator.drafter_ids))
-            _rewind(d_cache, d_seen)
+            accepted = min(accepted, len(new))
+            t3 = time.perf_counter()
+
+            # 4. Commit, trim the target's cache, re-sync the drafter (lazily: fed in its next pass).
+            spec.commit(new)
+            resync = spec.sync_drafter(usable)
             t4 = time.perf_counter()
 
-            cycle.draft_ids, cycle.proposed_ids = drafts, proposed
-            cycle.accepted, cycle.emitted = n_accepted, len(new)
-            cycle.draft_ms, cycle.translate_ms = (t1 - t0) * 1000, (t2 - t1) * 1000
-            cycle.verify_ms, cycle.resync_ms = (t3 - t2) * 1000, (t4 - t3) * 1000
-            cycle.absorbed, cycle.fallback, cycle.empty = proposal.absorbed, proposal.fallback, proposal.empty
-            cycle.resync_absorbed = resync.absorbed
-            run.cycles.append(cycle)
-            run.last_token_s = t4
-            tokens = pieces(new, [i < n_accepted for i in range(len(new))])
-            run.tokens.extend(tokens)
-            yield Event(tokens, cycle, run)
+            cycle = Cycle(
+                index=len(run.cycles),
+                k=k,
+                draft_ids=drafts,
+                proposed_ids=proposed,
+                accepted=accepted,
+                emitted=len(new),
+                draft_ms=(t1 - t_sync) * 1000,
+                translate_ms=(t2 - t1) * 1000,
+                verify_ms=(t3 - t2) * 1000,
+                resync_ms=(t4 - t3 + t_sync - t0) * 1000,
+                drafter_passes=k,
+                absorbed=proposal.absorbed,
+                fallback=proposal.fallback,
+                empty=proposal.empty,
+                resync_absorbed=resync.absorbed or bool(catch_up and catch_up.absorbed),
+            )
+            yield emit(new, accepted, cycle, t4)
     except GeneratorExit:
         reason = "stopped"
         raise
     finally:
-        # Leave both caches holding exactly the committed sequences, however we got here.
-        if translator.target_ids:
-            _rewind(t_cache, min(t_seen, len(translator.target_ids) - 1))
-            _rewind(d_cache, min(d_seen, len(translator.drafter_ids) - 1))
+        spec.restore()
         _finish(run, pieces, reason)
+
+
+def make_policy(config: GenerationConfig, pair: Pair) -> FixedK | AdaptiveK:
+    """Fixed k, or for strategy "auto" the adaptive policy with k ≤ config.k, seeded by a saved
+    calibration profile for this pair on this machine when there is one."""
+    if config.strategy != "auto":
+        return FixedK(config.k)
+    from uag.calibrate import find_profile
+
+    return AdaptiveK(k_max=config.k, profile=find_profile(pair), r=pair.r)
 
 
 # --- entry points --------------------------------------------------------------------------------

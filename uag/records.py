@@ -62,7 +62,7 @@ class Cycle:
 class Run:
     """A whole generation: what was asked, what came out, and what it cost."""
 
-    strategy: str  # "baseline", "identity", "none", "naive", "context"
+    strategy: str  # translation used: "baseline", "identity", "none", "naive", "context", "tli"
     target: str
     drafter: str | None = None
     k: int = 0
@@ -78,6 +78,7 @@ class Run:
     last_token_s: float | None = None
     finish_reason: str | None = None  # "eos", "length", "stopped" (consumer/cancel)
     notes: list[str] = field(default_factory=list)
+    policy: str = "fixed"  # how k was chosen: "fixed", or "auto" (re-decided every cycle, k ≤ self.k)
 
     # --- derived numbers -----------------------------------------------------------------------
     @property
@@ -152,6 +153,7 @@ class Run:
         """The run's summary numbers (the CLI's and the app's stats)."""
         return {
             "strategy": self.strategy,
+            "policy": self.policy,
             "target": self.target,
             "drafter": self.drafter,
             "k": self.k,

@@ -10,6 +10,8 @@ drafter ids (`commit`). Strategies:
 - ``naive``: decode drafts to text, re-encode with no context (the SLEM baseline; word boundaries break).
 - ``context``: decode and re-encode with a window of W committed tokens in front, then strip it at the
   exact character boundary, in both directions.
+- ``tli``: token-level intersection. The drafter may only draft tokens that exist, byte for byte, in
+  the target's vocabulary; ids map one to one, which makes lossless rejection sampling possible.
 
 Absorption: re-encoding ``context + text`` may merge the last context token with the first new one
 ("w" + "ino" → "wino"). The committed token cannot change, so the proposal must start exactly at the
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from uag.vocab import Vocab
 
-STRATEGIES = ("none", "naive", "context")
+STRATEGIES = ("none", "naive", "context", "tli")
 DEFAULT_WINDOW = 10
 REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
 # Prefixes that end a word and do not merge with what follows in the tokenizers we know; each
@@ -340,6 +342,37 @@ class PassThroughTranslator(TextTranslator):
         return Proposal(list(draft_ids[:valid]), empty=bool(draft_ids) and valid == 0)
 
 
+def intersection(target: Sequence[bytes | None], drafter: Sequence[bytes | None]) -> dict[int, int]:
+    """Drafter id → target id for tokens that stand for the same bytes (control tokens excluded).
+
+    Where the target has several ids for the same bytes (a piece and its byte-fallback twin), the
+    first non-fallback id wins. Example: target [b' ma', b'a'], drafter [b'a', b'x', b' ma'] -> {0: 1, 2: 0}
+    """
+    by_bytes: dict[bytes, int] = {}
+    for i, content in enumerate(target):
+        if content is not None and content not in by_bytes:
+            by_bytes[content] = i
+    return {d: by_bytes[content] for d, content in enumerate(drafter) if content is not None and content in by_bytes}
+
+
+class IntersectionTranslator(TextTranslator):
+    """TLI: drafts restricted to the shared tokens map id for id; re-sync goes through text as usual."""
+
+    name = "tli"
+
+    def __init__(self, target: Vocab, drafter: Vocab, *, window: int = DEFAULT_WINDOW):
+        super().__init__(target, drafter, window=window)
+        self.to_target = intersection(target.token_bytes, drafter.token_bytes)
+
+    def propose(self, draft_ids: Sequence[int]) -> Proposal:
+        ids = []
+        for d in draft_ids:  # the drafter's logits are masked to the intersection; stop at any stray id
+            if d not in self.to_target:
+                break
+            ids.append(self.to_target[d])
+        return Proposal(ids, empty=bool(draft_ids) and not ids)
+
+
 def _until_special(ids: Sequence[int], special_ids: frozenset[int]) -> list[int]:
     """Ids up to the first special token. Example: [5, 6, EOS, 7] -> [5, 6]"""
     for n, i in enumerate(ids):
@@ -354,5 +387,10 @@ def make_translator(strategy: str, target: Vocab, drafter: Vocab, *, window: int
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if shared:
         return Translator(target, drafter, window=window)
-    cls = {"none": PassThroughTranslator, "naive": NaiveTranslator, "context": TextTranslator}[strategy]
+    cls = {
+        "none": PassThroughTranslator,
+        "naive": NaiveTranslator,
+        "context": TextTranslator,
+        "tli": IntersectionTranslator,
+    }[strategy]
     return cls(target, drafter, window=window)

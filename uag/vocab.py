@@ -74,6 +74,27 @@ class HFVocab:
         return self.backend.id_to_token(token_id) or ""
 
     @cached_property
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes each id stands for (None for control tokens), whatever the tokenizer family.
+
+        Example: Mistral '▁ma' -> b' ma', '<0xC5>' -> b'\\xc5'; Qwen 'Ġma' -> b' ma', 'Å' -> b'\\xc5'
+        """
+        byte_level = "ByteLevel" in str(self.backend.decoder)
+        unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        out: list[bytes | None] = [None] * self.size
+        for content, i in self.backend.get_vocab(with_added_tokens=True).items():
+            if i in self.special_ids or i >= self.size:
+                continue
+            if byte_level:
+                if all(c in unicode_to_byte for c in content):
+                    out[i] = bytes(unicode_to_byte[c] for c in content)
+            elif len(content) == 6 and content.startswith("<0x") and content.endswith(">"):
+                out[i] = bytes([int(content[3:5], 16)])
+            else:
+                out[i] = content.replace("▁", " ").encode()
+        return out
+
+    @cached_property
     def fingerprint(self) -> str:
         """Hash of the token → id map: equal fingerprints mean ids can pass between the two unchanged."""
         items = sorted(self.backend.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
@@ -86,3 +107,16 @@ def same_vocabulary(a: Vocab, b: Vocab) -> bool:
         return True
     fa, fb = getattr(a, "fingerprint", None), getattr(b, "fingerprint", None)
     return fa is not None and fa == fb
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table that byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

@@ -1,0 +1,197 @@
+"""`python -m uag.calibrate`: measure what a speculative cycle costs on this machine, and save it.
+
+The study modelled verification as 1 + c·k² target steps. Real costs are not that smooth (on an H200 a
+Bielik-11B-shaped target verifies 9 tokens faster than 7: a kernel switch), so we measure instead:
+the target's forward time over w = 1..16 new tokens with a filled cache, one drafter step, and the
+translation's bookkeeping per cycle. The profile is saved per (device, backend, model pair, dtype) in
+the user cache; `--strategy auto` and the app use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import mlx.core as mx
+
+from uag.costmodel import CostProfile
+from uag.models import LoadedModel, ModelStore, Pair, check_pair
+
+DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
+DEFAULT_WIDTHS = tuple(range(1, 17))
+CALIBRATION_TEXT = (
+    "Kraków – miasto na prawach powiatu w południowej Polsce, położone nad Wisłą. W latach 1038–1596 "
+    "był stolicą Polski, a do 1734 roku miejscem koronacji królów. The city lies on the Vistula river. "
+)
+
+
+def backend() -> str:
+    """ "cpu", "metal" or "cuda": which MLX backend runs the default device."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
+
+
+def device_name() -> str:
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return str(info.get("device_name") or platform.processor() or platform.machine())
+
+
+def profile_key(pair: Pair) -> dict:
+    """What a profile is valid for: this machine's device and backend, these two models, their dtypes."""
+    return {
+        "device": device_name(),
+        "backend": backend(),
+        "target": pair.target.name,
+        "drafter": pair.drafter.name,
+        "target_dtype": pair.target.dtype,
+        "drafter_dtype": pair.drafter.dtype,
+    }
+
+
+def profile_path(key: dict) -> Path:
+    from uag.demo import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = "-".join(Path(key[role]).name for role in ("target", "drafter"))
+    return cache_dir() / "profiles" / f"{slug}-{key['backend']}-{digest}.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    key: dict
+    profile: CostProfile
+    measured_at: str
+    context: int
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "measured_at": self.measured_at, "context": self.context, **self.profile.to_dict()}
+
+
+def find_profile(pair: Pair) -> CostProfile | None:
+    """The saved profile for this pair on this machine, if it was calibrated."""
+    path = profile_path(profile_key(pair))
+    if not path.exists():
+        return None
+    return CostProfile.from_dict(json.loads(path.read_text()))
+
+
+def save(calibration: Calibration) -> Path:
+    path = profile_path(calibration.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(calibration.to_dict(), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def _filled_cache(model: LoadedModel, context: int) -> tuple[list, list[int]]:
+    ids = model.tokenizer.encode(CALIBRATION_TEXT * (1 + 4 * context // len(CALIBRATION_TEXT)))[:context]
+    cache = model.make_cache()
+    model.model(mx.array(ids)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache, ids
+
+
+def time_forward(model: LoadedModel, cache: list, ids: list[int], width: int, repeats: int) -> float:
+    """Median milliseconds of one forward pass over `width` new tokens; the cache is rewound after each."""
+    tokens = mx.array(ids[-width:])[None]
+    offset = cache[0].offset
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up (kernel selection, allocation)
+        tic = time.perf_counter()
+        mx.eval(model.model(tokens, cache=cache)[:, -1, :].argmax(axis=-1))
+        times.append((time.perf_counter() - tic) * 1000)
+        for layer in cache:
+            layer.trim(layer.offset - offset)
+    return statistics.median(times[1:])
+
+
+def calibrate(
+    pair: Pair,
+    *,
+    context: int = DEFAULT_CONTEXT,
+    widths=DEFAULT_WIDTHS,
+    repeats: int = 5,
+    progress=None,
+) -> Calibration:
+    """Measure the pair's costs on this machine (a few seconds to a minute)."""
+    from uag.generate import GenerationConfig, generate
+
+    say = progress or (lambda _: None)
+    cache, ids = _filled_cache(pair.target, context)
+    target_ms = {}
+    for w in widths:
+        target_ms[w] = time_forward(pair.target, cache, ids, w, repeats)
+        say(f"target, {w} new token(s): {target_ms[w]:.2f} ms")
+    d_cache, d_ids = _filled_cache(pair.drafter, context)
+    drafter_ms = time_forward(pair.drafter, d_cache, d_ids, 1, repeats)
+    say(f"drafter step: {drafter_ms:.2f} ms")
+    run = generate(
+        pair.target, pair.drafter, CALIBRATION_TEXT, GenerationConfig(strategy="context", k=2, max_tokens=24)
+    )
+    spent = [c.translate_ms + c.resync_ms for c in run.cycles if c.k]
+    translate_ms = statistics.median(spent) if spent else 0.0
+    say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
+    profile = CostProfile(target_ms=target_ms, drafter_ms=drafter_ms, translate_ms=translate_ms, form="study")
+    return Calibration(profile_key(pair), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)
+
+
+def summary(calibration: Calibration, ks=(1, 2, 4, 8)) -> str:
+    p = calibration.profile
+    lines = [
+        f"{calibration.key['target']} ← {calibration.key['drafter']} on {calibration.key['device']} "
+        f"({calibration.key['backend']}), cache of {calibration.context} tokens"
+    ]
+    lines.append("w  " + " ".join(f"{w:>6}" for w in p.target_ms))
+    lines.append("ms " + " ".join(f"{ms:6.1f}" for ms in p.target_ms.values()))
+    lines.append(
+        f"drafter step {p.drafter_ms:.2f} ms (r = {p.drafter_ms / p.target_ms[1]:.3f} target steps); "
+        f"translation {p.translate_ms:.3f} ms/cycle"
+    )
+    for k in ks:
+        alpha = p.break_even(k)
+        lines.append(f"k={k}: break-even α* = {'unreachable' if alpha is None else f'{alpha:.0%}'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m uag.calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="demo-target")
+    parser.add_argument("--drafter", default="demo-drafter")
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens in the cache while timing")
+    parser.add_argument("--max-width", type=int, default=16, help="largest verification width w to time")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if not 1 <= args.max_width <= 64 or args.context < 16 or args.repeats < 1:
+            raise ValueError("need 1 <= --max-width <= 64, --context >= 16, --repeats >= 1")
+        store = ModelStore()
+        say = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
+        pair = check_pair(store.get(args.target, progress=say), store.get(args.drafter, progress=say))
+        calibration = calibrate(
+            pair, context=args.context, widths=range(1, args.max_width + 1), repeats=args.repeats, progress=say
+        )
+        path = save(calibration)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**calibration.to_dict(), "path": str(path)}, indent=2))
+    else:
+        print(summary(calibration))
+        print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
