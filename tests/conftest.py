@@ -19,3 +19,20 @@ def store():
 def demo_pair(store):
     """(target, drafter) of the embedded offline demo pair."""
     return store.get("demo-target"), store.get("demo-drafter")
+
+
+@pytest.fixture(scope="session")
+def app_session(store):
+    """The app's Session on the shared store (so the API and browser tests reuse loaded models)."""
+    from uag.session import Session
+
+    return Session(store=store)
+
+
+@pytest.fixture(scope="session")
+def app_url(app_session):
+    """The app served in-process on a free port."""
+    from tests.support.app_server import serving
+
+    with serving(app_session) as url:
+        yield url

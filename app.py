@@ -1,0 +1,8 @@
+"""The uag app: the target alone vs speculative decoding, side by side. `python app.py --help` for options."""
+
+import sys
+
+from uag.ui import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,493 @@
+"""The app's logic without a browser: settings, model rules, the worker, compare(), history and the plot."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from uag.highlight import DRAFT, TARGET
+from uag.records import Cycle, Run, Token
+from uag.session import (
+    C_FITTED,
+    C_STUDY,
+    HISTORY_COLUMNS,
+    MAX_TOKENS,
+    Access,
+    InputError,
+    Session,
+    Settings,
+    check_model,
+    explain,
+    history_frame,
+    history_row,
+    is_remote,
+    labelled_spans,
+    mismatch,
+    stats_of,
+)
+from uag.translate import STRATEGIES
+from uag.worker import MLXWorker
+
+REMOTE = Access(remote=True)
+REMOTE_ANY = Access(remote=True, allow_any_model=True)
+LOCAL = Access()
+
+
+# --- settings ----------------------------------------------------------------------------------------------
+
+
+def test_settings_parse_coerces_form_values():
+    settings = Settings.parse(target=" demo-target ", k=3.0, window="8", max_tokens=12.0, temperature="0.5", seed=None)
+    assert (settings.target, settings.k, settings.window, settings.max_tokens) == ("demo-target", 3, 8, 12)
+    assert settings.temperature == 0.5 and settings.seed is None
+    assert Settings.parse(seed="").seed is None
+    assert Settings.parse() == Settings()
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"k": 0}, "k (draft length) must be a whole number from 1 to 32 (got 0)"),
+        ({"k": 33}, "from 1 to 32 (got 33)"),
+        ({"k": 2.5}, "k (draft length) must be a whole number"),
+        ({"k": None}, "k (draft length) must be a whole number"),
+        ({"k": True}, "k (draft length) must be a whole number"),
+        ({"max_tokens": 0}, f"max tokens must be a whole number from 1 to {MAX_TOKENS} (got 0)"),
+        ({"max_tokens": MAX_TOKENS + 1}, "max tokens must be"),
+        ({"window": -1}, "the context window must be a whole number from 0"),
+        ({"temperature": -0.1}, "temperature must be from 0 to 2.0 (got -0.1)"),
+        ({"temperature": float("nan")}, "temperature must be from 0 to 2.0"),
+        ({"temperature": "hot"}, "temperature must be from 0 to 2.0 (got 'hot')"),
+        ({"temperature": 3}, "temperature must be from 0 to 2.0 (got 3)"),
+        ({"strategy": "baseline"}, f"strategy must be one of {', '.join(STRATEGIES)} (got 'baseline')"),
+        ({"seed": -1}, "seed must be a whole number from 0"),
+        ({"colour": "red"}, "unknown settings: colour"),
+    ],
+)
+def test_settings_parse_says_what_is_wrong(raw, message):
+    with pytest.raises(InputError) as err:
+        Settings.parse(**raw)
+    assert message in str(err.value)
+
+
+def test_settings_parse_lists_every_problem():
+    with pytest.raises(InputError) as err:
+        Settings.parse(k=99, temperature=-1, max_tokens=0)
+    assert str(err.value).count(";") == 2
+
+
+# --- who may load what -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "host, headers, share, remote",
+    [
+        ("127.0.0.1", {}, False, False),
+        ("::1", {}, False, False),
+        ("localhost", {}, False, False),
+        ("192.168.1.7", {}, False, True),
+        ("10.0.0.2", {}, False, True),
+        ("not-an-address", {}, False, True),
+        (None, {}, False, True),
+        ("127.0.0.1", {}, True, True),  # a share link's users arrive through a local tunnel
+        ("127.0.0.1", {"X-Forwarded-For": "203.0.113.9"}, False, True),  # behind a local proxy
+    ],
+)
+def test_is_remote(host, headers, share, remote):
+    assert is_remote(host, headers, share=share) is remote
+
+
+@pytest.mark.parametrize("name", ["demo-target", "demo-drafter", "mlx-community/Qwen2.5-1.5B-Instruct-4bit"])
+def test_presets_are_open_to_everyone(name):
+    for access in (LOCAL, REMOTE, REMOTE_ANY):
+        assert check_model(name, "target", access=access) == name
+
+
+def test_local_user_may_load_anything():
+    assert check_model("org/model", "target", access=LOCAL) == "org/model"
+    assert check_model("/models/mine", "drafter", access=LOCAL) == "/models/mine"
+
+
+def test_remote_user_gets_presets_and_loaded_models_only():
+    with pytest.raises(InputError, match="--allow-any-model"):
+        check_model("org/model", "target", access=REMOTE)
+    assert check_model("org/model", "target", access=REMOTE, loaded=["org/model"]) == "org/model"
+    assert check_model("org/model", "target", access=REMOTE_ANY) == "org/model"
+
+
+@pytest.mark.parametrize("path", ["/etc", "/models/mine", "./mine", "~/mine", "../mine", "a/../b", "mine", "a/b/c"])
+@pytest.mark.parametrize("access", [REMOTE, REMOTE_ANY])
+def test_remote_user_never_loads_a_local_path(path, access):
+    with pytest.raises(InputError, match="model folders on the server can be chosen only by someone on that machine"):
+        check_model(path, "drafter", access=access)
+
+
+def test_a_hub_shaped_name_that_is_a_local_folder_is_local(tmp_path, monkeypatch):
+    (tmp_path / "org" / "model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # mlx-lm would load "org/model" from here rather than from the hub
+    with pytest.raises(InputError, match="not a hub id"):
+        check_model("org/model", "target", access=REMOTE_ANY)
+
+
+def test_empty_model_name():
+    with pytest.raises(InputError, match="choose a drafter"):
+        check_model("  ", "drafter", access=LOCAL)
+
+
+class _NoWorker:
+    """Fails the test if a job is submitted (bad input must be refused before it reaches the models)."""
+
+    current = None
+
+    def submit(self, *args, **kwargs):
+        raise AssertionError("bad input reached the worker")
+
+
+@pytest.mark.parametrize(
+    "prompt, settings, access, message",
+    [
+        ("", Settings(), LOCAL, "the prompt is empty"),
+        ("   \n ", Settings(), LOCAL, "the prompt is empty"),
+        ("x" * 20_001, Settings(), LOCAL, "at most 20000"),
+        ("Hej", Settings(target="org/unknown"), REMOTE, "--allow-any-model"),
+        ("Hej", Settings(drafter="/tmp/model"), REMOTE_ANY, "not a hub id"),
+        ("Hej", Settings(target=""), LOCAL, "choose a target"),
+        ("Hej", Settings(k=40), LOCAL, "k (draft length) must be between 1 and 32"),
+    ],
+)
+def test_compare_refuses_bad_input_with_one_clear_update(prompt, settings, access, message):
+    session = Session(worker=_NoWorker())
+    (update,) = session.compare(prompt, settings, access=access)
+    assert update.state == "error" and message in update.status
+    assert update.baseline_text is None and update.spans is None  # what was shown stays
+
+
+def test_a_model_that_cannot_load_is_reported(tmp_path):
+    session = Session(worker=MLXWorker(name="test-worker"))
+    updates = list(session.compare("Hej", Settings(target=str(tmp_path / "missing")), access=LOCAL))
+    assert updates[-1].state == "error" and "no model directory at" in updates[-1].status
+    session.worker.close(timeout=5)
+
+
+def test_access_follows_the_share_flag():
+    assert Session(worker=_NoWorker()).access("127.0.0.1") == Access(remote=False)
+    shared = Session(worker=_NoWorker(), share=True, allow_any_model=True)
+    assert shared.access("127.0.0.1") == Access(remote=True, allow_any_model=True)
+    assert "not a local folder" in shared.access_note(shared.access("127.0.0.1"))
+
+
+# --- the worker ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def worker():
+    w = MLXWorker(name="test-worker")
+    yield w
+    w.close(timeout=5)
+
+
+def test_worker_runs_jobs_one_at_a_time_in_order(worker):
+    log, active, overlaps = [], [0], []
+
+    def job_fn(job, name):
+        active[0] += 1
+        overlaps.append(active[0])
+        for i in range(3):
+            time.sleep(0.01)
+            log.append(name)
+            yield f"{name}{i}", threading.current_thread().name
+        active[0] -= 1
+
+    jobs = [worker.submit(job_fn, name) for name in "abc"]
+    results = [list(job) for job in reversed(jobs)]  # read in any order: they still ran in turn
+    assert log == list("aaabbbccc") and max(overlaps) == 1
+    assert [item for item, _ in results[-1]] == ["a0", "a1", "a2"]
+    assert {thread for result in results for _, thread in result} == {"test-worker"}
+
+
+def test_worker_passes_exceptions_to_the_consumer(worker):
+    def failing(job):
+        yield 1
+        raise ValueError("bad model")
+
+    job = worker.submit(failing)
+    items = []
+    with pytest.raises(ValueError, match="bad model"):
+        for item in job:
+            items.append(item)
+    assert items == [1]
+    with pytest.raises(TypeError, match="generator function"):
+        list(worker.submit(lambda job: [2]))
+    assert worker.call(lambda: threading.current_thread().name) == "test-worker"  # the worker keeps serving
+
+
+def test_cancel_stops_a_running_job_at_its_next_check(worker):
+    def forever(job):
+        i = 0
+        while not job.cancelled.is_set():
+            yield i
+            i += 1
+            time.sleep(0.005)
+
+    job = worker.submit(forever)
+    for item in job:
+        if item == 3:
+            job.cancel()
+    assert job.done.is_set()
+
+
+def test_a_consumer_that_leaves_cancels_the_job(worker):
+    gate = threading.Event()
+
+    def slow(job):
+        yield "first"
+        gate.wait(5)
+        yield "never read"
+        while not job.cancelled.is_set():
+            time.sleep(0.005)
+
+    job = worker.submit(slow)
+    for _ in job:
+        break  # the iterator is closed here, as Gradio closes a handler's generator
+    assert job.cancelled.is_set()
+    gate.set()
+    assert job.wait(5)
+
+
+def test_a_cancelled_queued_job_never_runs(worker):
+    release, ran = threading.Event(), []
+
+    def blocker(job):
+        release.wait(5)
+        yield "done"
+
+    def other(job):
+        ran.append(True)
+        yield "ran"
+
+    first, second = worker.submit(blocker), worker.submit(other)
+    second.cancel()
+    release.set()
+    assert list(first) == ["done"] and list(second) == [] and not ran
+
+
+def test_emit_hands_items_back_from_callbacks(worker):
+    def loading(job):
+        for step in ("read", "convert"):
+            (lambda msg: job.emit(f"progress: {msg}"))(step)
+        yield "loaded"
+
+    assert list(worker.submit(loading)) == ["progress: read", "progress: convert", "loaded"]
+
+
+# --- pure builders: spans, mismatch, explanation, history, plot ---------------------------------------------
+
+
+def fake_run(
+    ids, *, drafted=(), strategy="context", temperature=0.0, finish="length", seconds=1.0, cycles=None, k=2
+) -> Run:
+    """A finished run of `ids` (text "<id>" each) spread evenly over `seconds` after the first token."""
+    tokens = [Token(i, f"<{i}>", n in drafted) for n, i in enumerate(ids)]
+    run = Run(strategy, "t", None if strategy == "baseline" else "d", k=k, temperature=temperature)
+    run.tokens, run.finish_reason = tokens, finish
+    run.first_token_s, run.last_token_s = 100.0, 100.0 + seconds
+    run.cycles = cycles or []
+    return run
+
+
+def test_labelled_spans_name_both_origins():
+    tokens = [Token(1, "Ala", True), Token(2, " ma", True), Token(3, " kota", False), Token(4, "", False)]
+    assert labelled_spans(tokens) == [("Ala ma", DRAFT), (" kota", TARGET)]
+
+
+def test_no_mismatch_when_greedy_outputs_agree():
+    assert mismatch(fake_run([1, 2, 3], strategy="baseline"), fake_run([1, 2, 3], drafted={1})) == ""
+
+
+def test_greedy_mismatch_is_loud_and_points_at_the_token():
+    warning = mismatch(fake_run([1, 2, 3, 4], strategy="baseline"), fake_run([1, 2, 9, 4]))
+    assert "this is a bug" in warning and "token 3" in warning
+    assert "'<3>' (id 3)" in warning and "'<9>' (id 9)" in warning
+    shorter = mismatch(fake_run([1, 2], strategy="baseline"), fake_run([1, 2, 5], finish="eos"))
+    assert "the end of the output" in shorter and "2 vs 3 tokens" in shorter
+
+
+@pytest.mark.parametrize(
+    "baseline, speculative",
+    [
+        (fake_run([1, 2], strategy="baseline", temperature=0.7), fake_run([1, 5], temperature=0.7)),  # samples
+        (fake_run([1, 2], strategy="baseline"), fake_run([1], finish="stopped")),  # stopped by the user
+    ],
+)
+def test_no_mismatch_warning_where_outputs_may_differ(baseline, speculative):
+    assert mismatch(baseline, speculative) == ""
+
+
+def _cycles(n, *, proposed=2, accepted=1, emitted=2, ms=(100.0, 10.0, 200.0, 10.0)):
+    draft, translate, verify, resync = ms
+    return [Cycle(i, 2, [0] * 2, [0] * proposed, accepted, emitted, draft, translate, verify, resync) for i in range(n)]
+
+
+def test_explain_says_why_in_measured_terms():
+    # Target alone: 10 tokens after the first in 1 s = 100 ms/token. Speculative: 5 cycles of 400 ms
+    # committing 2 tokens each = 0.5× — a cycle had to commit 4.
+    baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)
+    speculative = fake_run(list(range(11)), seconds=2.0, cycles=_cycles(5))
+    text = explain(baseline, speculative, r=0.07)
+    assert "did not pay: 0.50×" in text
+    assert "A cycle took 400 ms and committed 2.00 tokens" in text and "commit 4.00 to break even" in text
+    assert "Most of a cycle went to verify (62%)" in text
+    assert "α* = 44% for k = 2; this run's α was 50%" in text
+    fast = fake_run(list(range(11)), seconds=0.5, cycles=_cycles(5))
+    assert "paid off: 2.00×" in explain(baseline, fast)
+
+
+def test_stats_have_the_numbers_users_ask_for():
+    settings = Settings()
+    baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)
+    speculative = fake_run(list(range(11)), drafted={1, 3}, seconds=2.0, cycles=_cycles(5))
+    stats = stats_of(settings, baseline, speculative, r=0.5)
+    assert stats["tokens_per_second"] == {"baseline": 10.0, "speculative": 5.0}
+    assert stats["speedup"] == 0.5 and stats["acceptance_rate"] == 0.5 and stats["mean_accepted"] == 1.0
+    assert stats["cycles"] == 5 and stats["identical"] is True
+    assert stats["time_split_ms"] == {"draft": 500.0, "translate": 50.0, "verify": 1000.0, "resync": 50.0}
+    assert stats["baseline"]["generated_tokens"] == 11 and stats["speculative"]["cycles"] == 5
+    sampled = stats_of(Settings(temperature=0.8), baseline, speculative)
+    assert any("separate samples" in note for note in sampled["notes"])
+
+
+def _row(alpha, speedup, k=2, prompt="p", drafter="demo-drafter", r=0.5):
+    settings = Settings(drafter=drafter, k=k)
+    baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)
+    proposed = 10
+    accepted = round(alpha * proposed)
+    speculative = fake_run(
+        list(range(11)),
+        seconds=1.0 / speedup,
+        cycles=[Cycle(0, k, [], [0] * proposed, accepted, 10)],
+    )
+    return history_row(prompt, settings, baseline, speculative, r=r)
+
+
+def test_history_rows_and_table():
+    row = _row(0.6, 1.25)
+    assert set(row) == set(HISTORY_COLUMNS)
+    assert row["alpha"] == 0.6 and row["speedup"] == pytest.approx(1.25) and row["group"] == "demo-drafter · context"
+    frame = history_frame([row, _row(0.2, 0.8)])
+    assert list(frame.columns) == list(HISTORY_COLUMNS) and len(frame) == 2
+    assert list(history_frame([]).columns) == list(HISTORY_COLUMNS)
+
+
+def test_plot_fits_c_once_there_are_enough_runs():
+    session = Session(worker=_NoWorker())
+    rows = [_row(0.2, 0.7, k=2), _row(0.5, 0.9, k=2), _row(0.8, 1.1, k=4)]
+    few = session.plot(rows[:2], ks=[2, 4], c_choice=C_FITTED)
+    assert few.c == 0.185 and "fitting needs 3 runs" in few.caption and few.r == 0.5
+    fitted = session.plot(rows, ks=[2, 4], c_choice=C_FITTED)
+    assert fitted.c != 0.185 and "fitted to 3 runs" in fitted.caption
+    study = session.plot(rows, ks=[2], c_choice=C_STUDY)
+    assert study.c == 0.185
+    names = [trace.name for trace in fitted.figure.data]
+    assert "demo-drafter · context" in names and any("S(α, k=4)" in str(n) for n in names)
+
+
+def test_plot_without_runs_uses_the_study_r():
+    view = Session(worker=_NoWorker()).plot([], ks=[2])
+    assert view.r == 0.07 and "no run here yet" in view.caption
+
+
+def test_plot_adds_a_results_file(tmp_path):
+    from tests.support.synthetic_runs import add_prompt
+    from uag.results import ResultsDB
+
+    with ResultsDB(tmp_path / "sweep.db") as db:
+        add_prompt(db, "wiki-001", tps_base=10.0, runs={("org/d-1B", "context", 2): (8, 10, 12.0)})
+        add_prompt(db, "wiki-002", tps_base=10.0, runs={("org/d-1B", "context", 2): (3, 10, 8.0)})
+    session = Session(worker=_NoWorker())
+    frame, message = session.load_results(tmp_path / "sweep.db")
+    assert message == "Loaded 2 speculative runs from sweep.db." and len(frame) == 2
+    view = session.plot([], frame, ks=[2])
+    assert "d-1B · context (file)" in [trace.name for trace in view.figure.data]
+    assert view.r == pytest.approx(0.07) and "results file's" in view.caption
+
+
+def test_load_results_reports_bad_files(tmp_path):
+    session = Session(worker=_NoWorker())
+    assert session.load_results(None) == (None, "")
+    junk = tmp_path / "junk.db"
+    junk.write_text("not a database")
+    frame, message = session.load_results(junk)
+    assert frame is None and message.startswith("Could not read junk.db")
+
+
+def test_exports(tmp_path):
+    session = Session(worker=_NoWorker(), export_dir=tmp_path)
+    rows = [_row(0.4, 0.9), _row(0.7, 1.2)]
+    csv = session.export_history(rows)
+    assert pd.read_csv(csv)["speedup"].round(2).tolist() == [0.9, 1.2]
+    paths, message = session.export_figure(session.plot(rows).figure)
+    assert paths[0].suffix == ".html" and "plotly" in Path(paths[0]).read_text()[:100_000].lower()
+    assert ("kaleido" in message) == (len(paths) == 1)
+
+
+# --- on the demo pair ---------------------------------------------------------------------------------------
+
+PROMPT = "Stolica Polski to"
+
+
+@pytest.mark.slow
+def test_compare_streams_target_alone_then_speculative(app_session):
+    updates = list(app_session.compare(PROMPT, Settings(max_tokens=6)))
+    final = updates[-1]
+    assert final.state == "done", final.status
+    # The target alone streams and finishes before the speculative run shows anything.
+    first_speculative = next(i for i, u in enumerate(updates) if u.spans)
+    assert any(u.baseline_text and u.baseline is None for u in updates[:first_speculative])
+    assert all(u.baseline is not None for u in updates[first_speculative:])
+    # Greedy: the same token ids, the same text; the spans carry both origins.
+    assert final.baseline.token_ids == final.speculative.token_ids
+    assert final.baseline_text == final.speculative_text and final.warning == ""
+    assert {label for _, label in final.spans} <= {DRAFT, TARGET}
+    assert final.stats["identical"] is True and final.stats["speedup"] > 0
+    assert set(final.row) == set(HISTORY_COLUMNS) and final.row["prompt"] == PROMPT
+    assert 0 < final.row["r"] < 1 and final.ribbon is not None
+
+
+@pytest.mark.slow
+def test_stop_ends_a_comparison_within_a_cycle_and_the_app_keeps_serving(app_session):
+    updates = app_session.compare(PROMPT, Settings(max_tokens=MAX_TOKENS), owner="tab-1")
+    for update in updates:
+        if update.baseline_text:  # the target alone has produced its first tokens
+            shown = len(update.baseline_text)
+            assert app_session.stop("tab-1")
+            break
+    final = list(updates)[-1]
+    assert final.state == "stopped" and final.row is None and final.speculative is None
+    assert final.baseline.finish_reason == "stopped"
+    assert shown <= len(final.baseline_text) and final.baseline.generated < 50  # of up to 512
+    assert not app_session.stop("tab-1")  # nothing left running for that tab
+    again = list(app_session.compare(PROMPT, Settings(max_tokens=3)))[-1]
+    assert again.state == "done"
+
+
+@pytest.mark.slow
+def test_worker_cancel_takes_effect_before_the_next_cycle(app_session):
+    from uag.generate import stream
+
+    target, drafter = app_session.store.get("demo-target"), app_session.store.get("demo-drafter")
+    config = Settings(max_tokens=100).config("context")
+
+    def job_fn(job):
+        run = None
+        for event in stream(target, drafter, PROMPT, config, cancel=job.cancelled):
+            run = event.run
+            if len(run.cycles) == 3:
+                job.cancel()  # as if Stop arrived during the third cycle
+        yield run
+
+    (run,) = app_session.worker.submit(job_fn)
+    assert run.finish_reason == "stopped" and len(run.cycles) == 3
