@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from uag.generate import SPECULATIVE
 from uag.highlight import DRAFT, TARGET
 from uag.records import Cycle, Run, Token
 from uag.session import (
@@ -29,7 +30,6 @@ from uag.session import (
     mismatch,
     stats_of,
 )
-from uag.translate import STRATEGIES
 from uag.worker import MLXWorker
 
 REMOTE = Access(remote=True)
@@ -63,7 +63,7 @@ def test_settings_parse_coerces_form_values():
         ({"temperature": float("nan")}, "temperature must be from 0 to 2.0"),
         ({"temperature": "hot"}, "temperature must be from 0 to 2.0 (got 'hot')"),
         ({"temperature": 3}, "temperature must be from 0 to 2.0 (got 3)"),
-        ({"strategy": "baseline"}, f"strategy must be one of {', '.join(STRATEGIES)} (got 'baseline')"),
+        ({"strategy": "baseline"}, f"strategy must be one of {', '.join(SPECULATIVE)} (got 'baseline')"),
         ({"seed": -1}, "seed must be a whole number from 0"),
         ({"colour": "red"}, "unknown settings: colour"),
     ],

@@ -15,6 +15,11 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="demo-target", help="hub id, local directory or demo-target")
     parser.add_argument("--drafter", default="demo-drafter", help="hub id, local directory or demo-drafter")
     parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length, 1..{MAX_K} (default {DEFAULT_K})")
+    add_decoding_options(parser)
+
+
+def add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    """The decoding settings, for commands that take several drafters or draft lengths (uag.bench)."""
     parser.add_argument(
         "--window",
         type=int,

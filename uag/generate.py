@@ -39,7 +39,8 @@ DEFAULT_K = 2
 MAX_K = 32
 DEFAULT_MAX_TOKENS = 64
 PREFILL_STEP = 512
-MODES = ("baseline", *STRATEGIES, "auto")
+SPECULATIVE = (*STRATEGIES, "auto")  # "auto": context translation, k re-decided each cycle (k = the maximum)
+MODES = ("baseline", *SPECULATIVE)
 
 
 @dataclass(frozen=True)

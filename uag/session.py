@@ -29,13 +29,13 @@ from typing import Any
 import pandas as pd
 
 from uag.costmodel import break_even, fit_c_from_speedups
-from uag.generate import DEFAULT_K, MAX_K, GenerationConfig, generate, prompt_ids, stream
+from uag.generate import DEFAULT_K, MAX_K, SPECULATIVE, GenerationConfig, generate, prompt_ids, stream
 from uag.highlight import TARGET, spans
 from uag.models import ModelStore, Pair, check_pair
 from uag.plots import STUDY_C, STUDY_R, cycle_ribbon, speedup_vs_alpha
 from uag.presets import DEFAULT, PRESETS, preset_models
 from uag.records import Cycle, Run, Token
-from uag.translate import DEFAULT_WINDOW, STRATEGIES
+from uag.translate import DEFAULT_WINDOW
 from uag.worker import Job, MLXWorker
 
 log = logging.getLogger(__name__)
@@ -105,8 +105,8 @@ class Settings:
 
         for role in ("target", "drafter"):
             values[role] = str(values[role] or "").strip()
-        if values["strategy"] not in STRATEGIES:
-            problems.append(f"strategy must be one of {', '.join(STRATEGIES)} (got {values['strategy']!r})")
+        if values["strategy"] not in SPECULATIVE:
+            problems.append(f"strategy must be one of {', '.join(SPECULATIVE)} (got {values['strategy']!r})")
         values["k"] = whole("k", "k (draft length)", 1, MAX_K)
         values["window"] = whole("window", "the context window", 0, MAX_WINDOW)
         values["max_tokens"] = whole("max_tokens", "max tokens", 1, MAX_TOKENS)

@@ -17,7 +17,7 @@ from typing import Any
 import gradio as gr
 
 from uag.datasets import examples
-from uag.generate import MAX_K
+from uag.generate import MAX_K, SPECULATIVE
 from uag.highlight import DRAFT, TARGET
 from uag.presets import DEFAULT, by_label
 from uag.session import (
@@ -34,7 +34,7 @@ from uag.session import (
     Update,
     history_frame,
 )
-from uag.translate import DEFAULT_WINDOW, STRATEGIES
+from uag.translate import DEFAULT_WINDOW
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 LOGO = ASSETS / "logo.svg"
@@ -108,10 +108,11 @@ def build(session: Session) -> gr.Blocks:
                     )
                     drafter = gr.Textbox(defaults.drafter, label="Drafter", info="the small model that drafts")
                     strategy = gr.Radio(
-                        list(STRATEGIES),
+                        list(SPECULATIVE),
                         value=defaults.strategy,
-                        label="Translation strategy",
-                        info="how drafter tokens become target tokens (the target alone always runs first)",
+                        label="Strategy",
+                        info="how drafter tokens become target tokens; auto = context with k re-decided each "
+                        "cycle (k is then the maximum). The target alone always runs first.",
                     )
                     k = gr.Slider(1, MAX_K, value=defaults.k, step=1, label="Draft length k")
                     window = gr.Slider(
@@ -305,9 +306,9 @@ def _api(session: Session):
         """Generate `prompt` with the target alone, then speculatively with the drafter; one answer.
 
         Parameters: prompt (required); target, drafter: preset names ("demo-target", "demo-drafter"), hub
-        ids or (local callers only) model folders; strategy: "none" | "naive" | "context"; k: draft length
-        1..32; window: context window 0..64; max_tokens: 1..512; temperature: 0..2 (0 = greedy); seed: int
-        or None; chat: apply the target's chat template.
+        ids or (local callers only) model folders; strategy: "none" | "naive" | "context" | "tli" | "auto";
+        k: draft length 1..32 (the maximum for auto); window: context window 0..64; max_tokens: 1..512;
+        temperature: 0..2 (0 = greedy); seed: int or None; chat: apply the target's chat template.
 
         Returns (baseline_text, speculative_text, spans, stats): the target-alone text; the speculative
         text; the speculative text as [text, label] spans, label "accepted draft" or "target"; and the
