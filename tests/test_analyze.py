@@ -1,0 +1,213 @@
+"""The study's tables from raw runs: each checked against a direct computation on hand-made runs. No mlx."""
+
+import doctest
+import json
+import math
+import sqlite3
+
+import numpy as np
+import pytest
+from scipy.stats import norm
+
+from tests.support.synthetic_runs import add_prompt
+from uag import analyze as analysis_module
+from uag.analyze import analyze, leviathan_alpha_star, main
+from uag.costmodel import break_even_leviathan, speedup
+from uag.results import ResultsDB, load_runs
+
+R, C = 0.07, 0.185  # synthetic_runs stores drafter/target bytes with r = 0.07
+
+
+def test_docstring_examples():
+    assert doctest.testmod(analysis_module).failed == 0
+
+
+def db_with(tmp_path, prompts) -> str:
+    """A results file from [(prompt_id, tps_base, runs, dataset)] (see synthetic_runs.add_prompt)."""
+    path = tmp_path / "results.db"
+    with ResultsDB(path) as db:
+        for prompt_id, tps_base, runs, dataset in prompts:
+            add_prompt(db, prompt_id, tps_base=tps_base, runs=runs, dataset=dataset)
+    return path
+
+
+def test_tables_2_3_4_mean_and_pooled(tmp_path):
+    path = db_with(
+        tmp_path,
+        [("w1", 10.0, {("d", "context", 2): (2, 2, 12.0), ("d", "context", 4): (3, 4, 11.0)}, "wiki"),
+         ("w2", 20.0, {("d", "context", 2): (2, 8, 10.0), ("d", "context", 4): (1, 4, 16.0)}, "wiki")],
+    )  # fmt: skip
+    result = analyze(load_runs(path))
+    assert result.k == 2
+    alpha = result.tables["table2_alpha"].iloc[0]
+    assert (alpha["n"], alpha["alpha_mean"], alpha["alpha_pooled"]) == (2, pytest.approx(0.625), pytest.approx(0.4))
+    speed = result.tables["table3_speed"].iloc[0]
+    assert [speed["tps_base"], speed["tps"], speed["speedup"]] == pytest.approx([15.0, 11.0, (1.2 + 0.5) / 2])
+    by_k = result.tables["table4_k"].set_index("k")
+    assert by_k.loc[4, ["alpha_mean", "alpha_pooled", "tps", "speedup"]].tolist() == pytest.approx(
+        [0.5, 0.5, 13.5, (1.1 + 0.8) / 2]
+    )
+
+
+def direct_break_even(alpha, tps, baselines, level=0.95):
+    """α* = (mean baseline − a) / b and its delta-method interval, by hand."""
+    X = np.column_stack([np.ones(len(alpha)), alpha])
+    (a, b), *_ = np.linalg.lstsq(X, tps, rcond=None)
+    residuals = tps - X @ [a, b]
+    cov = residuals @ residuals / (len(alpha) - 2) * np.linalg.inv(X.T @ X)
+    base = np.mean(baselines)
+    base_var = np.var(baselines, ddof=1) / len(baselines)
+    alpha_star = (base - a) / b
+    grad = np.array([-1 / b, -(base - a) / b**2])
+    se = math.sqrt(grad @ cov @ grad + base_var / b**2)
+    z = norm.ppf(0.5 + level / 2)
+    return alpha_star, alpha_star - z * se, alpha_star + z * se
+
+
+def test_table5_break_even_matches_a_direct_computation(tmp_path):
+    """TPS = 8 + 16·α + noise over 30 prompts and two strategies; runs at k = 4 must not enter the k = 2 fit."""
+    rng = np.random.default_rng(7)
+    prompts, alphas, tps, baselines = [], [], [], []
+    for i in range(30):
+        base = 14.7 + rng.normal(0, 0.3)
+        runs = {}
+        for strategy in ("naive", "context"):
+            accepted = int(rng.integers(5, 95))
+            runs[("d", strategy, 2)] = (accepted, 100, 8 + 16 * accepted / 100 + rng.normal(0, 0.5))
+            alphas.append(accepted / 100)
+            tps.append(runs[("d", strategy, 2)][2])
+        runs[("d", "context", 4)] = (50, 100, 1.0)
+        prompts.append((f"wiki-{i:03d}", base, runs, "wiki"))
+        baselines.append(base)
+
+    row = analyze(load_runs(db_with(tmp_path, prompts)), k=2).tables["table5_break_even"].iloc[0]
+    alpha_star, low, high = direct_break_even(np.array(alphas), np.array(tps), np.array(baselines))
+    assert row["n"] == 60
+    assert [row["alpha_star"], row["ci_low"], row["ci_high"]] == pytest.approx([alpha_star, low, high], rel=1e-9)
+    assert row["ci_low"] < (np.mean(baselines) - 8) / 16 < row["ci_high"]
+
+
+def test_table6_buckets_per_drafter(tmp_path):
+    path = db_with(
+        tmp_path,
+        [("w1", 10.0, {("d1", "context", 2): (12, 100, 8.0), ("d2", "context", 2): (55, 100, 11.0)}, "wiki"),
+         ("w2", 10.0, {("d1", "context", 2): (18, 100, 10.0)}, "wiki")],
+    )  # fmt: skip
+    buckets = analyze(load_runs(path)).tables["table6_buckets"]
+    rows = {(r.drafter, r.bucket): (r.n, r.mean_speedup) for r in buckets.itertuples()}
+    assert rows == {
+        ("all drafters", "10–20 %"): (2, pytest.approx(0.9)),
+        ("all drafters", "50–60 %"): (1, pytest.approx(1.1)),
+        ("d1", "10–20 %"): (2, pytest.approx(0.9)),
+        ("d2", "50–60 %"): (1, pytest.approx(1.1)),
+    }
+
+
+def test_table7_fits_c_back_from_speedups_the_model_generated(tmp_path):
+    """Speedups exactly S(α, k) with r = 0.07, c = 0.185: the fit recovers c, and α* = r + c·k per k."""
+    rng = np.random.default_rng(3)
+    prompts = []
+    for i in range(8):
+        runs = {}
+        for k in (1, 2, 4):
+            accepted = int(rng.integers(10, 90))
+            runs[("org/d", "context", k)] = (accepted, 100, 10.0 * float(speedup(accepted / 100, k, R, C)))
+        prompts.append((f"w{i}", 10.0, runs, "wiki"))
+    table = analyze(load_runs(db_with(tmp_path, prompts))).tables["table7_model"].set_index(["source", "form"])
+
+    study = table.loc[("org/d", "study")]
+    assert (study["r"], study["c"], study["n"]) == (pytest.approx(R), pytest.approx(C, abs=1e-9), 24)
+    assert study["rmse"] < 1e-9 and study["r2"] == pytest.approx(1.0)
+    assert [study[f"alpha_star_k{k}"] for k in (1, 2, 4, 6)] == pytest.approx([R + C * k for k in (1, 2, 4, 6)])
+    measured = table.loc[("org/d", "measured")]
+    assert [measured[f"alpha_star_k{k}"] for k in (1, 2, 4)] == pytest.approx([R + C * k for k in (1, 2, 4)])
+    assert math.isnan(measured["alpha_star_k8"])  # not measured
+    assert table.loc[("org/d", "leviathan"), "rmse"] > study["rmse"]  # the other form fits these speedups worse
+    paper = table.loc[("paper (M2 Pro)", "study")]
+    assert [paper[f"alpha_star_k{k}"] for k in (2, 4, 6)] == pytest.approx([0.44, 0.81, 1.18])
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("r, c", [(0.07, 0.185), (0.2, 0.05), (0.0, 0.01)])
+def test_leviathan_alpha_star_extends_costmodel_past_one(k, r, c):
+    exact = break_even_leviathan(k, r, c)
+    if exact is None:
+        assert leviathan_alpha_star(k, r, c) > 1
+    else:
+        assert leviathan_alpha_star(k, r, c) == pytest.approx(exact, abs=1e-9)
+
+
+def test_model_only_reproduces_table7_of_the_paper(capsys):
+    assert main(["--model-only", "--r", "0.07", "--c", "0.185", "--k", "2,4,6", "--json"]) == 0
+    study = next(row for row in json.loads(capsys.readouterr().out)["table7_model"] if row["form"] == "study")
+    assert [study["alpha_star_k2"], study["alpha_star_k4"], study["alpha_star_k6"]] == pytest.approx([0.44, 0.81, 1.18])
+
+    assert main(["--model-only", "--k", "2", "4", "6"]) == 0  # the paper's r and c by default
+    study_row = next(line for line in capsys.readouterr().out.splitlines() if "| study |" in line)
+    assert study_row.endswith("| 44 % | 81 % | ≥ 100 % |")
+
+
+def test_outputs(tmp_path, capsys):
+    runs = [{("org/d", "none", 2): (10 * i, 100, 9.0 + i), ("org/d", "context", 2): (10 * i + 5, 100, 10 + i)}
+            for i in range(4)]  # fmt: skip
+    prompts = [(f"w{i}", 10.0, runs[i], "wiki") for i in range(4)]
+    path = db_with(tmp_path, [*prompts, ("x1", None, {("org/d", "context", 2): (50, 100, 10.0)}, "wiki")])
+    out = tmp_path / "report"
+    assert main([str(path), "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["k"] == 2 and result["runs"] == 9
+    assert set(result["tables"]) == {"table2_alpha", "table3_speed", "table4_k", "table5_break_even",
+                                     "table6_buckets", "table7_model"}  # fmt: skip
+    assert result["machine"][0]["device"] == "Device(cpu, 0)"
+    assert any("1 speculative runs have no baseline" in note for note in result["notes"])
+    names = {p.name for p in out.iterdir()}
+    assert {f"{table}.csv" for table in result["tables"]} <= names
+    assert {"report.html", "plotly.min.js", "speedup_vs_alpha_d_k2.html", "alpha_by_strategy.html"} <= names
+    report = (out / "report.html").read_text()
+    assert "Table 5. Break-even α*" in report and "Device(cpu, 0)" in report and "cdn.plot.ly" not in report
+
+
+def test_default_out_is_next_to_the_results_file(tmp_path, capsys):
+    path = db_with(tmp_path, [("w1", 10.0, {("d", "none", 1): (1, 2, 9.0)}, "wiki")])
+    assert main([str(path)]) == 0
+    assert "## Table 2. Acceptance α" in capsys.readouterr().out
+    assert (tmp_path / "analysis" / "report.html").exists()
+
+
+def empty(path):
+    path.write_bytes(b"")
+
+
+def foreign(path):
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE orders (id INTEGER)")
+
+
+def not_sqlite(path):
+    path.write_text("id,alpha\n1,0.5\n")
+
+
+def only_baselines(path):
+    with ResultsDB(path) as db:
+        add_prompt(db, "w1", tps_base=10.0, runs={})
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [(None, "no results file at"), (empty, "is empty"), (foreign, "foreign database"),
+     (not_sqlite, "not a SQLite database"), (only_baselines, "no speculative runs yet")],
+)  # fmt: skip
+def test_bad_results_file_is_one_error_line(tmp_path, capsys, make, message):
+    path = tmp_path / "results.db"
+    if make:
+        make(path)
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_k_that_was_not_measured(tmp_path, capsys):
+    path = db_with(tmp_path, [("w1", 10.0, {("d", "none", 1): (1, 2, 9.0), ("d", "none", 4): (1, 2, 9.0)}, "wiki")])
+    assert main([str(path), "--k", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "error: no runs with k = 2 (the results have k = 1, 4)"
+    assert analyze(load_runs(path)).k == 1  # without --k: 2 if measured, else the smallest

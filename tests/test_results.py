@@ -1,0 +1,172 @@
+"""The results file: what a run stores, one transaction per run, run keys, the baseline join, bad files."""
+
+import json
+import sqlite3
+from dataclasses import fields, replace
+
+import pytest
+
+from tests.support.synthetic_runs import BASELINE_MACHINE, MACHINE, TARGET, add_prompt, make_run, spec
+from uag.results import ResultsDB, RunSpec, load_runs, short_name
+
+
+@pytest.fixture
+def db(tmp_path):
+    with ResultsDB(tmp_path / "results.db") as db:
+        yield db
+
+
+def test_run_and_cycles_round_trip(db):
+    s = spec("wiki-001", "org/drafter-1B", "context", 2)
+    run = make_run(s, tps=12.5, accepted=6, proposed=10)
+    run_id = db.add(run, spec=s, prompt="Kraków to", machine=MACHINE, sweep="first")
+
+    row = db.runs().set_index("id").loc[run_id]
+    stats = run.stats()
+    for name in ("generated_tokens", "proposed", "accepted", "cycles", "finish_reason", "drafter_passes", "policy"):
+        assert row[name] == stats[name], name
+    for name in ("acceptance_rate", "tokens_per_second", "draft_fraction", "prompt_tps", "generation_s"):
+        assert row[name] == pytest.approx(stats[name], rel=1e-12), name
+    assert row["verify_ms"] == stats["phase_ms"]["verify"]
+    assert (row["strategy"], row["translation"], row["drafter"], row["k"]) == ("context", "context", s.drafter, 2)
+    assert (row["run_key"], row["sweep"], row["prompt"], row["text"]) == (s.key, "first", "Kraków to", run.text)
+    assert json.loads(row["token_ids"]) == run.token_ids
+    assert (row["target_bytes"], row["drafter_bytes"], row["blas"]) == (10**10, 7 * 10**8, "reference")
+
+    cycles = db.cycles()
+    assert cycles[["run_id", "cycle_index", "k", "proposed", "accepted", "emitted"]].values.tolist() == [
+        [run_id, 0, 2, 10, 6, 32]
+    ]
+    assert db.has(s.key) and not db.has(spec("wiki-002", "org/drafter-1B", "context", 2).key)
+
+
+def test_file_is_in_wal_mode(db):
+    mode = sqlite3.connect(db.path).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def test_a_run_and_its_cycles_are_one_transaction(db):
+    s = spec("wiki-001", "d", "context", 2)
+    run = make_run(s, tps=10.0, accepted=1, proposed=2)
+    run.cycles.append(replace(run.cycles[0]))  # a second cycle 0: its row breaks the cycles' primary key
+    with pytest.raises(sqlite3.IntegrityError):
+        db.add(run, spec=s, prompt="p", machine=MACHINE)
+    assert db.runs().empty and db.cycles().empty
+    assert not db.has(s.key)
+
+
+def test_a_run_is_stored_once(db):
+    s = spec("wiki-001")
+    db.add(make_run(s, tps=10.0), spec=s, prompt="p", machine=BASELINE_MACHINE)
+    with pytest.raises(ValueError, match="already holds this run"):
+        db.add(make_run(s, tps=11.0), spec=s, prompt="p", machine=BASELINE_MACHINE)
+    assert db.runs()["tokens_per_second"].tolist() == [pytest.approx(10.0)]
+
+
+def test_a_run_must_match_its_spec(db):
+    s = spec("wiki-001", "d", "context", 2)
+    with pytest.raises(ValueError, match=r"k 4 \(spec: 2\)"):
+        db.add(make_run(replace(s, k=4), tps=1.0), spec=s, prompt="p", machine=MACHINE)
+    with pytest.raises(ValueError, match="baseline"):
+        db.add(make_run(s, tps=1.0), spec=replace(s, drafter=None, strategy="baseline"), prompt="p", machine=MACHINE)
+
+
+BASE = RunSpec("t", "d", "context", 2, 16, 32, 0.0, None, False, "wiki", "wiki-001")
+CHANGES = [dict(target="t2"), dict(drafter="d2"), dict(strategy="naive"), dict(k=4), dict(window=8),
+           dict(max_tokens=64), dict(temperature=0.7), dict(seed=1), dict(chat=True), dict(dataset="alpaca"),
+           dict(prompt_id="wiki-002")]  # fmt: skip
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_every_field_is_part_of_the_run_key(change):
+    assert replace(BASE, **change).key != BASE.key
+
+
+def test_every_field_is_tested():
+    assert {name for change in CHANGES for name in change} == {f.name for f in fields(RunSpec)}
+
+
+def test_run_key_normalises_numbers():
+    assert replace(BASE, temperature=0, k=2.0).key == BASE.key
+
+
+def test_load_runs_joins_each_run_to_its_baseline(tmp_path):
+    with ResultsDB(tmp_path / "r.db") as db:
+        add_prompt(db, "wiki-001", tps_base=10.0, runs={("org/d-1B", "context", 2): (8, 10, 12.0)})
+        add_prompt(db, "wiki-002", tps_base=20.0, runs={("org/d-1B", "naive", 2): (1, 10, 10.0)})
+        add_prompt(db, "wiki-003", tps_base=None, runs={("org/d-1B", "none", 2): (0, 10, 9.0)})
+    frame = load_runs(tmp_path / "r.db").set_index("prompt_id")
+    assert len(frame) == 3
+    assert frame.loc["wiki-001", ["alpha", "tps", "tps_base", "speedup"]].tolist() == pytest.approx(
+        [0.8, 12.0, 10.0, 1.2]
+    )
+    assert frame.loc["wiki-002", "speedup"] == pytest.approx(0.5)
+    assert frame.loc["wiki-003", ["tps_base", "speedup"]].isna().all()  # no baseline yet
+    assert frame.loc["wiki-001", "group"] == "d-1B · context"
+    assert set(frame["target"]) == {TARGET}
+
+
+def test_baselines_join_on_the_decoding_settings(tmp_path):
+    """A baseline at another max_tokens or seed is not the baseline of a run."""
+    with ResultsDB(tmp_path / "r.db") as db:
+        add_prompt(db, "wiki-001", tps_base=None, runs={("d", "context", 2): (5, 10, 12.0)})
+        other = replace(spec("wiki-001"), max_tokens=64)
+        run = make_run(other, tps=99.0)
+        db.add(run, spec=other, prompt="p", machine=BASELINE_MACHINE)
+    assert load_runs(tmp_path / "r.db")["tps_base"].isna().all()
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "Qwen2.5-1.5B-Instruct-4bit"), ("/m/drafter/", "drafter"),
+     ("demo-drafter", "demo-drafter")],
+)  # fmt: skip
+def test_short_name(name, expected):
+    assert short_name(name) == expected
+
+
+# --- files that are not results ------------------------------------------------------------------------------
+def test_missing_file_is_reported_and_not_created(tmp_path):
+    with pytest.raises(ValueError, match="no results file at"):
+        load_runs(tmp_path / "nothing.db")
+    assert not (tmp_path / "nothing.db").exists()
+
+
+def test_empty_file(tmp_path):
+    (tmp_path / "empty.db").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        load_runs(tmp_path / "empty.db")
+
+
+def test_results_file_without_speculative_runs(tmp_path):
+    with ResultsDB(tmp_path / "r.db") as db:
+        add_prompt(db, "wiki-001", tps_base=10.0, runs={})
+    with pytest.raises(ValueError, match=r"no speculative runs yet \(1 baseline"):
+        load_runs(tmp_path / "r.db")
+
+
+def test_foreign_sqlite_database(tmp_path):
+    path = tmp_path / "shop.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT)")
+    for open_it in (load_runs, ResultsDB):
+        with pytest.raises(ValueError, match=r"foreign database.*tables: orders"):
+            open_it(path)
+
+
+def test_not_a_sqlite_file(tmp_path):
+    path = tmp_path / "notes.db"
+    path.write_text("this is not a database\n" * 100)
+    for open_it in (load_runs, ResultsDB):
+        with pytest.raises(ValueError, match="not a SQLite database"):
+            open_it(path)
+    assert path.read_text().startswith("this is not")  # left as it was
+
+
+def test_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "r.db"
+    ResultsDB(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(ValueError, match="schema 99"):
+        ResultsDB(path)

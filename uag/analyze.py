@@ -1,0 +1,479 @@
+"""`python -m uag.analyze results.db`: the study's tables and figures, regenerated from raw per-prompt runs.
+
+Every number comes from the rows of a results file that `python -m uag.bench` wrote (uag.results);
+nothing is typed in. Tables are numbered as in the paper:
+
+- Table 2: acceptance α per drafter × strategy × dataset: the mean of per-prompt α and the pooled
+  Σ accepted / Σ proposed.
+- Table 3: tokens/s and speedup per drafter × strategy × dataset, next to the baseline's tokens/s.
+- Table 4: the effect of the draft length k on α, tokens/s and speedup, per drafter × strategy.
+- Table 5: per drafter × dataset, the OLS fit TPS = a + b·α over prompts and the break-even
+  α* = (TPS_base − a) / b with its delta-method interval (uag.stats).
+- Tables 6, 8–10: mean speedup per 10-point α bucket, over all drafters and per drafter.
+- Table 7: the parametric model, r = drafter bytes / target bytes and c fitted to the speedups, in the study's
+  form S = (1 + kα)/(1 + kr + ck²) and Leviathan's E = (1 − α^(k+1))/(1 − α): α* per k, next to the
+  measured α* and to the paper's r = 0.07, c = 0.185.
+
+Tables 2, 3, 5 and 6/8–10 are at one draft length (``--k``, default 2), as in the paper.
+
+    python -m uag.analyze results.db                  # tables on stdout; CSV, HTML, report.html in analysis/
+    python -m uag.analyze results.db --json           # everything as one JSON object
+    python -m uag.analyze --model-only --r 0.07 --c 0.185 --k 2,4,6,8   # the model's α* per k, no data
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from uag.costmodel import FORMS, cycle_cost, fit_c_from_speedups
+from uag.plots import STUDY_C, STUDY_R, alpha_by_strategy, speedup_vs_alpha
+from uag.results import load_runs, short_name
+from uag.stats import break_even_ols, bucket_means
+
+DEFAULT_K = 2  # the paper's tables are at k = 2
+MODEL_KS = (1, 2, 4, 6, 8)
+PAPER = "paper (M2 Pro)"
+MACHINE_COLUMNS = ["platform", "python", "uag_version", "mlx_version", "device", "backend", "blas"]
+SETTINGS = ["max_tokens", "temperature", "seed", "chat", "window"]
+DEFINITIONS = (
+    "α = accepted ÷ proposed draft tokens (in target tokens); tokens/s from the first generated token to the last "
+    "(prompt processing excluded); speedup = a run's tokens/s ÷ the baseline's on the same prompt, averaged over "
+    "prompts; α* = the acceptance at which speculation breaks even (speedup 1): above 100 % it cannot pay."
+)
+TITLES = {
+    "table2_alpha": "Table 2. Acceptance α per drafter × strategy × dataset (k = {k})",
+    "table3_speed": "Table 3. Tokens/s and speedup per drafter × strategy × dataset (k = {k})",
+    "table4_k": "Table 4. Effect of the draft length k (all datasets)",
+    "table5_break_even": "Table 5. Break-even α* from TPS = a + b·α per drafter × dataset (k = {k})",
+    "table6_buckets": "Tables 6, 8–10. Mean speedup per α bucket (k = {k})",
+    "table7_model": "Table 7. Parametric model: r, fitted c and α* per k",
+}
+
+
+# --- tables (pure: runs in, DataFrame out) ----------------------------------------------------------------------
+def summarize(runs: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
+    """Per group of runs: n, mean per-prompt α, pooled α = Σ accepted / Σ proposed, mean baseline tokens/s,
+    mean tokens/s and mean per-prompt speedup. Groups come in the order the sweep ran them.
+
+    Example: α = 2/2 and 2/8 on two prompts -> alpha_mean 0.625, alpha_pooled 4/10 = 0.4
+    """
+    by = list(by)
+    table = (
+        runs.groupby(by, sort=False, dropna=False)
+        .agg(
+            n=("alpha", "size"),
+            alpha_mean=("alpha", "mean"),
+            accepted=("accepted", "sum"),
+            proposed=("proposed", "sum"),
+            tps_base=("tps_base", "mean"),
+            tps=("tps", "mean"),
+            speedup=("speedup", "mean"),
+        )
+        .reset_index()
+    )
+    table["alpha_pooled"] = table["accepted"] / table["proposed"].where(table["proposed"] > 0)
+    table = _in_run_order(table, runs, by)
+    return table[[*by, "n", "alpha_mean", "alpha_pooled", "tps_base", "tps", "speedup"]]
+
+
+def _in_run_order(table: pd.DataFrame, runs: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Sort rows by each key's first appearance in the runs (none, naive, context; wiki, alpaca, …)."""
+    rank = {c: {v: i for i, v in enumerate(pd.unique(runs[c]))} for c in by}
+    return table.sort_values(by, key=lambda col: col.map(rank[col.name]), kind="stable").reset_index(drop=True)
+
+
+def alpha_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Table 2: α per target × drafter × strategy × dataset."""
+    keys = ["target", "drafter", "strategy", "dataset"]
+    return summarize(runs, keys)[[*keys, "n", "alpha_mean", "alpha_pooled"]]
+
+
+def speed_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Table 3: baseline tokens/s, speculative tokens/s and speedup per target × drafter × strategy × dataset."""
+    keys = ["target", "drafter", "strategy", "dataset"]
+    return summarize(runs, keys)[[*keys, "n", "tps_base", "tps", "speedup"]]
+
+
+def k_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Table 4: α, tokens/s and speedup per target × drafter × strategy × k, over all datasets."""
+    keys = ["target", "drafter", "strategy", "k"]
+    return summarize(runs, keys)[[*keys, "n", "alpha_mean", "alpha_pooled", "tps_base", "tps", "speedup"]]
+
+
+def break_even_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Table 5: per target × drafter × dataset, TPS = a + b·α over prompts (all strategies) and
+    α* = (TPS_base − a) / b. TPS_base is the mean over the prompts' baselines; its variance is that of the mean.
+    """
+    rows = []
+    for (target, drafter, dataset), frame in runs.groupby(["target", "drafter", "dataset"], sort=False):
+        base = frame.drop_duplicates("baseline_id")["tps_base"].dropna()
+        mean = base.mean() if len(base) else math.nan
+        variance = base.var(ddof=1) / len(base) if len(base) > 1 else math.nan
+        fit = break_even_ols(frame["alpha"], frame["tps"], mean, tps_base_var=variance)
+        rows.append(
+            {
+                "target": target,
+                "drafter": drafter,
+                "dataset": dataset,
+                "n": fit.n,
+                "tps_base": mean,
+                **{
+                    name: getattr(fit, name)
+                    for name in ("a", "b", "r2", "p_b", "alpha_star", "ci_low", "ci_high", "se")
+                },
+                "note": fit.note,
+            }
+        )
+    return pd.DataFrame(rows).astype({"n": int})
+
+
+def bucket_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Tables 6 and 8–10: mean speedup per 10-point α bucket, over all drafters, then per drafter."""
+    parts = [bucket_means(runs["alpha"], runs["speedup"]).assign(drafter="all drafters")]
+    for drafter, frame in runs.groupby("drafter", sort=False):
+        parts.append(bucket_means(frame["alpha"], frame["speedup"]).assign(drafter=drafter))
+    return pd.concat(parts, ignore_index=True)[["drafter", "bucket", "lo", "hi", "n", "mean_speedup", "sem"]]
+
+
+def leviathan_alpha_star(k: int, r: float, c: float) -> float:
+    """Leviathan's break-even, not capped: the α ≥ 0 where 1 + α + … + α^k = 1 + k·r + c·k².
+
+    costmodel.break_even_leviathan stops at α = 1 (None beyond); E keeps rising past 1, so this root exists
+    for any cycle cost above 1 and, like the study's α* = r + c·k, a value above 1 says that no acceptance
+    pays. α^k + … + α + (1 − cost) has one sign change, hence exactly one positive root. A cycle cost
+    below 1 pays at any α: 0.
+
+    Example: k = 2, r = 0.07, c = 0.185: α² + α − 0.88 = 0 -> α = (−1 + √4.52) / 2 = 0.5630
+    >>> round(leviathan_alpha_star(2, 0.07, 0.185), 4)
+    0.563
+    """
+    cost = float(cycle_cost(k, r, c))
+    if cost <= 1:
+        return 0.0
+    roots = np.roots([1.0] * int(k) + [1.0 - cost])
+    return float(max(x.real for x in roots if abs(x.imag) < 1e-9 and x.real > 0))
+
+
+def parametric(r: float, c: float, ks: Sequence[int], *, source: str) -> pd.DataFrame:
+    """α* per k for given r and c in both forms: the study's r + c·k and Leviathan's (uncapped; > 1 = never).
+
+    Example: parametric(0.07, 0.185, [2, 4, 6], source="paper") ->
+        form       alpha_star_k2  alpha_star_k4  alpha_star_k6
+        study      0.44           0.81           1.18     (the paper prints 44 %, 81 %, 100 %)
+        leviathan  0.563          0.917          1.047
+    """
+    rows = []
+    for form in FORMS:
+        star = (lambda k: r + c * k) if form == "study" else (lambda k: leviathan_alpha_star(k, r, c))
+        rows.append({"source": source, "form": form, "r": r, "c": c, **{_k_column(k): star(k) for k in ks}})
+    return pd.DataFrame(rows)
+
+
+def _k_column(k: int) -> str:
+    return f"alpha_star_k{k}"
+
+
+def model_table(runs: pd.DataFrame, ks: Sequence[int] = MODEL_KS) -> pd.DataFrame:
+    """Table 7: per target × drafter, r from the stored model bytes and c fitted to every run's speedup (all k,
+    strategies and datasets) in both forms, with goodness of fit; the measured α* per k (OLS of speedup on α
+    at that k, where it reaches 1); and the paper's r = 0.07, c = 0.185."""
+    ks = sorted({*ks, *runs["k"].astype(int)})
+    parts = []
+    for (target, drafter), frame in runs.groupby(["target", "drafter"], sort=False):
+        r = float((frame["drafter_bytes"] / frame["target_bytes"]).median())
+        for form in FORMS:
+            try:
+                fit = fit_c_from_speedups(frame["alpha"], frame["k"], frame["speedup"], r, form=form)
+            except ValueError:  # no run with a speedup yet
+                continue
+            rows = parametric(r, fit.c, ks, source=drafter)
+            parts.append(rows[rows["form"] == form].assign(target=target, rmse=fit.rmse, r2=fit.r2, n=fit.n))
+        measured = {
+            int(k): break_even_ols(at_k["alpha"], at_k["speedup"], 1.0).alpha_star
+            for k, at_k in frame.groupby("k", sort=True)
+        }
+        row = {"target": target, "source": drafter, "form": "measured", "r": r, "n": len(frame)}
+        parts.append(pd.DataFrame([{**row, **{_k_column(k): measured.get(k) for k in ks}}]))
+    parts.append(parametric(STUDY_R, STUDY_C, ks, source=PAPER).assign(target=""))
+    table = pd.concat(parts, ignore_index=True)
+    columns = ["target", "source", "form", "r", "c", "rmse", "r2", "n", *map(_k_column, ks)]
+    return table.reindex(columns=columns).astype({"n": "Int64", **{c: float for c in columns[3:] if c != "n"}})
+
+
+# --- the whole analysis -----------------------------------------------------------------------------------------
+@dataclass
+class Analysis:
+    """Every table of one results file, the runs they came from and what the reader should know."""
+
+    source: str
+    k: int  # the draft length of Tables 2, 3, 5 and 6/8–10
+    runs: pd.DataFrame
+    tables: dict[str, pd.DataFrame]
+    machine: pd.DataFrame  # distinct software/device/BLAS combinations, with their run counts
+    models: pd.DataFrame  # each model's bytes and dtype as loaded
+    notes: list[str] = field(default_factory=list)
+
+
+def choose_k(runs: pd.DataFrame, k: int | None) -> int:
+    """The draft length for the per-k tables: `k` if measured, else 2 if measured, else the smallest.
+
+    Example: runs at k = 1, 4 and k None -> 1;  k = 3 -> ValueError naming the k that were measured
+    """
+    measured = sorted(int(x) for x in runs["k"].unique())
+    if k is None:
+        return DEFAULT_K if DEFAULT_K in measured else measured[0]
+    if k not in measured:
+        raise ValueError(f"no runs with k = {k} (the results have k = {', '.join(map(str, measured))})")
+    return k
+
+
+def analyze(runs: pd.DataFrame, *, k: int | None = None, source: str = "") -> Analysis:
+    """All tables from `load_runs` output; Tables 2, 3, 5 and 6/8–10 at draft length `k` (see choose_k)."""
+    k = choose_k(runs, k)
+    at_k = runs[runs["k"] == k]
+    tables = {
+        "table2_alpha": alpha_table(at_k),
+        "table3_speed": speed_table(at_k),
+        "table4_k": k_table(runs),
+        "table5_break_even": break_even_table(at_k),
+        "table6_buckets": bucket_table(at_k),
+        "table7_model": model_table(runs),
+    }
+    notes = []
+    missing = int(runs["tps_base"].isna().sum())
+    if missing:
+        notes.append(f"{missing} speculative runs have no baseline on their prompt yet: their speedup is missing")
+    settings = runs[SETTINGS].astype(str).drop_duplicates()
+    if len(settings) > 1:
+        notes.append(f"runs with {len(settings)} different decoding settings ({', '.join(SETTINGS)}) are pooled")
+    machine = runs.groupby(MACHINE_COLUMNS, dropna=False, sort=False).size().reset_index(name="runs")
+    if len(machine) > 1:
+        notes.append(f"the runs come from {len(machine)} different machines or software versions")
+    models = pd.concat(
+        [
+            runs[["target", "target_bytes", "target_dtype"]].set_axis(["model", "bytes", "dtype"], axis=1),
+            runs[["drafter", "drafter_bytes", "drafter_dtype"]].set_axis(["model", "bytes", "dtype"], axis=1),
+        ]
+    ).drop_duplicates(ignore_index=True)
+    return Analysis(source, k, runs, tables, machine, models, notes)
+
+
+def figures(analysis: Analysis) -> dict[str, object]:
+    """Plotly figures by file stem: speedup vs α per drafter and k (points, OLS line and α* with its interval
+    per drafter · strategy, the fitted S(α, k) and its α*), and α by strategy at the tables' k."""
+    runs, model = analysis.runs, analysis.tables["table7_model"]
+    out = {}
+    for (target, drafter), pair in runs.groupby(["target", "drafter"], sort=False):
+        name = short_name(drafter)
+        fitted = model[(model["target"] == target) & (model["source"] == drafter) & (model["form"] == "study")]
+        r, c = (float(fitted["r"].iloc[0]), float(fitted["c"].iloc[0])) if len(fitted) else (None, math.nan)
+        curve = f"S(α, k) with r = {r:.3f}, fitted c = {c:.3f}" if r is not None else "no speedups to fit c"
+        for k, at_k in pair.groupby("k", sort=True):
+            out[f"speedup_vs_alpha_{_slug(name)}_k{k}"] = speedup_vs_alpha(
+                at_k, ks=(int(k),), r=r, c=c, title=f"{name} → {short_name(target)}, k = {k}: {curve}"
+            )
+    at_k = runs[runs["k"] == analysis.k]
+    out["alpha_by_strategy"] = alpha_by_strategy(at_k, title=f"Acceptance by strategy, k = {analysis.k}")
+    return out
+
+
+def _slug(text: str) -> str:
+    """Example: "Qwen2.5-1.5B Instruct" -> "Qwen2.5-1.5B_Instruct" """
+    return re.sub(r"[^\w.-]+", "_", text)
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+def _cell(column: str, value) -> str:
+    """How a table cell reads: α in %, α* of Table 7 capped as the paper prints it, speedups with ×.
+
+    Example: ("alpha_mean", 0.4462) -> "44.6 %";  ("alpha_star_k6", 1.18) -> "≥ 100 %";  ("speedup", 1.06) -> "1.06×"
+    """
+    if value is None or pd.isna(value):
+        return "–"
+    if isinstance(value, str):
+        return value
+    if column.startswith("alpha_star_k"):
+        return "≥ 100 %" if value > 1 else f"{value * 100:.0f} %"
+    if column.startswith("alpha") or column in ("ci_low", "ci_high", "se", "lo", "hi"):
+        return f"{value * 100:.1f} %"
+    if "speedup" in column:
+        return f"{value:.2f}×"
+    if column in ("n", "k", "runs", "bytes"):
+        return f"{int(value)}"
+    if column in ("r", "c", "r2", "rmse", "sem"):
+        return f"{value:.3f}"
+    if column == "p_b":
+        return f"{value:.2g}"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def formatted(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with every cell as text, as `_cell` writes it."""
+    return pd.DataFrame({c: [_cell(c, v) for v in table[c].tolist()] for c in table.columns}, index=table.index)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """A GitHub markdown table of the formatted cells."""
+    text = formatted(table)
+    lines = ["| " + " | ".join(map(str, text.columns)) + " |", "|" + "---|" * len(text.columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in text.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _records(table: pd.DataFrame) -> list[dict]:
+    return json.loads(table.to_json(orient="records", force_ascii=False))  # NaN -> null, numpy -> plain
+
+
+def to_json(analysis: Analysis) -> dict:
+    """Everything as one JSON-ready object: raw numbers (α as fractions), notes and where the runs ran."""
+    return {
+        "source": analysis.source,
+        "k": analysis.k,
+        "runs": len(analysis.runs),
+        "tables": {name: _records(table) for name, table in analysis.tables.items()},
+        "machine": _records(analysis.machine),
+        "models": _records(analysis.models),
+        "notes": analysis.notes,
+    }
+
+
+def to_markdown(analysis: Analysis) -> str:
+    parts = [f"# Analysis of {analysis.source} ({len(analysis.runs)} speculative runs)", DEFINITIONS]
+    parts += [f"note: {note}" for note in analysis.notes]
+    for name, table in analysis.tables.items():
+        parts += [f"## {TITLES[name].format(k=analysis.k)}", markdown(table)]
+    parts += ["## Machine", markdown(analysis.machine), markdown(analysis.models)]
+    return "\n\n".join(parts) + "\n"
+
+
+def write(analysis: Analysis, out: Path) -> list[Path]:
+    """CSV per table, one HTML file per figure, and report.html with all of them; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, table in {**analysis.tables, "machine": analysis.machine, "models": analysis.models}.items():
+        table.to_csv(out / f"{name}.csv", index=False)
+        written.append(out / f"{name}.csv")
+    figs = figures(analysis)
+    for name, fig in figs.items():
+        fig.write_html(out / f"{name}.html", include_plotlyjs="directory")  # one plotly.min.js, works offline
+        written.append(out / f"{name}.html")
+    (out / "report.html").write_text(_report(analysis, figs), encoding="utf-8")
+    return [*written, out / "report.html"]
+
+
+def _report(analysis: Analysis, figs: dict) -> str:
+    def table_html(table: pd.DataFrame) -> str:
+        return formatted(table).to_html(index=False, border=0, classes="table")
+
+    body = [f"<h1>Speculative decoding study: {html.escape(analysis.source)}</h1>"]
+    body.append(f"<p>{len(analysis.runs)} speculative runs; per-k tables at k = {analysis.k}.</p>")
+    body.append(f"<p>{html.escape(DEFINITIONS)}</p>")
+    body += [f"<p class='note'>{html.escape(note)}</p>" for note in analysis.notes]
+    body += ["<h2>Machine</h2>", table_html(analysis.machine), table_html(analysis.models)]
+    for name, table in analysis.tables.items():
+        body += [f"<h2>{html.escape(TITLES[name].format(k=analysis.k))}</h2>", table_html(table)]
+    body.append("<h2>Figures</h2>")
+    for i, fig in enumerate(figs.values()):
+        body.append(fig.to_html(full_html=False, include_plotlyjs="directory" if i == 0 else False))
+    style = (
+        "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}"
+        ".table{border-collapse:collapse;margin:1em 0;font-size:14px}"
+        ".table td,.table th{padding:3px 10px;border-bottom:1px solid #e2e8f0;text-align:right}"
+        ".note{color:#b45309}"
+    )
+    return (
+        f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>uag analysis</title><style>{style}</style>"
+        f"</head><body>\n{chr(10).join(body)}\n</body></html>\n"
+    )
+
+
+# --- command line -----------------------------------------------------------------------------------------------
+def k_list(text: str) -> list[int]:
+    """Draft lengths from "2,4,6" (an argparse type; with nargs="+", "--k 2 4 6" works too). The range is
+    checked by the command, so that a bad k is reported like any other bad setting.
+
+    Example: "2,4, 6" -> [2, 4, 6];  "2.5" -> argparse error
+    """
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"draft lengths must be whole numbers (got {text!r})") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m uag.analyze",
+        description="The study's tables and figures, regenerated from a results file of python -m uag.bench.",
+    )
+    parser.add_argument("db", nargs="?", type=Path, help="results file written by python -m uag.bench")
+    parser.add_argument("--out", type=Path, help="folder for CSV, HTML and report.html (default: analysis/ next to db)")
+    parser.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    parser.add_argument(
+        "--k",
+        type=k_list,
+        nargs="+",
+        help=f"draft length of Tables 2, 3, 5, 6 (default {DEFAULT_K}); with --model-only, the k list "
+        f"(default {','.join(map(str, MODEL_KS))})",
+    )
+    parser.add_argument("--model-only", action="store_true", help="α* per k from the parametric model, no data")
+    parser.add_argument("--r", type=float, help=f"with --model-only: drafter/target bytes (default {STUDY_R})")
+    parser.add_argument("--c", type=float, help=f"with --model-only: verification cost (default {STUDY_C})")
+    return parser
+
+
+def _model_only(args: argparse.Namespace, ks: list[int]) -> int:
+    if args.db is not None:
+        raise ValueError("--model-only reads no results file; drop the file name or --model-only")
+    r = STUDY_R if args.r is None else args.r
+    c = STUDY_C if args.c is None else args.c
+    if ks and min(ks) < 1:
+        raise ValueError(f"draft lengths k must be at least 1 (got {min(ks)})")
+    table = parametric(r, c, ks or MODEL_KS, source="model")
+    if args.json:
+        print(json.dumps({"r": r, "c": c, "table7_model": _records(table)}, ensure_ascii=False))
+    else:
+        print(markdown(table))
+    return 0
+
+
+def _analyze_file(args: argparse.Namespace, ks: list[int]) -> int:
+    if args.db is None:
+        raise ValueError("no results file given (python -m uag.analyze results.db, or --model-only)")
+    if args.r is not None or args.c is not None:
+        raise ValueError("--r and --c go with --model-only; with a results file both come from the data")
+    if len(ks) > 1:
+        raise ValueError(f"--k takes one draft length with a results file (got {', '.join(map(str, ks))})")
+    analysis = analyze(load_runs(args.db), k=ks[0] if ks else None, source=str(args.db))
+    out = args.out or args.db.parent / "analysis"
+    write(analysis, out)
+    print(f"wrote {out}/report.html, CSV tables and figures", file=sys.stderr)
+    if args.json:
+        print(json.dumps({**to_json(analysis), "out": str(out)}, ensure_ascii=False))
+    else:
+        print(to_markdown(analysis))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    ks = [k for group in args.k or [] for k in group]
+    try:
+        return _model_only(args, ks) if args.model_only else _analyze_file(args, ks)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

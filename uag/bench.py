@@ -1,0 +1,279 @@
+"""`python -m uag.bench`: a resumable sweep of one target against drafters × strategies × k over prompt sets.
+
+Per prompt: the baseline once, then every drafter × strategy × k condition. Each run goes into a results file
+(uag.results) the moment it finishes, with its cycles, in one transaction. Running the same command again
+skips the runs already there, so a killed sweep continues where it stopped and never duplicates a run.
+
+    python -m uag.bench --target demo-target --drafters demo-drafter --strategies none naive context \\
+        --k 1 2 4 --datasets wiki alpaca synthetic --n 4 --max-tokens 48 --out results.db
+    python -m uag.analyze results.db
+
+Everything that can be checked is checked before the first run: settings, datasets, the results file, then
+the models (loaded once each) and every prompt's tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pandas as pd
+
+from uag import __version__, _blas
+from uag.analyze import k_list, k_table, markdown
+from uag.cli import add_decoding_options
+from uag.datasets import BUNDLED, Prompt, load
+from uag.generate import DEFAULT_K, SPECULATIVE, GenerationConfig, generate, prompt_ids
+from uag.models import LoadedModel, ModelStore, check_pair
+from uag.results import Machine, ResultsDB, RunSpec, load_runs, short_name
+
+WARMUP_TOKENS = 8  # enough for every phase of a cycle to have run once
+DEFAULT_STRATEGIES = ("none", "naive", "context")  # the paper's three
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What to run: one target against each drafter × strategy × k, with the same decoding settings."""
+
+    target: str
+    drafters: tuple[str, ...]
+    strategies: tuple[str, ...]
+    ks: tuple[int, ...]
+    datasets: tuple[str, ...]
+    n: int | None  # prompts per dataset; None = all
+    max_tokens: int
+    window: int
+    temperature: float
+    seed: int | None
+    chat: bool
+
+    def config(self, spec: RunSpec) -> GenerationConfig:
+        """The generation settings of one planned run (a baseline ignores k)."""
+        return GenerationConfig(
+            strategy=spec.strategy,
+            k=spec.k or DEFAULT_K,
+            window=self.window,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            chat=self.chat,
+        )
+
+    def validate(self) -> Sweep:
+        """ValueError naming the first bad setting; the settings themselves are GenerationConfig's checks."""
+        if not self.target:
+            raise ValueError("no target given")
+        if not self.drafters or not all(self.drafters):
+            raise ValueError("give at least one drafter (--drafters)")
+        if not self.strategies or not self.ks or not self.datasets:
+            raise ValueError("give at least one strategy, one k and one dataset")
+        for strategy, k in itertools.product(self.strategies, self.ks):
+            if strategy not in SPECULATIVE:
+                raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(SPECULATIVE)}")
+            GenerationConfig(
+                strategy=strategy, k=k, window=self.window, max_tokens=self.max_tokens, temperature=self.temperature
+            ).validate()
+        return self
+
+
+@dataclass(frozen=True)
+class Job:
+    """One planned run: its spec and its prompt."""
+
+    spec: RunSpec
+    prompt: Prompt
+
+
+def plan(sweep: Sweep, prompts: Sequence[Prompt]) -> list[Job]:
+    """Every run of the sweep, prompt by prompt: the baseline, then each drafter × strategy × k.
+
+    Example: 2 prompts, drafters (d,), strategies (none, context), k (1, 2) -> 2 × (1 + 4) = 10 jobs:
+    p1 baseline, p1 d·none·1, p1 d·none·2, p1 d·context·1, p1 d·context·2, p2 baseline, …
+    """
+    jobs = []
+    for prompt in prompts:
+        common = dict(max_tokens=sweep.max_tokens, temperature=sweep.temperature, seed=sweep.seed, chat=sweep.chat)
+        where = dict(dataset=prompt.dataset, prompt_id=prompt.id)
+        jobs.append(Job(RunSpec.baseline(target=sweep.target, **common, **where), prompt))
+        for drafter, strategy, k in itertools.product(sweep.drafters, sweep.strategies, sweep.ks):
+            spec = RunSpec(sweep.target, drafter, strategy, k, sweep.window, **common, **where)
+            jobs.append(Job(spec, prompt))
+    return jobs
+
+
+def load_prompts(datasets: Sequence[str], n: int | None) -> tuple[list[Prompt], list[str]]:
+    """The first `n` prompts of each dataset, in order, and a warning per user file with skipped lines.
+
+    ValueError for an unknown dataset, too small a one, or two prompts with the same dataset and id.
+    """
+    prompts, notes = [], []
+    for name in datasets:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                prompts += load(name, n)
+            except RuntimeError as err:  # hf: datasets the environment cannot serve
+                raise ValueError(str(err)) from None
+        notes += [str(w.message) for w in caught]
+    seen = set()
+    for p in prompts:
+        if (p.dataset, p.id) in seen:
+            raise ValueError(f"two prompts are named {p.dataset}/{p.id}: give each dataset file its own name")
+        seen.add((p.dataset, p.id))
+    return prompts, notes
+
+
+def machine(target: LoadedModel, drafter: LoadedModel | None) -> Machine:
+    """This machine and the pair's sizes, as stored with every run."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    if device == mx.cpu:
+        backend = "cpu"
+    else:
+        backend = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "gpu"
+    return Machine(
+        platform=platform.platform(),
+        python=platform.python_version(),
+        uag_version=__version__,
+        mlx_version=mx.__version__,
+        device=str(device),
+        backend=backend,
+        blas=_blas.status,
+        target_bytes=target.weight_bytes,
+        target_dtype=target.dtype,
+        drafter_bytes=None if drafter is None else drafter.weight_bytes,
+        drafter_dtype=None if drafter is None else drafter.dtype,
+    )
+
+
+def summary(runs: pd.DataFrame, keys: set[str]) -> pd.DataFrame:
+    """Table 4 (α, tokens/s, speedup per drafter × strategy × k) over this sweep's runs in the results file."""
+    table = k_table(runs[runs["run_key"].isin(keys)]).drop(columns="target")
+    return table.assign(drafter=table["drafter"].map(short_name))
+
+
+def _label(spec: RunSpec) -> str:
+    """Example: wiki/wiki-003 demo-drafter·context·k2;  wiki/wiki-003 baseline"""
+    what = "baseline" if spec.drafter is None else f"{short_name(spec.drafter)}·{spec.strategy}·k{spec.k}"
+    return f"{spec.dataset}/{spec.prompt_id} {what}"
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr)
+
+
+def execute(sweep: Sweep, pending: list[Job], db: ResultsDB, *, done: int, name: str | None) -> None:
+    """Load the models, check the pairs and prompts, warm up, then run and store each pending job."""
+    from tqdm import tqdm
+
+    store = ModelStore()
+    drafters = {d: store.get(d, progress=_say) for d in sweep.drafters}  # first: usually the smaller models
+    target = store.get(sweep.target, progress=_say)
+    for drafter in drafters.values():
+        check_pair(target, drafter)
+    texts = {(j.spec.dataset, j.spec.prompt_id): j.prompt.text for j in pending}
+    ids = {where: prompt_ids(target, text, chat=sweep.chat) for where, text in texts.items()}
+    machines = {None: machine(target, None), **{d: machine(target, m) for d, m in drafters.items()}}
+
+    # Warm-up: one short run per drafter (it runs the target too) on the first prompt, before any timing.
+    first = ids[pending[0].spec.dataset, pending[0].spec.prompt_id]
+    warm_ups: dict[str, RunSpec] = {}
+    for job in pending:
+        if job.spec.drafter is not None:
+            warm_ups.setdefault(job.spec.drafter, job.spec)
+    for drafter, spec in warm_ups.items():
+        _say(f"warm-up with {drafter} (not recorded)")
+        config = replace(sweep.config(spec), max_tokens=min(WARMUP_TOKENS, sweep.max_tokens))
+        generate(target, drafters[drafter], first, config)
+
+    total = done + len(pending)
+    with tqdm(total=total, initial=done, unit="run", file=sys.stderr, smoothing=0.1, dynamic_ncols=True) as bar:
+        for job in pending:
+            bar.set_postfix_str(_label(job.spec), refresh=True)
+            spec = job.spec
+            run = generate(target, drafters.get(spec.drafter), ids[spec.dataset, spec.prompt_id], sweep.config(spec))
+            db.add(run, spec=spec, prompt=job.prompt.text, machine=machines[spec.drafter], sweep=name)
+            bar.update()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m uag.bench",
+        description="Resumable sweep: baseline and speculative runs per prompt into a SQLite results file.",
+    )
+    parser.add_argument("--target", required=True, help="hub id, local directory or demo-target")
+    parser.add_argument("--drafters", nargs="+", required=True, help="hub ids, local directories or demo-drafter")
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=SPECULATIVE,
+        default=list(DEFAULT_STRATEGIES),
+        help=f"default: {' '.join(DEFAULT_STRATEGIES)} (auto: k is the maximum it may choose)",
+    )
+    parser.add_argument("--k", type=k_list, nargs="+", default=[[DEFAULT_K]], help="draft lengths: 1 2 4 or 1,2,4")
+    parser.add_argument(
+        "--datasets", nargs="+", default=list(BUNDLED), help="bundled sets, .jsonl/.csv files or hf:<name>"
+    )
+    parser.add_argument("--n", type=int, default=None, help="first N prompts of each dataset (default: all)")
+    add_decoding_options(parser)
+    parser.add_argument("--out", type=Path, required=True, help="results file (SQLite); created if missing")
+    parser.add_argument("--sweep", default=None, help="a label stored with every run of this command")
+    return parser
+
+
+def _unique(items) -> tuple:
+    """Example: [2, 1, 2] -> (2, 1): order kept, repeats dropped."""
+    return tuple(dict.fromkeys(items))
+
+
+def sweep_from(args: argparse.Namespace) -> Sweep:
+    return Sweep(
+        target=args.target.strip(),
+        drafters=_unique(d.strip() for d in args.drafters),
+        strategies=_unique(args.strategies),
+        ks=_unique(k for group in args.k for k in group),
+        datasets=_unique(args.datasets),
+        n=args.n,
+        max_tokens=args.max_tokens,
+        window=args.window,
+        temperature=args.temp,
+        seed=args.seed,
+        chat=args.chat,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sweep = sweep_from(args).validate()
+        prompts, notes = load_prompts(sweep.datasets, sweep.n)
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+        with ResultsDB(args.out) as db:
+            jobs = plan(sweep, prompts)
+            pending = [job for job in jobs if not db.has(job.spec.key)]
+            done = len(jobs) - len(pending)
+            _say(f"{len(jobs)} runs in this sweep, {done} already in {args.out}")
+            if pending:
+                execute(sweep, pending, db, done=done, name=args.sweep)
+        print(markdown(summary(load_runs(args.out), {job.spec.key for job in jobs})))
+    except (ValueError, OSError) as err:  # ModelError is a ValueError: bad input, said plainly
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: finished runs are saved in {args.out}; run the same command to continue", file=sys.stderr
+        )
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
