@@ -20,15 +20,17 @@ import statistics
 import time
 from datetime import date
 
-import uag  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx  # noqa: E402
-from mlx_lm import stream_generate  # noqa: E402
-from mlx_lm.sample_utils import make_sampler  # noqa: E402
+import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
 
-from uag import _blas  # noqa: E402
-from uag.datasets import load_bundled  # noqa: E402
-from uag.generate import GenerationConfig, generate, prompt_ids  # noqa: E402
-from uag.models import ModelStore  # noqa: E402
+# isort: split
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from uag import _blas
+from uag.datasets import load_bundled
+from uag.generate import GenerationConfig, generate, prompt_ids
+from uag.models import ModelStore
 
 PROMPTS = ["Stolica Polski to", "Warszawa jest", "The capital of France is"]
 
@@ -85,7 +87,9 @@ def translation(target, drafter, k: int, window: int, max_tokens: int, n_prompts
     prompts = [p.text for p in load_bundled("wiki", n_prompts)]
     cycles = []
     for prompt in prompts:
-        run = generate(target, drafter, prompt, GenerationConfig(strategy="context", k=k, window=window, max_tokens=max_tokens))
+        run = generate(
+            target, drafter, prompt, GenerationConfig(strategy="context", k=k, window=window, max_tokens=max_tokens)
+        )
         cycles += [c for c in run.cycles if c.k == k]
     translate = sorted(c.translate_ms for c in cycles)
     resync = sorted(c.resync_ms for c in cycles)
@@ -114,11 +118,12 @@ def report(results: dict) -> str:
     ]
     for t in results["translation"]:
         lines += [
-            f"(b) context translation, k={t['k']}, W={t['window']}, {t['cycles']} cycles (α {t['acceptance_rate']:.0%}, "
-            f"{t['absorptions']} absorptions):",
+            f"(b) context translation, k={t['k']}, W={t['window']}, {t['cycles']} cycles "
+            f"(α {t['acceptance_rate']:.0%}, {t['absorptions']} absorptions):",
             f"    translate {t['translate_ms_mean']:.3f} ms/cycle (p95 {t['translate_ms_p95']:.3f}); target <= 0.3;"
             f" re-sync bookkeeping {t['resync_ms_mean']:.3f} ms/cycle",
-            f"(c) drafter passes per cycle at k={t['k']}: {t['drafter_passes_per_cycle']:.3f}; target <= {t['k'] + 0.2}",
+            f"(c) drafter passes per cycle at k={t['k']}: {t['drafter_passes_per_cycle']:.3f}; "
+            f"target <= {t['k'] + 0.2}",
         ]
     return "\n".join(lines)
 

@@ -1,0 +1,128 @@
+"""Does `--strategy auto` pay? Baseline vs fixed k vs auto, per prompt, over the bundled datasets.
+
+For each prompt: the target alone, context translation at each fixed k, and auto (context translation,
+k re-decided each cycle, k ≤ --k-max), run back to back. The pair is calibrated first (the profile is
+saved and auto uses it, as users get after `python -m uag.calibrate`). Targets: auto ≥ 0.97 × baseline
+on every prompt, and auto ≥ the best fixed k on the mean.
+
+Usage: python benchmarks/auto_vs_fixed.py [--target demo-target] [--drafter demo-drafter] [--n 4]
+       [--datasets wiki alpaca synthetic] [--max-tokens 64] [--ks 1 2 4] [--k-max 8] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from datetime import date
+
+import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
+
+# isort: split
+import mlx.core as mx
+
+from uag import _blas
+from uag.calibrate import backend, calibrate, device_name, save
+from uag.datasets import load_bundled
+from uag.generate import GenerationConfig, generate
+from uag.models import ModelStore, check_pair
+
+
+def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int) -> dict:
+    base = generate(pair.target, None, text, GenerationConfig(strategy="baseline", max_tokens=max_tokens))
+    row = {"baseline": base.tokens_per_second}
+    for k in ks:
+        run = generate(
+            pair.target, pair.drafter, text, GenerationConfig(strategy="context", k=k, max_tokens=max_tokens)
+        )
+        assert run.token_ids == base.token_ids, "speculation changed the output"
+        row[f"k={k}"] = run.tokens_per_second
+        row[f"alpha k={k}"] = run.acceptance_rate
+    run = generate(pair.target, pair.drafter, text, GenerationConfig(strategy="auto", k=k_max, max_tokens=max_tokens))
+    assert run.token_ids == base.token_ids, "auto changed the output"
+    row["auto"] = run.tokens_per_second
+    row["auto ks"] = [c.k for c in run.cycles]
+    return row
+
+
+def summarise(rows: list[dict], ks) -> dict:
+    conditions = [f"k={k}" for k in ks] + ["auto"]
+    mean = {c: statistics.fmean(r[c] / r["baseline"] for r in rows) for c in conditions}
+    best_fixed = max((c for c in conditions if c != "auto"), key=mean.get)
+    return {
+        "mean_speedup": mean,
+        "best_fixed": best_fixed,
+        "auto_min_vs_baseline": min(r["auto"] / r["baseline"] for r in rows),
+        "auto_vs_best_fixed_mean": mean["auto"] / mean[best_fixed],
+        "parked_share": statistics.fmean(r["auto ks"].count(0) / max(1, len(r["auto ks"])) for r in rows),
+    }
+
+
+def report(header: str, rows: list[dict], summary: dict, ks) -> str:
+    conditions = [f"k={k}" for k in ks] + ["auto"]
+    lines = [
+        header,
+        "",
+        f"{'prompt':<14} {'base tok/s':>10} " + " ".join(f"{c:>7}" for c in conditions) + "  (speedup × baseline)",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['id']:<14} {r['baseline']:>10.2f} " + " ".join(f"{r[c] / r['baseline']:>7.2f}" for c in conditions)
+        )
+    m = summary["mean_speedup"]
+    lines += [
+        f"{'mean':<14} {'':>10} " + " ".join(f"{m[c]:>7.2f}" for c in conditions),
+        "",
+        f"auto vs baseline, worst prompt: {summary['auto_min_vs_baseline']:.3f} (target >= 0.97)",
+        f"auto vs best fixed ({summary['best_fixed']}) on the mean: {summary['auto_vs_best_fixed_mean']:.3f} "
+        f"(target >= 1.0); auto parked {summary['parked_share']:.0%} of its cycles",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="demo-target")
+    parser.add_argument("--drafter", default="demo-drafter")
+    parser.add_argument("--datasets", nargs="+", default=["wiki", "alpaca", "synthetic"])
+    parser.add_argument("--n", type=int, default=4, help="prompts per dataset")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--k-max", type=int, default=8)
+    parser.add_argument("--json", help="also write everything to this JSON file")
+    args = parser.parse_args()
+
+    store = ModelStore()
+    pair = check_pair(store.get(args.target), store.get(args.drafter))
+    calibration = calibrate(pair)
+    save(calibration)
+    generate(pair.target, pair.drafter, "Hello", GenerationConfig(max_tokens=8))  # warm-up
+    rows = []
+    for dataset in args.datasets:
+        for prompt in load_bundled(dataset, args.n):
+            rows.append({"id": prompt.id, **run_prompt(pair, prompt.text, args.ks, args.k_max, args.max_tokens)})
+    summary = summarise(rows, args.ks)
+    header = (
+        f"auto vs fixed k — {date.today()}, {pair.target.name} ({pair.target.dtype}) ← {pair.drafter.name}, "
+        f"{device_name()} ({backend()}), MLX {mx.__version__}, BLAS {_blas.status}, "
+        f"{args.max_tokens} tokens per run, context translation, W = 10"
+    )
+    print(report(header, rows, summary, args.ks))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "header": header,
+                    "platform": platform.platform(),
+                    "profile": calibration.to_dict(),
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
