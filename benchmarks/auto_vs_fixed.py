@@ -90,10 +90,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--k-max", type=int, default=8)
+    parser.add_argument("--dtype", help="dtype of the demo models (default: the backend's, see README)")
     parser.add_argument("--json", help="also write everything to this JSON file")
     args = parser.parse_args()
 
-    store = ModelStore()
+    store = ModelStore(dtype=args.dtype)
     pair = check_pair(store.get(args.target), store.get(args.drafter))
     calibration = calibrate(pair)
     save(calibration)

