@@ -6,7 +6,8 @@ saved and auto uses it, as users get after `python -m uag.calibrate`). Targets: 
 on every prompt, and auto ≥ the best fixed k on the mean.
 
 Usage: python benchmarks/auto_vs_fixed.py [--target demo-target] [--drafter demo-drafter] [--n 4]
-       [--datasets wiki alpaca synthetic] [--max-tokens 64] [--ks 1 2 4] [--k-max 8] [--json FILE]
+       [--datasets wiki alpaca synthetic] [--max-tokens 64] [--ks 1 2 4] [--k-max 8] [--repeats 1]
+       [--dtype D] [--json FILE]
 """
 
 from __future__ import annotations
@@ -29,20 +30,25 @@ from uag.generate import GenerationConfig, generate
 from uag.models import ModelStore, check_pair
 
 
-def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int) -> dict:
-    base = generate(pair.target, None, text, GenerationConfig(strategy="baseline", max_tokens=max_tokens))
-    row = {"baseline": base.tokens_per_second}
-    for k in ks:
-        run = generate(
-            pair.target, pair.drafter, text, GenerationConfig(strategy="context", k=k, max_tokens=max_tokens)
-        )
-        assert run.token_ids == base.token_ids, "speculation changed the output"
-        row[f"k={k}"] = run.tokens_per_second
-        row[f"alpha k={k}"] = run.acceptance_rate
-    run = generate(pair.target, pair.drafter, text, GenerationConfig(strategy="auto", k=k_max, max_tokens=max_tokens))
-    assert run.token_ids == base.token_ids, "auto changed the output"
-    row["auto"] = run.tokens_per_second
-    row["auto ks"] = [c.k for c in run.cycles]
+def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int, repeats: int) -> dict:
+    """Each condition `repeats` times, in an order that rotates every repetition so drift on a shared
+    machine hits all alike; the median tokens/s per condition. Every run must match the baseline's tokens."""
+    conditions = [("baseline", "baseline", 0)] + [(f"k={k}", "context", k) for k in ks] + [("auto", "auto", k_max)]
+    rates = {name: [] for name, _, _ in conditions}
+    runs = {}
+    for rep in range(repeats):
+        shift = rep % len(conditions)
+        for name, strategy, k in conditions[shift:] + conditions[:shift]:
+            drafter = None if strategy == "baseline" else pair.drafter
+            config = GenerationConfig(strategy=strategy, k=max(k, 1), max_tokens=max_tokens)
+            runs[name] = generate(pair.target, drafter, text, config)
+            rates[name].append(runs[name].tokens_per_second)
+    base = runs["baseline"].token_ids
+    for name, run in runs.items():
+        assert run.token_ids == base, f"{name} changed the output"
+    row = {name: statistics.median(r) for name, r in rates.items()}
+    row |= {f"alpha {name}": runs[name].acceptance_rate for name in rates if name != "baseline"}
+    row["auto ks"] = [c.k for c in runs["auto"].cycles]
     return row
 
 
@@ -90,6 +96,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--k-max", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per condition, median taken (GPU: use 5)")
     parser.add_argument("--dtype", help="dtype of the demo models (default: the backend's, see README)")
     parser.add_argument("--json", help="also write everything to this JSON file")
     args = parser.parse_args()
@@ -102,12 +109,13 @@ def main() -> None:
     rows = []
     for dataset in args.datasets:
         for prompt in load_bundled(dataset, args.n):
-            rows.append({"id": prompt.id, **run_prompt(pair, prompt.text, args.ks, args.k_max, args.max_tokens)})
+            row = run_prompt(pair, prompt.text, args.ks, args.k_max, args.max_tokens, args.repeats)
+            rows.append({"id": prompt.id, **row})
     summary = summarise(rows, args.ks)
     header = (
         f"auto vs fixed k — {date.today()}, {pair.target.name} ({pair.target.dtype}) ← {pair.drafter.name}, "
         f"{device_name()} ({backend()}), MLX {mx.__version__}, BLAS {_blas.status}, "
-        f"{args.max_tokens} tokens per run, context translation, W = 10"
+        f"{args.max_tokens} tokens per run, median of {args.repeats}, context translation, W = 10"
     )
     print(report(header, rows, summary, args.ks))
     if args.json:

@@ -11,8 +11,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.cli import main
-from uag.generate import GenerationConfig, generate, prompt_ids, stream, stream_speculative
 from uag.costmodel import CostProfile
+from uag.generate import GenerationConfig, generate, prompt_ids, stream, stream_speculative
 from uag.models import ModelError, check_pair
 from uag.policy import AdaptiveK
 from uag.translate import make_translator
@@ -114,7 +114,7 @@ def test_caches_hold_the_committed_sequences_after_a_run_and_after_an_early_stop
     translator = make_translator(strategy, target.vocab, drafter.vocab, window=config.window, shared=False)
     caches = (target.make_cache(), drafter.make_cache())
     events = stream_speculative(pair, prompt_ids(target, PROMPTS[2]), config, translator=translator, caches=caches)
-    for n, event in enumerate(events):
+    for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
         if stop_after is not None and n == stop_after:
             break
     events.close()

@@ -257,15 +257,15 @@ class _Speculation:
         self.t_seen = self.d_seen = 0
         self.tli = isinstance(translator, IntersectionTranslator)
         self.id_map: IdMap | None = None  # built on the first drafter pass, which tells its logits' size
+        self.drafter_read = 0  # tokens the last draft() fed the drafter
 
     def prefill(self) -> int:
-        """The prompt pass: the target reads the prompt and chooses the first token itself; the
-        drafter reads its own version of the prompt."""
+        """The prompt pass: the target reads the prompt and chooses the first token itself. The
+        drafter reads its own version of the prompt with its first draft, so a run that never drafts
+        (auto, parked) never pays for it."""
         first = self.sampler(_logprobs(_prefill(self.target.model, self.t_cache, self.committed))).item()
         self.t_seen = len(self.committed)
-        drafter_prompt = self.translator.start(self.committed)
-        _prefill(self.drafter.model, self.d_cache, drafter_prompt[:-1])
-        self.d_seen = len(drafter_prompt) - 1
+        self.translator.start(self.committed)  # the drafter reads its prompt in its first pass, if any
         self.committed.append(first)
         self.unsynced.append(first)
         return first
@@ -281,8 +281,12 @@ class _Speculation:
     def draft(self, k: int) -> tuple[list[int], mx.array | None]:
         """k drafter passes; the first also feeds what the drafter has not seen. Greedy, except TLI
         at temperature > 0, which samples and keeps each distribution q for rejection sampling."""
-        base = len(self.translator.drafter_ids)
-        y = mx.array(self.translator.drafter_ids[self.d_seen :])
+        ids = self.translator.drafter_ids
+        base, seen = len(ids), self.d_seen
+        if base - self.d_seen > PREFILL_STEP:  # a long unread stretch (the prompt): in chunks, like a prompt
+            _prefill(self.drafter.model, self.d_cache, ids[self.d_seen : base - 1])
+            self.d_seen = base - 1
+        y = mx.array(ids[self.d_seen :])
         sample = self.tli and self.config.temperature > 0
         guesses, qs = [], []
         for _ in range(k):
@@ -301,6 +305,7 @@ class _Speculation:
             guesses.append(y)
         drafts = mx.concatenate(guesses).tolist()
         self.d_seen = base + k - 1  # every draft but the last has been fed back
+        self.drafter_read = base - seen + k - 1
         _settle_allocator()
         return drafts, mx.concatenate(qs) if qs else None
 
@@ -481,6 +486,7 @@ def stream_speculative(
                 verify_ms=(t3 - t2) * 1000,
                 resync_ms=(t4 - t3 + t_sync - t0) * 1000,
                 drafter_passes=k,
+                drafter_read=spec.drafter_read,
                 absorbed=proposal.absorbed,
                 fallback=proposal.fallback,
                 empty=proposal.empty,

@@ -7,8 +7,11 @@ target accepts it given that it accepted positions 1..i−1, and the cost of a c
     k* = argmax over k in 0..k_max of  E(k) / cost(k),     E(k) = 1 + Σ_{j ≤ n(k)} Π_{i ≤ j} p_i
 
 where n(k) is the number of target tokens k drafter tokens translate into (tracked online) and k = 0 is
-a plain target step ("parked"). While parked it drafts one token every `probe_every` steps, so it
-notices when drafts start to pay again; otherwise its cost is that of the target alone.
+a plain target step ("parked"). While parked it drafts one token after `probe_every` steps, so it
+notices when drafts start to pay again; each probe that leaves it parked doubles the gap to the next
+(up to `PROBE_GAP_MAX`), and no gap is so short that probes cost more than `PROBE_BUDGET` of the
+target's own rate (a drafter nearly as slow as the target probes rarely). Parked, auto costs what the
+target alone costs, plus at most that budget.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ DEFAULT_K_MAX = 8
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR = 0.5  # acceptance assumed for the first position before any evidence
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
-PROBE_EVERY = 16  # parked steps between probes
+PROBE_EVERY = 16  # parked steps before the first probe
+PROBE_GAP_MAX = 128  # parked steps between probes after repeated failed probes
+PROBE_BUDGET = 0.03  # the most probing may cost, as a share of the parked (target-alone) rate
 EMA = 0.2  # weight of a new timing in the running cost estimates
 
 
@@ -55,13 +60,17 @@ class AdaptiveK:
     rejected: list[float] = field(default_factory=list)
     expansion: float = 1.0  # target tokens per drafter token (cross-tokenizer translation)
     verify_ms: dict[int, float] = field(default_factory=dict)  # running estimate per width w
-    drafter_ms: float | None = None
+    drafter_ms: float | None = None  # one drafter pass in a drafting cycle
+    catch_up_ms: float | None = None  # the draft phase of a cycle whose drafter first read a long stretch
     overhead_ms: float | None = None  # translate + re-sync per drafting cycle
     parked_for: int = 0
+    probe_gap: int = 0  # parked steps before the next probe (probe_every, doubled by each failed probe)
+    probing: bool = False
 
     def __post_init__(self):
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1 (got {self.k_max})")
+        self.probe_gap = self.probe_gap or self.probe_every
 
     # --- estimates -------------------------------------------------------------------------------------
     def acceptances(self, n: int) -> list[float]:
@@ -119,14 +128,33 @@ class AdaptiveK:
             return None
         if k == 0:
             return verify
+        return k * self.drafter_step_ms(verify) + self.cycle_overhead_ms() + verify
+
+    def drafter_step_ms(self, fallback: float) -> float:
+        """One drafter pass: own timings first, then the profile, then r × a target step (or `fallback`)."""
+        if self.drafter_ms is not None:
+            return self.drafter_ms
+        if self.profile is not None:
+            return self.profile.drafter_ms
+        return self.r * (self.target_ms(1) or fallback)
+
+    def cycle_overhead_ms(self) -> float:
+        """Translation and re-sync per drafting cycle."""
+        if self.overhead_ms is not None:
+            return self.overhead_ms
+        return self.profile.translate_ms if self.profile is not None else 0.0
+
+    def probe_wait(self) -> int:
+        """Parked steps before the next probe: the backed-off gap, and never so few that probing costs
+        more than PROBE_BUDGET of the parked rate. A probe's extra cost is the drafter catching up on
+        the parked stretch (measured on earlier probes; until then twice a drafter pass) plus a 2-token
+        verification, less the plain step it replaces."""
         step = self.target_ms(1)
-        drafter = self.drafter_ms
-        if drafter is None:
-            drafter = self.profile.drafter_ms if self.profile is not None else self.r * (step or verify)
-        overhead = (
-            self.overhead_ms if self.overhead_ms is not None else (self.profile.translate_ms if self.profile else 0.0)
-        )
-        return k * drafter + overhead + verify
+        if step is None or step <= 0:
+            return self.probe_gap
+        catch_up = self.catch_up_ms if self.catch_up_ms is not None else 2 * self.drafter_step_ms(step)
+        extra = catch_up + self.cycle_overhead_ms() + (self.target_ms(2) or step) - step
+        return min(PROBE_GAP_MAX, max(self.probe_gap, math.ceil(extra / (PROBE_BUDGET * step))))
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per millisecond for each k (empty until a cost is known)."""
@@ -151,16 +179,16 @@ class AdaptiveK:
         if best is None:
             return 0  # time one plain target step first: every decision is relative to it
         if best > 0:
-            self.parked_for = 0
+            self.parked_for, self.probe_gap = 0, self.probe_every
             return best
-        if self.parked_for >= self.probe_every:
-            self.parked_for = 0
+        if self.parked_for >= self.probe_wait():
+            self.parked_for, self.probing = 0, True
             return 1  # a probe: is the drafter paying again?
         return 0
 
     def plain_steps(self) -> int:
         """Plain target steps to take in a row after `next_k()` returned 0, before deciding again."""
-        return 1 if self.best_k() is None else max(1, self.probe_every - self.parked_for)
+        return 1 if self.best_k() is None else max(1, self.probe_wait() - self.parked_for)
 
     def observe(self, cycle: Cycle) -> None:
         """Learn from a finished cycle: which positions were accepted, and what each phase cost."""
@@ -169,8 +197,11 @@ class AdaptiveK:
         if cycle.k == 0:
             self.parked_for += 1
             return
-        if cycle.drafter_passes:
+        probe, self.probing = self.probing, False
+        if cycle.drafter_passes and cycle.drafter_read <= 2 * cycle.drafter_passes + 1:
             self.drafter_ms = _ema(self.drafter_ms, cycle.draft_ms / cycle.drafter_passes)
+        elif cycle.drafter_passes:  # it first caught up on the prompt or a parked stretch: what probes cost
+            self.catch_up_ms = _ema(self.catch_up_ms, cycle.draft_ms)
         self.overhead_ms = _ema(self.overhead_ms, cycle.translate_ms + cycle.resync_ms)
         if cycle.draft_ids:
             self.expansion = _ema(self.expansion, max(len(cycle.proposed_ids), 1) / len(cycle.draft_ids))
@@ -185,6 +216,8 @@ class AdaptiveK:
                 self.accepted[i] += 1
             else:
                 self.rejected[i] += 1
+        if probe and self.best_k() == 0:  # the probe did not pay: wait twice as long for the next one
+            self.probe_gap = min(2 * self.probe_gap, PROBE_GAP_MAX)
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -44,6 +44,8 @@ class Cycle:
     verify_ms: float = 0.0
     resync_ms: float = 0.0
     drafter_passes: int = 0  # drafter forward passes spent in this cycle
+    drafter_read: int = 0  # tokens those passes read: the drafts but the last, plus any catch-up (the prompt,
+    #                        the target's corrections, tokens committed while parked)
     absorbed: bool = False  # re-encoding merged across the committed boundary; recovered
     fallback: bool = False  # no usable in-context encoding; contextless (anchored) encoding used
     empty: bool = False  # drafts were made but translated to no target token

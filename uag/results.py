@@ -101,6 +101,7 @@ CYCLE_COLUMNS = {  # after run_id and cycle_index, the names of Cycle's fields
     "verify_ms": "REAL",
     "resync_ms": "REAL",
     "drafter_passes": "INTEGER",
+    "drafter_read": "INTEGER",
     "absorbed": "INTEGER",
     "fallback": "INTEGER",
     "empty": "INTEGER",
