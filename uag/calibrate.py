@@ -75,6 +75,18 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"key": self.key, "measured_at": self.measured_at, "context": self.context, **self.profile.to_dict()}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        return cls(data["key"], CostProfile.from_dict(data), data["measured_at"], int(data["context"]))
+
+
+def find_calibration(pair: Pair) -> Calibration | None:
+    """The saved calibration for this pair on this machine (with when it was measured), if there is one."""
+    path = profile_path(profile_key(pair))
+    if not path.exists():
+        return None
+    return Calibration.from_dict(json.loads(path.read_text()))
+
 
 def find_profile(pair: Pair) -> CostProfile | None:
     """The saved profile for this pair on this machine, if it was calibrated."""

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from uag.costmodel import break_even, speedup
+from uag.costmodel import CostProfile, break_even, speedup
 from uag.records import Cycle
 from uag.stats import BreakEven, break_even_ols
 
@@ -151,6 +151,72 @@ def cycle_ribbon(cycles: Sequence[Cycle], *, title: str = "Per cycle: proposed v
         bargap=0.05,
         legend=dict(orientation="h", y=-0.3),
         margin=dict(l=50, r=10, t=40, b=30),
+    )
+    return fig
+
+
+def verify_cost(profile: CostProfile, *, title: str = "What a target pass costs on this machine") -> go.Figure:
+    """The target's forward time over w new tokens (verifying k drafts is w = k + 1) with one drafter step as
+    a dashed line, and a whole cycle at w = k + 1: k drafter steps + translation + the target's pass.
+    Producing the same w tokens with plain target steps (w × one step) is in the legend, off by default,
+    because it quickly dwarfs the rest.
+
+    Example: {1: 10, 2: 11, 3: 12} ms, drafter 1 ms, translation 0.5 ms -> cycle points (2, 12.5), (3, 14.5)
+    """
+    widths = list(profile.target_ms)
+    ks = [w - 1 for w in widths if w > 1]
+    step = profile.target_ms[1]
+    fig = go.Figure(
+        [
+            go.Scatter(
+                x=widths,
+                y=list(profile.target_ms.values()),
+                mode="lines+markers",
+                name="target pass over w tokens",
+                line=dict(color=PALETTE[0], width=2),
+                marker=dict(size=7),
+                hovertemplate="target, w = %{x}: %{y:.2f} ms<extra></extra>",
+            ),
+            go.Scatter(
+                x=[widths[0], widths[-1]],
+                y=[profile.drafter_ms] * 2,
+                mode="lines",
+                name=f"one drafter step ({profile.drafter_ms:.2f} ms)",
+                line=dict(color=PALETTE[2], width=1.5, dash="dash"),
+                hovertemplate="one drafter step: %{y:.2f} ms<extra></extra>",
+            ),
+            go.Scatter(
+                x=[k + 1 for k in ks],
+                y=[profile.cycle_ms(k) for k in ks],
+                customdata=ks,
+                mode="lines+markers",
+                name="whole cycle with k = w − 1 drafts",
+                line=dict(color=PALETTE[4], width=1.5, dash="dot"),
+                marker=dict(size=6, symbol="square"),
+                hovertemplate="cycle, k = %{customdata}: %{y:.2f} ms<extra></extra>",
+            ),
+            go.Scatter(
+                x=widths,
+                y=[w * step for w in widths],
+                mode="lines",
+                name="w plain target steps",
+                line=dict(color=CURVE_COLOURS[0], width=1, dash="dot"),
+                visible="legendonly",
+                hovertemplate="%{x} plain target steps: %{y:.1f} ms<extra></extra>",
+            ),
+        ]
+    )
+    fig.update_layout(
+        title=title,
+        xaxis=dict(
+            title="tokens in the target's pass, w (verifying k drafts: w = k + 1)",
+            dtick=1 if widths[-1] <= 16 else None,
+        ),
+        yaxis=dict(title="milliseconds", rangemode="tozero"),
+        template="plotly_white",
+        height=360,
+        legend=dict(orientation="h", y=-0.25),
+        margin=dict(l=60, r=20, t=50, b=40),
     )
     return fig
 

@@ -11,7 +11,8 @@ the same numbers. Definitions (also in the README):
 - generation tokens/s = (generated − 1) / (t_last − t_first): tokens after the first one, over the time
   from the first generated token to the last. The first token comes from the prompt pass, so prompt
   processing is excluded. None for runs of fewer than 2 tokens.
-- prompt tokens/s = prompt tokens / time to first token (includes the drafter's prefill in speculative runs).
+- prompt tokens/s = prompt tokens / time to first token (the target's prompt pass; a drafter reads its
+  prompt with its first draft, which that cycle's draft time includes).
 """
 
 from __future__ import annotations

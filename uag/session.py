@@ -1,4 +1,5 @@
-"""The app's logic without a UI: model choice, target alone vs speculative, per-user history, the plot.
+"""The app's logic without a UI: model choice, target alone vs speculative, per-user history, the plot,
+the pair's measured costs on this machine.
 
 Plain data in and out; no gradio. One `Session` serves the whole app: it owns the model store and the
 MLX worker, and decides which models a user may load. What belongs to one user (their history, their
@@ -28,11 +29,13 @@ from typing import Any
 
 import pandas as pd
 
+from uag.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, Calibration, calibrate, find_calibration
+from uag.calibrate import save as save_calibration
 from uag.costmodel import break_even, fit_c_from_speedups
 from uag.generate import DEFAULT_K, MAX_K, SPECULATIVE, GenerationConfig, generate, prompt_ids, stream
 from uag.highlight import TARGET, spans
 from uag.models import ModelStore, Pair, check_pair
-from uag.plots import STUDY_C, STUDY_R, cycle_ribbon, speedup_vs_alpha
+from uag.plots import STUDY_C, STUDY_R, cycle_ribbon, speedup_vs_alpha, verify_cost
 from uag.presets import DEFAULT, PRESETS, preset_models
 from uag.records import Cycle, Run, Token
 from uag.translate import DEFAULT_WINDOW
@@ -50,6 +53,8 @@ K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths the plot can draw S(α, k) for
 C_FITTED = "fitted from this session's runs"
 C_STUDY = f"the study's c = {STUDY_C}"
 MIN_RUNS_TO_FIT = 3
+BREAK_EVEN_KS = (1, 2, 4, 8)  # draft lengths the cost caption gives α* for
+CALIBRATION_REPEATS = 5  # timed passes per width (after a warm-up), as `python -m uag.calibrate`
 EXPORT_TTL_S = 3600
 RENDER_EVERY_S = 0.25  # streaming updates at most this often: rendering competes with MLX for the CPU
 WARM_UP_PROMPT = "Hello"
@@ -224,6 +229,16 @@ class _Step:
 class _Finished:
     mode: str
     run: Run  # complete: the stream that filled it is exhausted
+
+
+@dataclass(frozen=True)
+class _Calibrated:
+    calibration: Calibration
+    path: Path
+
+
+class _Cancelled(Exception):
+    """Raised from a calibration's progress callback when its job was cancelled."""
 
 
 # --- what the UI shows ----------------------------------------------------------------------------------------
@@ -548,6 +563,60 @@ def history_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(list(rows), columns=list(HISTORY_COLUMNS))
 
 
+@dataclass(frozen=True)
+class CostView:
+    """The saved cost profile of the chosen pair on this machine: a figure (None when there is none to draw)
+    and a caption saying what it shows, or what to do to get one."""
+
+    figure: Any  # plotly Figure or None
+    caption: str
+    calibration: Calibration | None = None
+
+
+@dataclass(frozen=True)
+class CalibrationUpdate:
+    """One refresh while calibrating; `view` comes with the final update of a calibration that completed."""
+
+    status: str
+    state: str = "running"  # "running", "done", "stopped", "error"
+    view: CostView | None = None
+
+
+def _measured_at(stamp: str) -> str:
+    """Example: "2025-05-01T14:03:22+00:00" -> "2025-05-01 14:03 UTC" (anything unparsable as it is)."""
+    try:
+        return datetime.fromisoformat(stamp).strftime("%Y-%m-%d %H:%M UTC")
+    except (TypeError, ValueError):
+        return str(stamp)
+
+
+def cost_caption(calibration: Calibration, *, r_bytes: float | None = None, ks: Sequence[int] = BREAK_EVEN_KS) -> str:
+    """What a saved calibration says: when and where it was measured, r by time next to r by bytes, and
+    the break-even acceptance α*(k) that its measured costs imply.
+
+    Example: target 10 ms/step, drafter 1 ms -> "… r = 0.100 by time (0.070 by the weights' bytes) …"
+    """
+    key, profile = calibration.key, calibration.profile
+    step = profile.target_ms[1]
+    r_time = profile.drafter_ms / step
+    by_bytes = f" ({r_bytes:.3f} by the weights' bytes)" if r_bytes is not None else ""
+    alphas = []
+    for k in ks:
+        alpha = profile.break_even(k)
+        alphas.append(f"k = {k}: {'unreachable' if alpha is None else f'{alpha:.0%}'}")
+    counted = "1 + k·α tokens per cycle" if profile.form == "study" else "Leviathan's E(α, k) tokens per cycle"
+    return (
+        f"**Measured {_measured_at(calibration.measured_at)}** on {key.get('device', '?')} "
+        f"({key.get('backend', '?')}), {calibration.context} tokens in the cache; target "
+        f"{key.get('target_dtype', '?')}, drafter {key.get('drafter_dtype', '?')}.\n\n"
+        f"One target step {step:.2f} ms, one drafter step {profile.drafter_ms:.2f} ms: r = {r_time:.3f} by time"
+        f"{by_bytes}. Translation and re-sync {profile.translate_ms:.2f} ms per cycle.\n\n"
+        f"Break-even acceptance α* from these costs ({counted}): {' · '.join(alphas)}.\n\n"
+        "The `auto` strategy uses this profile for what a cycle costs (refined with each run's own timings) "
+        "when it chooses k."
+    )
+
+
 # --- the session ----------------------------------------------------------------------------------------------
 
 
@@ -574,7 +643,7 @@ class Session:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._warm: set[tuple[str, str]] = set()  # pairs warmed up; touched on the worker thread only
-        self._r: dict[tuple[str, str], float] = {}
+        self._pairs: dict[tuple[str, str], Pair] = {}  # pairs loaded and checked here (set on the worker thread)
 
     # --- models ------------------------------------------------------------------------------------------
     def access(self, host: str | None, headers: Mapping[str, str] | None = None) -> Access:
@@ -603,7 +672,8 @@ class Session:
 
     def r_of(self, target: str, drafter: str) -> float | None:
         """Drafter bytes / target bytes of a pair that has run here (None before)."""
-        return self._r.get((target, drafter))
+        pair = self._pairs.get((target, drafter))
+        return pair.r if pair is not None else None
 
     def preload(self, target: str | None = None, drafter: str | None = None) -> Job:
         """Load and warm up a pair in the background (at app start), so that the first run is quick."""
@@ -639,7 +709,7 @@ class Session:
                 )
         pair = check_pair(self.store.get(settings.target), self.store.get(settings.drafter))
         key = (settings.target, settings.drafter)
-        self._r[key] = pair.r
+        self._pairs[key] = pair
         if key not in self._warm:
             # The first passes through a model are slower (allocation, kernel set-up): keep them out of the timings.
             job.emit(_Status("Warming up the pair (once) so that the timings are fair…"))
@@ -652,6 +722,20 @@ class Session:
     def _pair_job(self, job: Job, settings: Settings) -> Iterator[Any]:
         self._pair(job, settings)
         yield _Status("ready")
+
+    def _calibrate_job(self, job: Job, settings: Settings, options: dict[str, Any]) -> Iterator[Any]:
+        pair = self._pair(job, settings)
+
+        def progress(message: str) -> None:
+            if job.cancelled.is_set():  # calibrate() reports after each timed width: stop there
+                raise _Cancelled
+            job.emit(_Status(message))
+
+        try:
+            result = calibrate(pair, progress=progress, **options)
+        except _Cancelled:
+            return
+        yield _Calibrated(result, save_calibration(result))
 
     def _compare_job(self, job: Job, prompt: str, settings: Settings) -> Iterator[Any]:
         pair = self._pair(job, settings)
@@ -750,6 +834,105 @@ class Session:
             with self._lock:
                 if self._jobs.get(owner) is job:
                     del self._jobs[owner]
+
+    # --- costs on this machine ----------------------------------------------------------------------------
+    def cost_view(self, target: str, drafter: str) -> CostView:
+        """The saved cost profile of this pair on this machine, if the pair is loaded here (never loads it)."""
+        target, drafter = (target or "").strip(), (drafter or "").strip()
+        pair = self._pairs.get((target, drafter))
+        command = f"`python -m uag.calibrate --target {target or 'T'} --drafter {drafter or 'D'}`"
+        if pair is None:
+            return CostView(
+                None,
+                f"{target or '(no target)'} ← {drafter or '(no drafter)'} is not loaded yet, so its saved costs "
+                "cannot be looked up. Run a comparison with it, or press **Calibrate this pair** to load it and "
+                "measure what its steps cost here.",
+            )
+        try:
+            calibration = find_calibration(pair)
+        except Exception as err:  # a damaged or foreign file in the cache must not take the tab down
+            log.warning("reading the cost profile of %s and %s failed: %s", target, drafter, err)
+            return CostView(
+                None,
+                f"The saved cost profile of this pair could not be read ({type(err).__name__}: {err}). Press "
+                f"**Calibrate this pair** (or run {command}) to measure it again.",
+            )
+        if calibration is None:
+            return CostView(
+                None,
+                f"No cost profile for {target} ← {drafter} on this machine yet. Press **Calibrate this pair** "
+                f"(or run {command}) to measure what a target pass over w tokens, a drafter step and translation "
+                "cost here; the `auto` strategy then starts from these costs instead of learning them during "
+                "the run.",
+            )
+        return self._cost_view(calibration, pair)
+
+    @staticmethod
+    def _cost_view(calibration: Calibration, pair: Pair) -> CostView:
+        title = f"Costs on this machine: {pair.target.name} ← {pair.drafter.name}"
+        figure = verify_cost(calibration.profile, title=title)
+        return CostView(figure, cost_caption(calibration, r_bytes=pair.r), calibration)
+
+    def calibrate_pair(
+        self,
+        target: str,
+        drafter: str,
+        *,
+        access: Access = LOCAL,
+        owner: str | None = None,
+        context: int = DEFAULT_CONTEXT,
+        widths: Sequence[int] = DEFAULT_WIDTHS,
+        repeats: int = CALIBRATION_REPEATS,
+    ) -> Iterator[CalibrationUpdate]:
+        """Load the pair if needed, measure its costs on the MLX worker and save them in the user cache.
+
+        Streams `CalibrationUpdate`s; the last has state done (with the new `CostView`), stopped or error.
+        The same rules as `compare` decide what a user may load; `stop(owner)` cancels it after the width
+        being timed. Every failure ends in an error update, never an exception.
+        """
+        try:
+            target, drafter = self.check_models(target, drafter, access=access)
+        except InputError as err:
+            yield CalibrationUpdate(f"**Cannot calibrate:** {err}", state="error")
+            return
+        settings = replace(self.defaults, target=target, drafter=drafter)
+        options = {"context": context, "widths": tuple(widths), "repeats": repeats}
+        job = self.worker.submit(self._calibrate_job, settings, options, label=f"calibrating {target} ← {drafter}")
+        self._register(owner, job)
+        try:
+            waited = 0.0
+            while not job.started.wait(1.0):
+                waited += 1.0
+                current = self.worker.current
+                doing = f" ({current.label})" if current is not None else ""
+                yield CalibrationUpdate(f"Waiting for the MLX worker{doing}… {waited:.0f} s")
+            done = None
+            for item in job:
+                if isinstance(item, _Status):
+                    yield CalibrationUpdate(f"Calibrating {target} ← {drafter}: {item.text}")
+                elif isinstance(item, _Calibrated):
+                    done = item
+            if done is None:
+                yield CalibrationUpdate("Stopped: nothing was saved.", state="stopped")
+                return
+            pair = self._pairs[(target, drafter)]
+            where = "on the server" if access.remote else f"to `{done.path}`"  # no paths for remote users
+            yield CalibrationUpdate(
+                f"Calibrated {target} ← {drafter}; saved {where}.",
+                state="done",
+                view=self._cost_view(done.calibration, pair),
+            )
+        except ValueError as err:  # a model that cannot load or speculate
+            yield CalibrationUpdate(f"**Cannot calibrate:** {err}", state="error")
+        except Exception as err:
+            log.exception("calibration failed")
+            yield CalibrationUpdate(
+                f"**Unexpected error:** {type(err).__name__}: {err}. The app keeps serving; see its log.",
+                state="error",
+            )
+        finally:
+            job.cancel()  # a no-op when it is done; stops it when the consumer left early
+            self._unregister(owner, job)
 
     # --- history and the plot ----------------------------------------------------------------------------
     def plot(

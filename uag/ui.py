@@ -183,6 +183,14 @@ def build(session: Session) -> gr.Blocks:
             exports = gr.File(label="Exported files", file_count="multiple", interactive=False, visible=False)
             export_note = gr.Markdown()
             table = gr.Dataframe(_table([]), label="This session's runs", interactive=False)
+            with gr.Accordion("Costs on this machine", open=True):
+                gr.Markdown(
+                    "What one target pass over w tokens, one drafter step and a whole cycle cost here, measured "
+                    "for the pair chosen on the Compare tab (saved in the user cache; `auto` uses it)."
+                )
+                calibrate = gr.Button("Calibrate this pair", elem_id="calibrate")
+                cost_plot = gr.Plot(elem_id="cost-plot")
+                cost_note = gr.Markdown(elem_id="cost-note")
 
         # --- handlers: translate components <-> session ------------------------------------------------
         def on_load(request: gr.Request):
@@ -239,6 +247,20 @@ def build(session: Session) -> gr.Blocks:
             view = session.plot(rows, results_, ks=ks_ or [], c_choice=c_choice_, pair=(target_, drafter_))
             return view.figure, view.caption, _table(rows)
 
+        def on_costs(target_, drafter_):
+            view = session.cost_view(target_, drafter_)
+            return view.figure, view.caption
+
+        def on_calibrate(target_, drafter_, request: gr.Request):
+            access = session.access(request.client.host, request.headers)
+            # closing(): when the browser goes away, the calibration (and its job) is cancelled at once.
+            with closing(session.calibrate_pair(target_, drafter_, access=access, owner=request.session_hash)) as ups:
+                for update in ups:
+                    if update.view is None:
+                        yield gr.skip(), update.status
+                    else:
+                        yield update.view.figure, f"{update.status}\n\n{update.view.caption}"
+
         def on_results(path):
             frame, message = session.load_results(path)
             return frame, message
@@ -270,10 +292,21 @@ def build(session: Session) -> gr.Blocks:
             **private,
         )
         running.then(on_plot, inputs=plot_inputs, outputs=plot_outputs, **light)
+        running.then(on_costs, inputs=[target, drafter], outputs=[cost_plot, cost_note], **light)
         # Stop cancels the job within a cycle, and drops a run still waiting in the queue.
         stop.click(on_stop, outputs=status, cancels=[running], **light)
 
         plot_tab.select(on_plot, inputs=plot_inputs, outputs=plot_outputs, **light)
+        plot_tab.select(on_costs, inputs=[target, drafter], outputs=[cost_plot, cost_note], **light)
+        calibrate.click(
+            on_calibrate,
+            inputs=[target, drafter],
+            outputs=[cost_plot, cost_note],
+            concurrency_id=MLX,
+            concurrency_limit=1,
+            show_progress="minimal",
+            **private,
+        )
         for control in (ks, c_choice):
             control.change(on_plot, inputs=plot_inputs, outputs=plot_outputs, **light)
         results_file.change(on_results, inputs=results_file, outputs=[results, results_note], **light).then(
