@@ -38,34 +38,36 @@ MAX_BACKOFF = 4  # drafter tokens re-encoded at most when a merge crosses the re
 # --- text ↔ ids at a boundary -------------------------------------------------------------------
 
 
-def text_after(vocab: Vocab, context: Sequence[int], new: Sequence[int]) -> str:
-    """Text that `new` adds after `context`, decoded together so leading spaces survive.
+def text_after(vocab: Vocab, context: Sequence[int], new: Sequence[int], head: str | None = None) -> str:
+    """Text that `new` adds after `context`, decoded together so leading spaces survive. `head` is
+    `context` already decoded, if the caller has it.
 
     Example (SentencePiece): context ['▁Ala'], new ['▁ma'] -> ' ma'   (alone: 'ma')
     """
     if not context:
         return vocab.decode(new)
-    head = vocab.decode(context)
+    if head is None:
+        head = vocab.decode(context)
     full = vocab.decode([*context, *new])
     if full.startswith(head):
         return full[len(head) :]
     return vocab.decode(new)  # a decoder that rewrites the joint; rare, and only costs acceptance
 
 
-def stable_text(vocab: Vocab, context: Sequence[int], new: Sequence[int]) -> tuple[str, int]:
+def stable_text(vocab: Vocab, context: Sequence[int], new: Sequence[int], head: str | None = None) -> tuple[str, int]:
     """Text of `new` after `context`, without trailing tokens that end inside a UTF-8 character.
 
     Returns (text, n): `text` is the text of new[:n]; new[n:] are held back until they complete.
     Example: ['▁ma', '<0xC5>'] -> (' ma', 1)
     """
     n = len(new)
-    text = text_after(vocab, context, new)
+    text = text_after(vocab, context, new, head)
     # A character is at most 4 bytes, so at most 4 tokens can be waiting for its end.
     while text.endswith(REPLACEMENT) and n > 0 and len(new) - n < 4:
         n -= 1
-        text = text_after(vocab, context, new[:n])
+        text = text_after(vocab, context, new[:n], head)
     if text.endswith(REPLACEMENT):  # a real U+FFFD in the output, not an incomplete character
-        return text_after(vocab, context, new), len(new)
+        return text_after(vocab, context, new, head), len(new)
     return text, n
 
 
@@ -213,6 +215,7 @@ class TextTranslator(Translator):
     def __init__(self, target: Vocab, drafter: Vocab, *, window: int = DEFAULT_WINDOW):
         super().__init__(target, drafter, window=window)
         self.target_stable = 0  # target_ids[:target_stable] is text the drafter has been given
+        self._heads: dict[tuple[bool, tuple[int, ...]], str] = {}
 
     # The drafter sees the target's prompt as text; special tokens pass only where the drafter has
     # the same control token (ChatML's <|im_start|> in both, say), otherwise they are dropped.
@@ -236,6 +239,7 @@ class TextTranslator(Translator):
                     pieces.append(content)
             run_start = i + 1
         self.drafter_ids = self.drafter.encode_prompt("".join(pieces))
+        self._decode_contexts()
         return list(self.drafter_ids)
 
     def usable(self, draft_ids: Sequence[int]) -> list[int]:
@@ -248,13 +252,31 @@ class TextTranslator(Translator):
     def _drafter_context(self) -> list[int]:
         return self.drafter_ids[max(0, len(self.drafter_ids) - self.window) :] if self.window else []
 
+    def _head(self, vocab: Vocab, context: list[int]) -> str:
+        """`context` decoded, remembered: both contexts are needed again by the next propose and commit."""
+        key = (vocab is self.target, tuple(context))
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) >= 8:
+                self._heads.clear()
+            head = self._heads[key] = vocab.decode(context)
+        return head
+
+    def _decode_contexts(self) -> None:
+        """Decode the next cycle's contexts now, while the tokenizers are warm. Between cycles the model
+        passes evict them from the CPU caches, and a cold tokenizer call costs several times a warm one."""
+        if self.window:
+            self._head(self.target, self._target_context())
+            self._head(self.drafter, self._drafter_context())
+
     def _draft_text(self, draft_ids: Sequence[int]) -> str:
-        return stable_text(self.drafter, self._drafter_context(), draft_ids)[0]
+        context = self._drafter_context()
+        return stable_text(self.drafter, context, draft_ids, self._head(self.drafter, context))[0]
 
     def _to_target(self, text: str) -> Encoding:
         if not self.window:
             return Encoding(self.target.encode(text)[0])
-        return encode_after(self.target, self.target.decode(self._target_context()), text)
+        return encode_after(self.target, self._head(self.target, self._target_context()), text)
 
     def propose(self, draft_ids: Sequence[int]) -> Proposal:
         text = self._draft_text(draft_ids)
@@ -274,7 +296,10 @@ class TextTranslator(Translator):
 
     def commit(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:
         self.target_ids.extend(new_ids)
-        new_text, n = stable_text(self.target, self._target_context(), self.target_ids[self.target_stable :])
+        context = self._target_context()
+        new_text, n = stable_text(
+            self.target, context, self.target_ids[self.target_stable :], self._head(self.target, context)
+        )
         self.target_stable += n
         base = len(self.drafter_ids)
         if not new_text:  # only part of a character so far; the drafter waits for the rest
@@ -282,9 +307,10 @@ class TextTranslator(Translator):
 
         # 1. Keep the drafts whose text the target committed: they are valid drafter tokens for it.
         context = self._drafter_context()
+        head = self._head(self.drafter, context)
         kept, covered = 0, ""
         for j in range(1, len(draft_ids) + 1):
-            text = text_after(self.drafter, context, draft_ids[:j])
+            text = text_after(self.drafter, context, draft_ids[:j], head)
             if text.endswith(REPLACEMENT):  # mid-character; the next draft may complete it
                 continue
             if not new_text.startswith(text):
@@ -312,6 +338,7 @@ class TextTranslator(Translator):
             cut, rest = cut - 1, step_back + rest
             absorbed = True
         self.drafter_ids = [*sequence[:cut], *ids]
+        self._decode_contexts()
         return Resync(cut, absorbed=absorbed)
 
     def _step_back(self, sequence: list[int], cut: int, base: int) -> str | None:
