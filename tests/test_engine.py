@@ -145,6 +145,46 @@ def test_auto_parks_on_a_drafter_that_cannot_pay_and_stays_lossless(tiny):
     assert sum(c.k == 0 for c in run.cycles) >= 30  # parked, probing now and then
 
 
+class ParkedProbingEvery5(AdaptiveK):
+    """Parks always and probes every 5 parked steps, whatever the costs: exercises the engine's
+    parked stretches and the drafter's catch-ups on them."""
+
+    def best_k(self):
+        return 0
+
+    def probe_wait(self):
+        return 5
+
+
+@pytest.mark.parametrize("stop_after", [None, 9])
+def test_parked_stretches_and_probes_are_lossless_and_keep_the_caches_exact(tiny, stop_after):
+    target, drafters = tiny
+    drafter = drafters["llama"]
+    pair = check_pair(target, drafter)
+    config = GenerationConfig(strategy="auto", k=4, max_tokens=30)
+    translator = make_translator("context", target.vocab, drafter.vocab, window=config.window, shared=False)
+    caches = (target.make_cache(), drafter.make_cache())
+    events = stream_speculative(
+        pair,
+        prompt_ids(target, PROMPTS[2]),
+        config,
+        translator=translator,
+        policy=ParkedProbingEvery5(k_max=4),
+        caches=caches,
+    )
+    for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
+        if stop_after is not None and n == stop_after:
+            break
+    events.close()
+    run = event.run
+    assert run.token_ids == baseline_ids(target, PROMPTS[2], 30)[: run.generated]
+    probes = [c for c in run.cycles if c.k]
+    assert len(probes) >= (1 if stop_after else 4)
+    assert all(c.k == 1 and c.drafter_read >= 5 for c in probes)  # each probe read the stretch it missed
+    assert_cache_holds(target, caches[0], translator.target_ids)
+    assert_cache_holds(drafter, caches[1], translator.drafter_ids)
+
+
 def test_drafter_passes_per_cycle_stay_at_k(tiny):
     target, drafters = tiny
     for k in KS:

@@ -98,20 +98,60 @@ def test_each_failed_probe_doubles_the_wait_for_the_next_and_speculating_resets_
     assert policy.next_k() > 0 and policy.probe_gap == 8
 
 
-def test_probes_of_a_slow_drafter_wait_until_they_cost_at_most_the_budget():
+WIDE_IS_CHEAP = CostProfile({1: 10.0, 2: 12.0, 9: 12.8}, drafter_ms=2.0, translate_ms=0.1)
+
+
+def test_a_probe_waits_until_it_costs_at_most_the_budget_of_the_stretch_it_ends():
+    policy = AdaptiveK(k_max=4, profile=WIDE_IS_CHEAP, probe_every=4)
+    for _ in range(30):
+        policy.observe(cycle(2, 2, 0, verify_ms=12.5, draft_ms=4.0))  # drafts that never pay
+    policy.begin(100)  # the drafter has not read its 100-token prompt: the first probe must pay for it
+    policy.observe(cycle(0, 0, 0, verify_ms=10.0))
+    assert policy.best_k() == 0
+    # reading a token: the wide pass's 0.35 ms per extra token × drafter step / target step (2 / 10)
+    read = (12.8 - 10.0) / 8 * 2.0 / 10.0
+    assert policy.read_ms_per_token() == pytest.approx(read)
+    # probe: a drafter pass + translation + a 2-token verification - the plain step it replaces, plus
+    # reading the prompt and every parked token; at most 3 % of the stretch's p plain steps
+    fixed = 2.0 + 0.0 + 12.0 - 10.0  # translation and re-sync as measured (0 in these records)
+    wait = math.ceil((fixed + read * 100) / (PROBE_BUDGET * 10.0 - read))
+    assert policy.probe_wait() == wait > policy.probe_gap
+    decisions = []
+    while len(decisions) < wait + 1:
+        k = policy.next_k()
+        decisions.append(k)
+        if k == 0:
+            policy.observe(cycle(0, 0, 0, verify_ms=10.0))
+    assert decisions.index(1) == wait - 1  # one plain step was observed before the loop
+    probe_ms = fixed + 10.0 + read * (100 + wait)
+    assert probe_ms - 10.0 <= PROBE_BUDGET * 10.0 * wait
+
+
+def test_a_drafter_that_reads_too_slowly_for_the_budget_never_probes():
+    policy = AdaptiveK(k_max=4, profile=COSTLY_DRAFTER, probe_every=4)
+    policy.begin(20)
+    policy.observe(cycle(0, 0, 0, verify_ms=10.0))
+    # 5 ms per extra token of a wide pass × 6 / 10: 3 ms a token, ten times the budget's 0.3 ms a step
+    assert policy.read_ms_per_token() == pytest.approx(3.0)
+    assert policy.probe_wait() == math.inf
+    for _ in range(1000):
+        assert policy.next_k() == 0
+        policy.observe(cycle(0, 0, 0, verify_ms=10.0))
+    assert policy.plain_steps() == PROBE_GAP_MAX  # parked, but deciding again now and then
+
+
+def test_what_a_catch_up_costs_per_token_is_learned_apart_from_the_drafter_step():
     policy = AdaptiveK(k_max=4, profile=COSTLY_DRAFTER, probe_every=4)
     for _ in range(30):
         policy.observe(cycle(2, 2, 0, verify_ms=15.0, draft_ms=12.0))  # 6 ms per drafter pass
-    policy.observe(cycle(0, 0, 0, verify_ms=10.0))
-    # until a catch-up was timed: 2 drafter passes + translation (measured: 0) + a 2-token verification
-    # (profile: 15) - the plain step
-    extra = 2 * 6.0 + 0.0 + 15.0 - 10.0
-    assert policy.probe_wait() == math.ceil(extra / (PROBE_BUDGET * 10.0)) > policy.probe_gap
-    caught_up = cycle(1, 1, 0, verify_ms=15.0, draft_ms=60.0)
-    caught_up.drafter_read = 40  # it read a parked stretch first: timed as a catch-up, not as a drafter pass
+    caught_up = cycle(1, 1, 0, verify_ms=15.0, draft_ms=6.0 + 40 * 0.05)
+    caught_up.drafter_read = 41  # it read 40 missed tokens with its one pass
     policy.observe(caught_up)
-    assert policy.drafter_ms == pytest.approx(6.0) and policy.catch_up_ms == 60.0
-    assert policy.probe_wait() == PROBE_GAP_MAX  # (60 + 0 + 5) / 0.3 > 128
+    assert policy.drafter_ms == pytest.approx(6.0)
+    assert policy.read_ms_per_token() == pytest.approx(0.05)
+    assert policy.unread == 0
+    policy.observe(cycle(0, 0, 0, verify_ms=10.0))
+    assert policy.unread == 1 and policy.probe_wait() < math.inf
 
 
 def test_the_wait_between_probes_is_capped():

@@ -414,6 +414,7 @@ def stream_speculative(
     tic = time.perf_counter()
     try:
         first = spec.prefill()
+        policy.begin(len(translator.drafter_ids))  # what the drafter must read before its first draft
         run.first_token_s = now = time.perf_counter()
         run.prompt_ms = (now - tic) * 1000
         if first in eos:

@@ -7,11 +7,13 @@ target accepts it given that it accepted positions 1..i−1, and the cost of a c
     k* = argmax over k in 0..k_max of  E(k) / cost(k),     E(k) = 1 + Σ_{j ≤ n(k)} Π_{i ≤ j} p_i
 
 where n(k) is the number of target tokens k drafter tokens translate into (tracked online) and k = 0 is
-a plain target step ("parked"). While parked it drafts one token after `probe_every` steps, so it
-notices when drafts start to pay again; each probe that leaves it parked doubles the gap to the next
-(up to `PROBE_GAP_MAX`), and no gap is so short that probes cost more than `PROBE_BUDGET` of the
-target's own rate (a drafter nearly as slow as the target probes rarely). Parked, auto costs what the
-target alone costs, plus at most that budget.
+a plain target step ("parked"). While parked it drafts one token now and then (a probe), so it notices
+when drafts start to pay again. A probe costs more than its drafter pass: the drafter must first read
+everything it missed (the prompt, on the first probe, and every parked token), so probes wait until
+their cost is at most `PROBE_BUDGET` of the parked stretch they end; where the drafter reads a token
+for more than that share of a target step, it never probes. Each probe that leaves it parked also
+doubles the minimum gap to the next (`probe_every`, up to `PROBE_GAP_MAX`). Parked, auto costs what
+the target alone costs, plus at most that budget.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ DEFAULT_K_MAX = 8
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR = 0.5  # acceptance assumed for the first position before any evidence
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
-PROBE_EVERY = 16  # parked steps before the first probe
-PROBE_GAP_MAX = 128  # parked steps between probes after repeated failed probes
-PROBE_BUDGET = 0.03  # the most probing may cost, as a share of the parked (target-alone) rate
+PROBE_EVERY = 16  # parked steps before the first probe, at the least
+PROBE_GAP_MAX = 128  # the least number of parked steps between probes after repeated failed probes
+PROBE_BUDGET = 0.03  # the most a probe may cost, as a share of the parked (target-alone) stretch it ends
 EMA = 0.2  # weight of a new timing in the running cost estimates
 
 
@@ -43,6 +45,9 @@ class FixedK:
 
     def plain_steps(self) -> int:
         return 1
+
+    def begin(self, unread: int) -> None:
+        pass
 
     def observe(self, cycle: Cycle) -> None:
         pass
@@ -61,8 +66,9 @@ class AdaptiveK:
     expansion: float = 1.0  # target tokens per drafter token (cross-tokenizer translation)
     verify_ms: dict[int, float] = field(default_factory=dict)  # running estimate per width w
     drafter_ms: float | None = None  # one drafter pass in a drafting cycle
-    catch_up_ms: float | None = None  # the draft phase of a cycle whose drafter first read a long stretch
+    read_ms: float | None = None  # drafter time per token it reads to catch up (prompt, parked stretch)
     overhead_ms: float | None = None  # translate + re-sync per drafting cycle
+    unread: int = 0  # committed tokens the drafter has not read (its prompt, then each parked step)
     parked_for: int = 0
     probe_gap: int = 0  # parked steps before the next probe (probe_every, doubled by each failed probe)
     probing: bool = False
@@ -144,17 +150,40 @@ class AdaptiveK:
             return self.overhead_ms
         return self.profile.translate_ms if self.profile is not None else 0.0
 
-    def probe_wait(self) -> int:
-        """Parked steps before the next probe: the backed-off gap, and never so few that probing costs
-        more than PROBE_BUDGET of the parked rate. A probe's extra cost is the drafter catching up on
-        the parked stretch (measured on earlier probes; until then twice a drafter pass) plus a 2-token
-        verification, less the plain step it replaces."""
+    def read_ms_per_token(self) -> float:
+        """What the drafter takes to read one token while catching up: measured on earlier catch-ups;
+        until then the target's cost per extra token of a wide pass, scaled by drafter step / target step.
+
+        Example: target 10 ms for 1 token, 14 ms for 9; drafter step 5 ms -> 0.5 ms × 0.5 = 0.25 ms
+        """
+        if self.read_ms is not None:
+            return self.read_ms
+        step = self.target_ms(1)
+        if not step:
+            return 0.0
+        wide = max([*self.verify_ms, *(self.profile.target_ms if self.profile else ())])
+        per_token = max(0.0, ((self.target_ms(wide) or step) - step) / (wide - 1)) if wide > 1 else 0.1 * step
+        return per_token * self.drafter_step_ms(step) / step
+
+    def probe_wait(self) -> float:
+        """Parked steps (since the last probe) before the next probe: at least the backed-off gap, and
+        enough that the probe costs at most PROBE_BUDGET of the stretch; math.inf when no stretch is
+        long enough (the drafter reads a token for more than the budget's share of a target step).
+
+        A probe's extra cost, beyond the plain step it replaces: a drafter pass, translation, a 2-token
+        verification, and the drafter reading every token it missed — the backlog from before the
+        stretch (the prompt, on the first probe) plus one per parked step.
+        """
         step = self.target_ms(1)
         if step is None or step <= 0:
             return self.probe_gap
-        catch_up = self.catch_up_ms if self.catch_up_ms is not None else 2 * self.drafter_step_ms(step)
-        extra = catch_up + self.cycle_overhead_ms() + (self.target_ms(2) or step) - step
-        return min(PROBE_GAP_MAX, max(self.probe_gap, math.ceil(extra / (PROBE_BUDGET * step))))
+        read = self.read_ms_per_token()
+        fixed = self.drafter_step_ms(step) + self.cycle_overhead_ms() + (self.target_ms(2) or step) - step
+        room = PROBE_BUDGET * step - read  # budget per parked step left after reading that step's token
+        if room <= 0:
+            return math.inf
+        backlog = max(0, self.unread - self.parked_for)
+        return max(self.probe_gap, math.ceil((max(0.0, fixed) + read * backlog) / room))
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per millisecond for each k (empty until a cost is known)."""
@@ -187,8 +216,15 @@ class AdaptiveK:
         return 0
 
     def plain_steps(self) -> int:
-        """Plain target steps to take in a row after `next_k()` returned 0, before deciding again."""
-        return 1 if self.best_k() is None else max(1, self.probe_wait() - self.parked_for)
+        """Plain target steps to take in a row after `next_k()` returned 0, before deciding again
+        (at most PROBE_GAP_MAX: the decision is revisited as the run's own timings come in)."""
+        if self.best_k() is None:
+            return 1
+        return max(1, min(PROBE_GAP_MAX, self.probe_wait() - self.parked_for))
+
+    def begin(self, unread: int) -> None:
+        """A run starts: the drafter has `unread` prompt tokens to read before its first draft."""
+        self.unread = unread
 
     def observe(self, cycle: Cycle) -> None:
         """Learn from a finished cycle: which positions were accepted, and what each phase cost."""
@@ -196,12 +232,15 @@ class AdaptiveK:
         self.verify_ms[w] = _ema(self.verify_ms.get(w), cycle.verify_ms)
         if cycle.k == 0:
             self.parked_for += 1
+            self.unread += 1
             return
-        probe, self.probing = self.probing, False
-        if cycle.drafter_passes and cycle.drafter_read <= 2 * cycle.drafter_passes + 1:
-            self.drafter_ms = _ema(self.drafter_ms, cycle.draft_ms / cycle.drafter_passes)
-        elif cycle.drafter_passes:  # it first caught up on the prompt or a parked stretch: what probes cost
-            self.catch_up_ms = _ema(self.catch_up_ms, cycle.draft_ms)
+        probe, self.probing, self.unread = self.probing, False, 0
+        passes = cycle.drafter_passes
+        if passes and cycle.drafter_read <= 2 * passes + 1:
+            self.drafter_ms = _ema(self.drafter_ms, cycle.draft_ms / passes)
+        elif passes:  # it first caught up on the prompt or a parked stretch: what reading a token costs
+            caught_up = cycle.draft_ms - passes * self.drafter_step_ms(cycle.draft_ms / passes)
+            self.read_ms = _ema(self.read_ms, max(0.0, caught_up) / (cycle.drafter_read - passes))
         self.overhead_ms = _ema(self.overhead_ms, cycle.translate_ms + cycle.resync_ms)
         if cycle.draft_ids:
             self.expansion = _ema(self.expansion, max(len(cycle.proposed_ids), 1) / len(cycle.draft_ids))
