@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
+from uag import _blas
 from uag.vocab import HFVocab, same_vocabulary
 
 DEMO_NAMES = ("demo-target", "demo-drafter")
@@ -194,4 +195,6 @@ def check_pair(target: LoadedModel, drafter: LoadedModel) -> Pair:
     shared = same_vocabulary(target.vocab, drafter.vocab)
     if shared:
         notes.append("target and drafter share a vocabulary: drafts pass without translation")
+    if blas := _blas.slow_cpu_note(mx.default_device().type.name):
+        notes.append(blas)
     return Pair(target, drafter, shared, tuple(notes))
