@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -352,15 +352,7 @@ def stats_of(
 ) -> dict[str, Any]:
     """The numbers of a comparison, JSON-ready (also what the /compare API returns)."""
     out: dict[str, Any] = {
-        "target": settings.target,
-        "drafter": settings.drafter,
-        "strategy": settings.strategy,
-        "k": settings.k,
-        "window": settings.window,
-        "max_tokens": settings.max_tokens,
-        "temperature": settings.temperature,
-        "seed": settings.seed,
-        "chat": settings.chat,
+        **asdict(settings),
         "r": r,
         "tokens_per_second": {
             "baseline": baseline.tokens_per_second if baseline else None,
@@ -431,15 +423,7 @@ def history_row(prompt: str, settings: Settings, baseline: Run, speculative: Run
     return {
         "time": datetime.now().strftime("%H:%M:%S"),
         "prompt": prompt,
-        "target": settings.target,
-        "drafter": settings.drafter,
-        "strategy": settings.strategy,
-        "k": settings.k,
-        "window": settings.window,
-        "max_tokens": settings.max_tokens,
-        "temperature": settings.temperature,
-        "seed": settings.seed,
-        "chat": settings.chat,
+        **asdict(settings),
         "tokens": speculative.generated,
         "alpha": speculative.acceptance_rate,
         "mean_accepted": speculative.mean_accepted,
