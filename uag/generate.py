@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -259,13 +260,15 @@ class _Speculation:
         self.id_map: IdMap | None = None  # built on the first drafter pass, which tells its logits' size
         self.drafter_read = 0  # tokens the last draft() fed the drafter
 
+    def start(self) -> int:
+        """Give the translator the prompt; return how many tokens the drafter's version of it has. The
+        drafter reads them with its first draft, so a run that never drafts (auto, parked) never pays."""
+        return len(self.translator.start(self.committed))
+
     def prefill(self) -> int:
-        """The prompt pass: the target reads the prompt and chooses the first token itself. The
-        drafter reads its own version of the prompt with its first draft, so a run that never drafts
-        (auto, parked) never pays for it."""
+        """The prompt pass: the target reads the prompt and chooses the first token itself."""
         first = self.sampler(_logprobs(_prefill(self.target.model, self.t_cache, self.committed))).item()
         self.t_seen = len(self.committed)
-        self.translator.start(self.committed)  # the drafter reads its prompt in its first pass, if any
         self.committed.append(first)
         self.unsynced.append(first)
         return first
@@ -330,25 +333,33 @@ class _Speculation:
         _rewind(self.t_cache, self.t_seen)
 
     def plain_steps(self, n: int) -> Iterator[int]:
-        """Up to n plain target steps, pipelined by mlx-lm's generate_step, so that parked,
-        speculation costs what the target alone costs. Each token is committed as it comes; the
-        consumer may stop early. generate_step reads one token ahead, so the cache is rewound to
-        the committed state only once the stretch is over."""
-        steps = generate_step(
-            mx.array(self.committed[-1:]),
-            self.target.model,
-            max_tokens=n,
-            sampler=self.sampler,
-            prompt_cache=self.t_cache,
-        )
+        """Up to n plain target steps, pipelined as in mlx-lm's generate_step: each step is queued
+        before the previous token is read back, so that parked, speculation costs what the target
+        alone costs. Unlike generate_step, nothing is queued past the n-th token (generate_step
+        computes one token more than it yields: a whole wasted step at the end of every parked
+        stretch). At the start of a run the stretch opens with the prompt, read like mlx-lm reads it
+        (all but the last token in chunks, then the last one). Each token is committed as it comes;
+        the consumer may stop early."""
+        model, cache = self.target.model, self.t_cache
+
+        def queue(ids: mx.array) -> mx.array:
+            y = self.sampler(_logprobs(model(ids[None], cache=cache)[:, -1, :]))
+            mx.async_eval(y)
+            return y
+
+        pending = self.committed[self.t_seen :]
         try:
-            for token, _ in steps:
+            if len(pending) > 1:
+                _prefill(model, cache, pending[:-1])
+            y = queue(mx.array(pending[-1:]))
+            for i in range(n):
+                following = queue(y) if i + 1 < n else None
+                token = y.item()
                 self.committed.append(token)
                 self.unsynced.append(token)
-                self.t_seen = len(self.committed)  # at most: it may already have read this token
                 yield token
+                y = following
         finally:
-            steps.close()
             self.t_seen = len(self.committed) - 1
             _rewind(self.t_cache, self.t_seen)
 
@@ -411,10 +422,15 @@ def stream_speculative(
         return Event(tokens, cycle, run)
 
     reason = "length"
+    stretch = None  # plain steps opened by the prompt pass, when the run starts parked
+    policy.begin(spec.start())  # what the drafter must read before its first draft
     tic = time.perf_counter()
     try:
-        first = spec.prefill()
-        policy.begin(len(translator.drafter_ids))  # what the drafter must read before its first draft
+        if policy.next_k() == 0:  # parked from the start: the prompt pass opens a stretch of plain steps
+            stretch = spec.plain_steps(min(policy.plain_steps(), budget))
+            first = next(stretch)
+        else:
+            first = spec.prefill()
         run.first_token_s = now = time.perf_counter()
         run.prompt_ms = (now - tic) * 1000
         if first in eos:
@@ -426,27 +442,29 @@ def stream_speculative(
                 reason = "stopped"
                 break
             remaining = budget - run.generated
-            k = min(policy.next_k(), remaining - 1)
+            k = 0 if stretch is not None else min(policy.next_k(), remaining - 1)
 
             if k == 0:  # plain target steps, as many in a row as the policy wants
+                steps, stretch = stretch or spec.plain_steps(min(policy.plain_steps(), remaining)), None
                 t0 = time.perf_counter()
-                for token in spec.plain_steps(min(policy.plain_steps(), remaining)):
-                    now = time.perf_counter()
-                    cycle = Cycle(
-                        index=len(run.cycles),
-                        k=0,
-                        draft_ids=[],
-                        proposed_ids=[],
-                        accepted=0,
-                        emitted=1,
-                        verify_ms=(now - t0) * 1000,
-                    )
-                    t0 = now
-                    if token in eos:
-                        reason = "eos"
-                    yield emit([token], 0, cycle, now)
-                    if reason != "length" or (cancel is not None and cancel.is_set()):
-                        break
+                with closing(steps):  # a stretch the loop leaves early rewinds the cache before the next cycle
+                    for token in steps:
+                        now = time.perf_counter()
+                        cycle = Cycle(
+                            index=len(run.cycles),
+                            k=0,
+                            draft_ids=[],
+                            proposed_ids=[],
+                            accepted=0,
+                            emitted=1,
+                            verify_ms=(now - t0) * 1000,
+                        )
+                        t0 = now
+                        if token in eos:
+                            reason = "eos"
+                        yield emit([token], 0, cycle, now)
+                        if reason != "length" or (cancel is not None and cancel.is_set()):
+                            break
                 continue
 
             # 1. Draft; the drafter first catches up with whatever the target committed meanwhile.
@@ -498,6 +516,8 @@ def stream_speculative(
         reason = "stopped"
         raise
     finally:
+        if stretch is not None:
+            stretch.close()
         spec.restore()
         _finish(run, pieces, reason)
 
