@@ -90,10 +90,8 @@ def find_calibration(pair: Pair) -> Calibration | None:
 
 def find_profile(pair: Pair) -> CostProfile | None:
     """The saved profile for this pair on this machine, if it was calibrated."""
-    path = profile_path(profile_key(pair))
-    if not path.exists():
-        return None
-    return CostProfile.from_dict(json.loads(path.read_text()))
+    calibration = find_calibration(pair)
+    return calibration.profile if calibration else None
 
 
 def save(calibration: Calibration) -> Path:

@@ -196,15 +196,7 @@ def stream_baseline(
                 run.first_token_s, run.prompt_ms = now, (now - tic) * 1000
                 cycle = None
             else:
-                cycle = Cycle(
-                    index=len(run.cycles),
-                    k=0,
-                    draft_ids=[],
-                    proposed_ids=[],
-                    accepted=0,
-                    emitted=1,
-                    verify_ms=(now - run.last_token_s) * 1000,
-                )
+                cycle = Cycle.plain(len(run.cycles), (now - run.last_token_s) * 1000)
                 run.cycles.append(cycle)
             run.last_token_s = now
             tokens = pieces([token_id], [False])
@@ -450,15 +442,7 @@ def stream_speculative(
                 with closing(steps):  # a stretch the loop leaves early rewinds the cache before the next cycle
                     for token in steps:
                         now = time.perf_counter()
-                        cycle = Cycle(
-                            index=len(run.cycles),
-                            k=0,
-                            draft_ids=[],
-                            proposed_ids=[],
-                            accepted=0,
-                            emitted=1,
-                            verify_ms=(now - t0) * 1000,
-                        )
+                        cycle = Cycle.plain(len(run.cycles), (now - t0) * 1000)
                         t0 = now
                         if token in eos:
                             reason = "eos"

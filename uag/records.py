@@ -52,6 +52,11 @@ class Cycle:
     empty: bool = False  # drafts were made but translated to no target token
     resync_absorbed: bool = False  # re-sync re-encoded drafter tokens because of a boundary merge
 
+    @classmethod
+    def plain(cls, index: int, verify_ms: float) -> Cycle:
+        """A plain target step: no drafts, one token."""
+        return cls(index=index, k=0, draft_ids=[], proposed_ids=[], accepted=0, emitted=1, verify_ms=verify_ms)
+
     @property
     def proposed(self) -> int:
         return len(self.proposed_ids)
