@@ -23,8 +23,9 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 # isort: split
 import mlx.core as mx
 
-from uag import _blas
-from uag.calibrate import backend, calibrate, device_name, save
+from uag.calibrate import calibrate
+from uag.machine import backend, blas, device_name
+from uag.profiles import save
 from uag.datasets import load_bundled
 from uag.generate import GenerationConfig, generate
 from uag.models import ModelStore, check_pair
@@ -118,7 +119,7 @@ def main() -> None:
     summary = summarise(rows, args.ks)
     header = (
         f"auto vs fixed k — {date.today()}, {pair.target.name} ({pair.target.dtype}) ← {pair.drafter.name}, "
-        f"{device_name()} ({backend()}), MLX {mx.__version__}, BLAS {_blas.status}, "
+        f"{device_name()} ({backend()}), MLX {mx.__version__}, BLAS {blas()}, "
         f"{args.max_tokens} tokens per run, median of {args.repeats}, context translation, W = 10"
     )
     print(report(header, rows, summary, args.ks))

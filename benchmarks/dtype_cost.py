@@ -21,8 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 
-from uag import _blas
-from uag.calibrate import _filled_cache, backend, device_name, time_forward
+from uag.calibrate import filled_cache, time_forward
+from uag.machine import backend, blas, device_name
 from uag.models import LoadedModel, ModelStore
 
 
@@ -42,7 +42,7 @@ def measure(model, dtypes, *, context: int, repeats: int) -> list[dict]:
     rows = []
     for dtype in dtypes:
         variant = as_dtype(model, dtype)
-        cache, ids = _filled_cache(variant, context)
+        cache, ids = filled_cache(variant, context)
         one = time_forward(variant, cache, ids, 1, repeats)
         eight = time_forward(variant, cache, ids, 8, repeats)
         rows.append({"model": model.name, "dtype": dtype, "ms_1": one, "ms_8": eight, "ratio_8_1": eight / one})
@@ -68,7 +68,7 @@ def main() -> None:
     ]
     header = (
         f"dtype cost — {date.today()}, {platform.machine()} {device_name()}, MLX {mx.__version__} "
-        f"({backend()}), BLAS {_blas.status}, cache {args.context} tokens"
+        f"({backend()}), BLAS {blas()}, cache {args.context} tokens"
     )
     if args.json:
         print(json.dumps({"header": header, "rows": rows}, indent=2))

@@ -27,8 +27,8 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from uag import _blas
 from uag.datasets import load_bundled
+from uag.machine import blas
 from uag.generate import GenerationConfig, generate, prompt_ids
 from uag.models import ModelStore
 
@@ -152,7 +152,7 @@ def main() -> None:
             "platform": f"{platform.system()} {platform.machine()}, {platform.processor() or 'cpu'}",
             "mlx": mx.__version__,
             "device": str(mx.default_device()),
-            "blas": _blas.status,
+            "blas": blas(),
             "target_dtype": target.dtype,
         },
         "same_tokenizer": same_tokenizer(target, 2, args.max_tokens, args.repeats),

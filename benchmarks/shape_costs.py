@@ -26,8 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
 
-from uag import _blas
-from uag.calibrate import backend, device_name
+from uag.machine import backend, blas, device_name
 from uag.costmodel import CostProfile, break_even
 
 SHAPES = {
@@ -105,7 +104,7 @@ def main() -> None:
         "device": device_name(),
         "backend": backend(),
         "mlx": mx.__version__,
-        "blas": _blas.status,
+        "blas": blas(),
         "context": args.context,
         "models": {},
     }

@@ -41,9 +41,9 @@ def test_plan_runs_the_baseline_then_every_condition_per_prompt():
 
 @pytest.mark.parametrize(
     "change, message",
-    [(dict(ks=(0,)), "k (draft length) must be between 1 and 32 (got 0)"),
+    [(dict(ks=(0,)), "k (draft length) must be a whole number from 1 to 32 (got 0)"),
      (dict(strategies=("exact",)), "unknown strategy 'exact'"),
-     (dict(max_tokens=0), "max_tokens must be at least 1 (got 0)"),
+     (dict(max_tokens=0), "max tokens must be a whole number from 1 to 4096 (got 0)"),
      (dict(drafters=()), "give at least one drafter")],
 )  # fmt: skip
 def test_bad_settings(change, message):
@@ -58,10 +58,10 @@ def run_main(capsys, *argv) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize(
     "extra, message",
-    [(["--k", "1", "40"], "error: k (draft length) must be between 1 and 32 (got 40)"),
+    [(["--k", "1", "40"], "error: k (draft length) must be a whole number from 1 to 32 (got 40)"),
      (["--datasets", "wikii"], "error: unknown dataset 'wikii'"),
      (["--datasets", "wiki", "--n", "500"], "error: dataset 'wiki' has 75 prompts; asked for 500"),
-     (["--max-tokens", "0"], "error: max_tokens must be at least 1 (got 0)")],
+     (["--max-tokens", "0"], "error: max tokens must be a whole number from 1 to 4096 (got 0)")],
 )  # fmt: skip
 def test_bad_input_is_one_error_line_before_any_model_or_file(tmp_path, capsys, extra, message):
     # The models do not exist: an error about them would mean they were looked at first.

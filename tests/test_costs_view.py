@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from uag.calibrate import Calibration, find_profile, profile_key, profile_path, save
+from uag.profiles import Calibration, find_profile, profile_key, profile_path, save
 from uag.costmodel import CostProfile
 from uag.models import ModelStore, Pair
 from uag.plots import verify_cost

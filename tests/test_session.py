@@ -156,7 +156,7 @@ class _NoWorker:
         ("Hej", Settings(target="org/unknown"), REMOTE, "--allow-any-model"),
         ("Hej", Settings(drafter="/tmp/model"), REMOTE_ANY, "not a hub id"),
         ("Hej", Settings(target=""), LOCAL, "choose a target"),
-        ("Hej", Settings(k=40), LOCAL, "k (draft length) must be between 1 and 32"),
+        ("Hej", Settings(k=40), LOCAL, "k (draft length) must be a whole number from 1 to 32"),
     ],
 )
 def test_compare_refuses_bad_input_with_one_clear_update(prompt, settings, access, message):

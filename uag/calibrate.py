@@ -10,20 +10,18 @@ the user cache; `--strategy auto` and the app use it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import mlx.core as mx
 
 from uag.costmodel import CostProfile
+from uag.errors import UserError
 from uag.models import LoadedModel, ModelStore, Pair, check_pair
+from uag.profiles import Calibration, profile_key, save
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
 DEFAULT_WIDTHS = tuple(range(1, 17))
@@ -33,77 +31,8 @@ CALIBRATION_TEXT = (
 )
 
 
-def backend() -> str:
-    """ "cpu", "metal" or "cuda": which MLX backend runs the default device."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    return "metal" if mx.metal.is_available() else "cuda"
-
-
-def device_name() -> str:
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    return str(info.get("device_name") or platform.processor() or platform.machine())
-
-
-def profile_key(pair: Pair) -> dict:
-    """What a profile is valid for: this machine's device and backend, these two models, their dtypes."""
-    return {
-        "device": device_name(),
-        "backend": backend(),
-        "target": pair.target.name,
-        "drafter": pair.drafter.name,
-        "target_dtype": pair.target.dtype,
-        "drafter_dtype": pair.drafter.dtype,
-    }
-
-
-def profile_path(key: dict) -> Path:
-    from uag.demo import cache_dir
-
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    slug = "-".join(Path(key[role]).name for role in ("target", "drafter"))
-    return cache_dir() / "profiles" / f"{slug}-{key['backend']}-{digest}.json"
-
-
-@dataclass(frozen=True)
-class Calibration:
-    key: dict
-    profile: CostProfile
-    measured_at: str
-    context: int
-
-    def to_dict(self) -> dict:
-        return {"key": self.key, "measured_at": self.measured_at, "context": self.context, **self.profile.to_dict()}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Calibration:
-        return cls(data["key"], CostProfile.from_dict(data), data["measured_at"], int(data["context"]))
-
-
-def find_calibration(pair: Pair) -> Calibration | None:
-    """The saved calibration for this pair on this machine (with when it was measured), if there is one."""
-    path = profile_path(profile_key(pair))
-    if not path.exists():
-        return None
-    return Calibration.from_dict(json.loads(path.read_text()))
-
-
-def find_profile(pair: Pair) -> CostProfile | None:
-    """The saved profile for this pair on this machine, if it was calibrated."""
-    calibration = find_calibration(pair)
-    return calibration.profile if calibration else None
-
-
-def save(calibration: Calibration) -> Path:
-    path = profile_path(calibration.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(calibration.to_dict(), indent=2))
-    tmp.replace(path)
-    return path
-
-
-def _filled_cache(model: LoadedModel, context: int) -> tuple[list, list[int]]:
+def filled_cache(model: LoadedModel, context: int) -> tuple[list, list[int]]:
+    """A KV cache holding `context` tokens of calibration text, and those token ids."""
     ids = model.tokenizer.encode(CALIBRATION_TEXT * (1 + 4 * context // len(CALIBRATION_TEXT)))[:context]
     cache = model.make_cache()
     model.model(mx.array(ids)[None], cache=cache)
@@ -137,12 +66,12 @@ def calibrate(
     from uag.generate import GenerationConfig, generate
 
     say = progress or (lambda _: None)
-    cache, ids = _filled_cache(pair.target, context)
+    cache, ids = filled_cache(pair.target, context)
     target_ms = {}
     for w in widths:
         target_ms[w] = time_forward(pair.target, cache, ids, w, repeats)
         say(f"target, {w} new token(s): {target_ms[w]:.2f} ms")
-    d_cache, d_ids = _filled_cache(pair.drafter, context)
+    d_cache, d_ids = filled_cache(pair.drafter, context)
     drafter_ms = time_forward(pair.drafter, d_cache, d_ids, 1, repeats)
     say(f"drafter step: {drafter_ms:.2f} ms")
     run = generate(
@@ -184,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if not 1 <= args.max_width <= 64 or args.context < 16 or args.repeats < 1:
-            raise ValueError("need 1 <= --max-width <= 64, --context >= 16, --repeats >= 1")
+            raise UserError("need 1 <= --max-width <= 64, --context >= 16, --repeats >= 1")
         store = ModelStore()
         say = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
         pair = check_pair(store.get(args.target, progress=say), store.get(args.drafter, progress=say))
@@ -192,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             pair, context=args.context, widths=range(1, args.max_width + 1), repeats=args.repeats, progress=say
         )
         path = save(calibration)
-    except ValueError as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -34,6 +34,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from uag.machine import cache_dir
+
 CONVERTER_VERSION = "1"  # bump when the output of a conversion changes: old folders are then not used
 MARKER = "uag-demo.json"  # written last, before the rename; a folder without a matching one is not a model
 
@@ -87,13 +89,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
         licence="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """``$UAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/uag``, else ``~/.cache/uag``."""
-    if explicit := os.environ.get("UAG_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "uag"
 
 
 def model_dir(name: str) -> Path:

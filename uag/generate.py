@@ -16,13 +16,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from uag.models import LoadedModel, ModelError, Pair, check_pair
+from uag.config import DEFAULT_K, DEFAULT_MAX_TOKENS, MAX_K, MODES, SPECULATIVE, GenerationConfig
+from uag.errors import InputError, ModelError
+from uag.models import LoadedModel, Pair, check_pair
 from uag.policy import AdaptiveK, FixedK
 from uag.records import Cycle, Event, Run, Token
 from uag.sampling import IdMap, draft_distribution, rejection_verify
@@ -36,45 +38,13 @@ from uag.translate import (
     make_translator,
 )
 
-DEFAULT_K = 2
-MAX_K = 32
-DEFAULT_MAX_TOKENS = 64
 PREFILL_STEP = 512
-SPECULATIVE = (*STRATEGIES, "auto")  # "auto": context translation, k re-decided each cycle (k = the maximum)
-MODES = ("baseline", *SPECULATIVE)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """What to generate and how. `strategy="baseline"` runs the target alone; "auto" translates in
-    context and re-decides the draft length each cycle, with `k` as its maximum."""
-
-    strategy: str = "context"
-    k: int = DEFAULT_K
-    window: int = DEFAULT_WINDOW
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = 0.0
-    seed: int | None = None
-    chat: bool = False
-
-    def validate(self) -> GenerationConfig:
-        if self.strategy not in MODES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(MODES)}")
-        if not 1 <= self.k <= MAX_K:
-            raise ValueError(f"k (draft length) must be between 1 and {MAX_K} (got {self.k})")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens})")
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0 (got {self.window})")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
-        return self
 
 
 def prompt_ids(target: LoadedModel, prompt: str, *, chat: bool = False) -> list[int]:
     """Token ids of the prompt for the target (its chat template applied once, when asked)."""
     if not prompt or not prompt.strip():
-        raise ValueError("the prompt is empty")
+        raise InputError("the prompt is empty")
     if chat:
         if not target.tokenizer.has_chat_template:
             raise ModelError(f"{target.name!r} has no chat template; run without --chat")
@@ -83,7 +53,7 @@ def prompt_ids(target: LoadedModel, prompt: str, *, chat: bool = False) -> list[
         ids = target.tokenizer.encode(prompt)
     limit = target.context_length
     if limit is not None and len(ids) >= limit:
-        raise ValueError(f"the prompt is {len(ids)} tokens; {target.name!r} has a context of {limit}")
+        raise InputError(f"the prompt is {len(ids)} tokens; {target.name!r} has a context of {limit}")
     return list(ids)
 
 
@@ -511,7 +481,7 @@ def make_policy(config: GenerationConfig, pair: Pair) -> FixedK | AdaptiveK:
     calibration profile for this pair on this machine when there is one."""
     if config.strategy != "auto":
         return FixedK(config.k)
-    from uag.calibrate import find_profile
+    from uag.profiles import find_profile
 
     return AdaptiveK(k_max=config.k, profile=find_profile(pair), r=pair.r)
 
@@ -533,7 +503,7 @@ def stream(
     if config.strategy == "baseline":
         return stream_baseline(target, ids, config, cancel=cancel)
     if drafter is None:
-        raise ValueError(f"strategy {config.strategy!r} needs a drafter")
+        raise InputError(f"strategy {config.strategy!r} needs a drafter")
     return stream_speculative(check_pair(target, drafter), ids, config, cancel=cancel)
 
 

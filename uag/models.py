@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
 from uag import _blas
+from uag.errors import ModelError
 from uag.vocab import HFVocab, same_vocabulary
 
 DEMO_NAMES = ("demo-target", "demo-drafter")
@@ -25,10 +26,6 @@ DEMO_NAMES = ("demo-target", "demo-drafter")
 # can use a plain (always trimmable) KVCache instead of a RotatingKVCache, which stops being trimmable
 # once it wraps around (checked against the rotating cache in tests/test_engine.py).
 WINDOW_MASKED = frozenset({"gemma3_text", "gemma3"})
-
-
-class ModelError(ValueError):
-    """A model that cannot be loaded or used for speculation, with a message meant for the user."""
 
 
 @dataclass

@@ -29,8 +29,9 @@ from typing import Any
 
 import pandas as pd
 
-from uag.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, Calibration, calibrate, find_calibration
-from uag.calibrate import save as save_calibration
+from uag.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
+from uag.profiles import Calibration, find_calibration
+from uag.profiles import save as save_calibration
 from uag.costmodel import break_even, fit_c_from_speedups
 from uag.generate import DEFAULT_K, MAX_K, SPECULATIVE, GenerationConfig, generate, prompt_ids, stream
 from uag.highlight import TARGET, spans
