@@ -136,3 +136,41 @@ def _flag(value: Any, field: Field, problems: list[str]) -> Any:
         return value.strip().lower() == "true"
     problems.append(f"{field.label} must be true or false (got {value!r})")
     return value
+
+
+LOOKUP = "lookup"
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """What drafts: a model (hub id, folder, preset name), prompt `lookup` (no model), or both
+    (`lookup+<model>`: lookup where the context offers a match, the model elsewhere).
+
+    Example: DrafterSpec.parse("lookup+demo-drafter") -> DrafterSpec(lookup=True, model="demo-drafter")
+             DrafterSpec.parse("lookup") -> DrafterSpec(lookup=True, model=None)
+    """
+
+    lookup: bool = False
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> DrafterSpec:
+        text = (text or "").strip()
+        if not text:
+            raise InputError("no drafter given: name a model, lookup, or lookup+<model>")
+        if text == LOOKUP:
+            return cls(lookup=True)
+        head, plus, rest = text.partition("+")
+        if plus and head.strip() == LOOKUP:
+            if not rest.strip() or rest.strip() == LOOKUP:
+                raise InputError(f"{text!r}: after lookup+ name a drafter model, e.g. lookup+demo-drafter")
+            return cls(lookup=True, model=rest.strip())
+        return cls(model=text)
+
+    @property
+    def kind(self) -> str:
+        """ "model", "lookup" or "hybrid"."""
+        return "hybrid" if self.lookup and self.model else LOOKUP if self.lookup else "model"
+
+    def __str__(self) -> str:
+        return f"{LOOKUP}+{self.model}" if self.lookup and self.model else LOOKUP if self.lookup else str(self.model)
