@@ -6,8 +6,12 @@ of the embedded offline demo models ("demo-target", "demo-drafter", converted on
 
 from __future__ import annotations
 
+import gc
+import json
+import struct
 import threading
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -102,28 +106,124 @@ def default_dtype() -> str:
 
 
 class ModelStore:
-    """Loads each model once and hands out the same `LoadedModel` afterwards (thread-safe)."""
+    """Loads each model once per resolved identity and hands out the same `LoadedModel` afterwards
+    (thread-safe). `x`, `x/`, `x//` and `./x` are one folder, so one model.
 
-    def __init__(self, *, dtype: str | None = None):
+    With `max_models` or `max_gb` it keeps at most that many models, or that many GB of weights, and
+    unloads the least recently used first (never one named in `keep`, nor the one just loaded).
+    `on_evict` callbacks hear of each model unloaded, so that holders of references can drop them.
+    """
+
+    def __init__(self, *, dtype: str | None = None, max_models: int | None = None, max_gb: float | None = None):
+        if max_models is not None and max_models < 2:
+            raise ValueError(f"max_models must be at least 2: a target and its drafter (got {max_models})")
         self.dtype = dtype
-        self._models: dict[str, LoadedModel] = {}
-        self._lock = threading.Lock()
+        self.max_models = max_models
+        self.max_bytes = None if max_gb is None else max_gb * 1e9
+        self.on_evict: list[Callable[[LoadedModel], None]] = []
+        self._models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
+        self._lock = threading.RLock()
+
+    @staticmethod
+    def identity(name: str) -> str:
+        """The key a model is stored under: a folder's resolved path, else the name (hub id, demo name).
+
+        Example: identity("x/") == identity("./x") == identity("x//") == "/abs/path/x";  identity("org/m") -> "org/m"
+        """
+        name = (name or "").strip()
+        if name in DEMO_NAMES:
+            return name
+        path = Path(name).expanduser()
+        if name.startswith((".", "/", "~")) or path.exists() or name.count("/") != 1:
+            return str(path.resolve())
+        return name
 
     def __contains__(self, name: str) -> bool:
-        return name in self._models
+        return self.identity(name) in self._models
 
     @property
     def loaded(self) -> list[str]:
-        return list(self._models)
+        """The loaded models' names as first asked for, least recently used first."""
+        return [model.name for model in list(self._models.values())]
 
-    def get(self, name: str, *, progress: Callable[[str], None] | None = None) -> LoadedModel:
+    @property
+    def weight_bytes(self) -> int:
+        return sum(model.weight_bytes for model in list(self._models.values()))
+
+    def holds(self, model: LoadedModel) -> bool:
+        """Whether `model` is still loaded here (not unloaded to make room)."""
+        return any(held is model for held in list(self._models.values()))
+
+    def get(
+        self, name: str, *, progress: Callable[[str], None] | None = None, keep: Collection[str] = ()
+    ) -> LoadedModel:
         name = (name or "").strip()
         if not name:
             raise ModelError("no model given")
+        key = self.identity(name)
         with self._lock:
-            if name not in self._models:
-                self._models[name] = _load(name, dtype=self.dtype, progress=progress)
-            return self._models[name]
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            if Path(key).is_absolute():
+                _check_folder(name, Path(key))
+            model = _load(name, dtype=self.dtype, progress=progress)
+            self._models[key] = model
+            self._evict(protected={key, *map(self.identity, keep)})
+            return model
+
+    def _evict(self, protected: set[str]) -> None:
+        def over() -> bool:
+            return (self.max_models is not None and len(self._models) > self.max_models) or (
+                self.max_bytes is not None and self.weight_bytes > self.max_bytes
+            )
+
+        evicted = []
+        while over():
+            key = next((k for k in self._models if k not in protected), None)
+            if key is None:  # everything left is in use: keep it, over budget or not
+                break
+            evicted.append(self._models.pop(key))
+        for model in evicted:
+            for callback in self.on_evict:
+                callback(model)
+        if evicted:
+            del model
+            evicted.clear()
+            gc.collect()
+            mx.clear_cache()
+
+
+def _check_folder(name: str, path: Path) -> None:
+    """Fail with a message the user can act on for a model folder mlx-lm would choke on: a config.json that
+    is not JSON or names no model_type, a safetensors file cut short (a copy or download that stopped)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return  # _resolve says what is missing
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        line = f" (line {err.lineno})" if isinstance(err, json.JSONDecodeError) else ""
+        raise ModelError(f"cannot load {name!r}: its config.json is not valid JSON{line}") from None
+    if not isinstance(data, dict) or not data.get("model_type"):
+        raise ModelError(
+            f"cannot load {name!r}: its config.json names no model_type, so mlx-lm cannot tell which "
+            'architecture it is (add e.g. "model_type": "llama")'
+        )
+    for weights in sorted(path.glob("*.safetensors")):
+        size = weights.stat().st_size
+        try:
+            with weights.open("rb") as file:
+                (length,) = struct.unpack("<Q", file.read(8))
+                header = json.loads(file.read(length)) if 8 + length <= size else None
+            end = 8 + length + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+            header, end = None, size + 1
+        if header is None or size < end:
+            raise ModelError(
+                f"cannot load {name!r}: {weights.name} is incomplete or damaged ({size:,} bytes"
+                f"{f' of {end:,}' if header is not None else ''}): copy or download it again"
+            )
 
 
 def _resolve(name: str, progress: Callable[[str], None] | None) -> Path | str:

@@ -128,19 +128,45 @@ def speedup_vs_alpha(
     return fig
 
 
+SOURCE_PATTERNS = {"lookup": "/", "model": ""}  # accepted drafts from prompt lookup are hatched
+
+
 def cycle_ribbon(cycles: Sequence[Cycle], *, title: str = "Per cycle: proposed vs accepted") -> go.Figure:
-    """Bars per verification cycle: target tokens proposed, accepted, and the target's own token."""
+    """Bars per verification cycle: target tokens proposed, accepted, and the target's own token.
+
+    Where the engine records which drafter kind proposed a cycle (`Cycle.source`: "model", "lookup", or ""
+    for a plain target step), the accepted bars of lookup cycles are hatched and the hover names the source.
+    """
     index = [c.index + 1 for c in cycles]
     accepted = [c.accepted for c in cycles]
     rejected = [c.proposed - c.accepted for c in cycles]
     own = [c.emitted - c.accepted for c in cycles]
+    sources = [getattr(c, "source", None) or ("plain step" if not c.proposed else "") for c in cycles]
+    by_source = any(getattr(c, "source", None) for c in cycles)
+    hover = [f"cycle {i}{f' · {s}' if s else ''}" for i, s in zip(index, sources)]
+    accepted_bar = go.Bar(
+        x=index,
+        y=accepted,
+        name="accepted draft",
+        marker_color="#16a34a",
+        hovertext=hover,
+        hovertemplate="%{hovertext}: %{y} accepted<extra></extra>",
+    )
+    if by_source:
+        accepted_bar.marker.pattern = dict(shape=[SOURCE_PATTERNS.get(s, "") for s in sources], fgcolor="#052e16")
     fig = go.Figure(
         [
-            go.Bar(x=index, y=accepted, name="accepted draft", marker_color="#16a34a"),
+            accepted_bar,
             go.Bar(x=index, y=rejected, name="rejected draft", marker_color="#fca5a5"),
             go.Bar(x=index, y=own, name="target's own token", marker_color="#94a3b8"),
         ]
     )
+    if by_source:
+        kinds = sorted({s for s in sources if s in SOURCE_PATTERNS})
+        fig.add_annotation(
+            text="hatched: drafted by prompt lookup" if "lookup" in kinds else f"drafted by: {', '.join(kinds)}",
+            xref="paper", yref="paper", x=1, y=1.12, showarrow=False, font=dict(size=11, color="#475569"),
+        )  # fmt: skip
     fig.update_layout(
         barmode="stack",
         title=title,
@@ -151,6 +177,37 @@ def cycle_ribbon(cycles: Sequence[Cycle], *, title: str = "Per cycle: proposed v
         bargap=0.05,
         legend=dict(orientation="h", y=-0.3),
         margin=dict(l=50, r=10, t=40, b=30),
+    )
+    return fig
+
+
+def position_acceptance(values: Sequence[float | None], *, title: str = "Acceptance by draft position") -> go.Figure:
+    """P(draft position i accepted | the earlier positions were), one bar per position; positions never
+    tried are marked "untried" instead of a bar.
+
+    Example: [0.8, 0.5, None] -> bars 80 %, 50 % at positions 1, 2; position 3 untried
+    """
+    positions = list(range(1, len(values) + 1))
+    tried = [v if v is not None else 0.0 for v in values]
+    labels = [f"{v:.0%}" if v is not None else "untried" for v in values]
+    fig = go.Figure(
+        go.Bar(
+            x=positions,
+            y=tried,
+            text=labels,
+            textposition="outside",
+            marker_color=["#16a34a" if v is not None else "#e2e8f0" for v in values],
+            hovertemplate="position %{x}: %{text}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title,
+        xaxis=dict(title="draft position", dtick=1),
+        yaxis=dict(title="P(accepted | earlier accepted)", tickformat=".0%", range=[0, 1.15]),
+        template="plotly_white",
+        height=260,
+        margin=dict(l=50, r=10, t=40, b=30),
+        showlegend=False,
     )
     return fig
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _DONE = object()  # end of a job's items
+TICK = object()  # yielded by `Job.items(heartbeat)` when nothing came for `heartbeat` seconds
 
 
 class Job:
@@ -35,9 +36,12 @@ class Job:
         self.cancelled = threading.Event()  # set by cancel(); the job function polls it
         self.started = threading.Event()  # the worker has picked the job up
         self.done = threading.Event()  # the job function has returned (or raised, or was skipped)
+        self.progress = ""  # the job's latest progress line ("converting the demo model…"), for those who wait
+        self.out_of_time = False  # cancelled by its time budget, not by a person
         self._fn, self._args = fn, args
         self._items: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._timer: threading.Timer | None = None
 
     def __repr__(self) -> str:
         state = "done" if self.done.is_set() else "running" if self.started.is_set() else "queued"
@@ -51,14 +55,40 @@ class Job:
         """Hand an item to the consumer (for callbacks inside the job function; thread-safe)."""
         self._items.put(item)
 
+    def limit(self, seconds: float | None) -> None:
+        """Cancel the job `seconds` from now (its time budget), marking it `out_of_time`; None: no limit."""
+        if seconds is None or self.done.is_set():
+            return
+
+        def expire() -> None:
+            if not self.done.is_set():
+                self.out_of_time = True
+                self.cancel()
+
+        self._timer = threading.Timer(seconds, expire)
+        self._timer.daemon = True
+        self._timer.start()
+
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
 
     def __iter__(self) -> Iterator[Any]:
         """The job's items as they come, on any thread; then its exception, if it raised one."""
+        return self.items()
+
+    def items(self, heartbeat: float | None = None) -> Iterator[Any]:
+        """As `iter(job)`, but yields `TICK` whenever nothing came for `heartbeat` seconds, so that a
+        consumer driven by a web server hands control back often (and can be closed while the job works)."""
         finished = False
         try:
-            while (item := self._items.get()) is not _DONE:
+            while True:
+                try:
+                    item = self._items.get(timeout=heartbeat)
+                except queue.Empty:
+                    yield TICK
+                    continue
+                if item is _DONE:
+                    break
                 yield item
             finished = True
             if self._error is not None:
@@ -83,6 +113,8 @@ class Job:
         except BaseException as err:  # handed to the consumer, who decides what the user sees
             self._error = err
         finally:
+            if self._timer is not None:
+                self._timer.cancel()
             self._items.put(_DONE)
             self.done.set()
 
@@ -122,6 +154,12 @@ class MLXWorker:
     def backlog(self) -> int:
         """Jobs waiting to start."""
         return self._jobs.qsize()
+
+    def ahead_of(self, job: Job) -> int:
+        """How many queued jobs will start before `job` (0 when it is next, or not queued)."""
+        with self._jobs.mutex:
+            waiting = [j for j in self._jobs.queue if j is not None]
+        return waiting.index(job) if job in waiting else 0
 
     @property
     def thread(self) -> threading.Thread:
