@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import sys
@@ -12,7 +13,20 @@ from importlib import resources
 import pytest
 
 from uag import datasets as ds
-from uag.datasets import BUNDLED, Prompt, load, load_bundled, load_file, load_hf
+from uag import prompt_files
+from uag.datasets import BUNDLED, Prompt, chat_for, load, load_bundled, load_file, load_hf
+from uag.errors import InputError
+
+SIZES = {"wiki": 75, "alpaca": 72, "synthetic": 70, "structured": 42, "code": 44}  # as uag/data/README.md says
+LENGTHS = {"structured": (150, 1200), "code": (15, 1200)}  # characters, as uag/data/README.md says
+POLISH = ("wiki", "alpaca", "synthetic", "structured")  # `code` mixes English and Polish
+FIELDS = {  # the schema of each bundled file: required fields, then optional ones
+    "wiki": ({"id", "dataset", "prompt", "tags"}, set()),
+    "alpaca": ({"id", "dataset", "prompt", "tags", "input"}, set()),
+    "synthetic": ({"id", "dataset", "prompt", "tags"}, set()),
+    "structured": ({"id", "dataset", "prompt", "tags", "chat", "reference"}, set()),
+    "code": ({"id", "dataset", "prompt", "tags", "chat"}, {"reference"}),
+}
 
 DIACRITICS = "ąćęłńóśźż"
 MONTHS = "stycznia|lutego|marca|kwietnia|maja|czerwca|lipca|sierpnia|września|października|listopada|grudnia"
@@ -45,11 +59,15 @@ def write(tmp_path, name: str, text: str):
 # --- bundled sets ------------------------------------------------------------------------------
 
 
+def test_every_bundled_set_is_tested():
+    assert set(SIZES) == set(BUNDLED) == set(FIELDS)
+
+
 @pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_set_is_well_formed(name):
     prompts = load_bundled(name)
     ids = [p.id for p in prompts]
-    assert len(set(ids)) == len(ids) >= 50
+    assert len(set(ids)) == len(ids) == SIZES[name]
     for p in prompts:
         assert re.fullmatch(rf"{name}-\d{{3}}", p.id), p.id
         assert p.dataset == name and p.tags
@@ -59,15 +77,34 @@ def test_bundled_set_is_well_formed(name):
 
 @pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_schema(name):
-    allowed = {"id", "dataset", "prompt", "tags"} | ({"input"} if name == "alpaca" else set())
+    required, optional = FIELDS[name]
     for r in raw_records(name):
-        assert set(r) <= allowed and {"id", "dataset", "prompt", "tags"} <= set(r), r
+        assert required <= set(r) <= required | optional, r
         assert r["dataset"] == name
         assert isinstance(r["prompt"], str) and isinstance(r.get("input", ""), str)
         assert r["tags"] and all(isinstance(t, str) and t for t in r["tags"])
+        assert isinstance(r.get("chat", False), bool)
+        assert isinstance(r.get("reference", "x"), str) and r.get("reference", "x").strip()
 
 
 @pytest.mark.parametrize("name", BUNDLED)
+def test_chat_comes_from_the_record_or_is_left_to_the_run(name):
+    records = {r["id"]: r for r in raw_records(name)}
+    for p in load_bundled(name):
+        assert p.chat is records[p.id].get("chat")  # None where the record does not say
+    if name in ("wiki", "alpaca", "synthetic"):
+        assert all(p.chat is None for p in load_bundled(name))  # their runs decide, as before
+
+
+@pytest.mark.parametrize("name", sorted(LENGTHS))
+def test_new_sets_keep_their_length_limits_and_mix_lengths(name):
+    low, high = LENGTHS[name]
+    lengths = [len(p.text) for p in load_bundled(name)]
+    assert low <= min(lengths) and max(lengths) <= high
+    assert sum(n < 300 for n in lengths) >= 5 and sum(n > 500 for n in lengths) >= 3
+
+
+@pytest.mark.parametrize("name", POLISH)
 def test_bundled_set_is_polish_with_diacritics(name):
     texts = [p.text for p in load_bundled(name)]
     joined = " ".join(texts).lower()
@@ -127,6 +164,121 @@ def test_alpaca_joins_instruction_and_input():
     assert len({r["tags"][0] for r in records}) >= 10  # many kinds of task
 
 
+def _copied_share(reference: str, prompt: str, span: int = 8) -> float:
+    """The share of `reference`'s characters that lie in a run of >= `span` characters found in `prompt`."""
+    covered, i = [False] * len(reference), 0
+    while i + span <= len(reference):
+        if reference[i : i + span] in prompt:
+            j = i + span
+            while j < len(reference) and reference[i : j + 1] in prompt:
+                j += 1
+            covered[i:j] = [True] * (j - i)
+            i = j
+        else:
+            i += 1
+    return sum(covered) / len(reference)
+
+
+def _longest_copied_run(reference: str, prompt: str) -> int:
+    best = 0
+    for i in range(len(reference)):
+        while i + best < len(reference) and reference[i : i + best + 1] in prompt:
+            best += 1
+    return best
+
+
+def _words(text: str) -> list[str]:
+    return [w.lower() for w in re.findall(r"\w{3,}", text)]
+
+
+@pytest.mark.parametrize("record", raw_records("structured"), ids=lambda r: r["id"])
+def test_structured_continuations_repeat_the_prompt(record):
+    """The correct continuation (the record's `reference`) is mostly material the prompt already holds.
+
+    Copies, reorderings and rewrites repeat whole runs of text: a run of >= 20 characters, and >= 60 % of the
+    continuation in runs of >= 8 (the n-grams a lookup drafter can match). Format conversions (`convert`:
+    CSV -> Markdown, JSON -> YAML) rewrite every separator, so there every word of >= 3 letters but a few
+    (true -> "tak") must come from the prompt, and >= 40 % in runs of >= 8.
+    """
+    prompt, reference = record["prompt"], record["reference"]
+    copied = _copied_share(reference, prompt)
+    if "convert" in record["tags"]:
+        words = _words(reference)
+        assert sum(w in prompt.lower() for w in words) >= 0.9 * len(words)
+        assert copied >= 0.4, copied
+    else:
+        assert _longest_copied_run(reference, prompt) >= 20
+        assert copied >= 0.6, copied
+    assert not prompt[-1].isspace() and record["chat"] is False
+
+
+def test_structured_set_is_copy_heavy_and_covers_every_kind():
+    records = raw_records("structured")
+    shares = [_copied_share(r["reference"], r["prompt"]) for r in records]
+    assert sum(shares) / len(shares) >= 0.8
+    kinds = [r["tags"][0] for r in records]
+    for kind, at_least in {
+        "renumber": 4,
+        "reorder": 3,
+        "table-md": 3,
+        "table-csv": 3,
+        "facts": 5,
+        "quote": 3,
+        "json": 3,
+        "code-edit": 3,
+        "correct": 2,
+        "template": 2,
+        "list-from-text": 2,
+    }.items():
+        assert kinds.count(kind) >= at_least, kind
+    assert sum(k.startswith("rewrite-") for k in kinds) >= 4
+
+
+def test_code_continuations_are_python_that_parses():
+    """A continuation-style prompt plus its reference completion is a valid Python module."""
+    continuations = [r for r in raw_records("code") if not r["chat"]]
+    for r in continuations:
+        assert "reference" in r, r["id"]
+        tree = ast.parse(r["prompt"] + r["reference"])
+        assert any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in ast.walk(tree)), r["id"]
+        assert re.search(r"^(def|class|@|import|from) ", r["prompt"], re.M), r["id"]
+
+
+def test_code_instructions_hold_code_that_parses():
+    instructions = [r for r in raw_records("code") if r["chat"]]
+    with_code = 0
+    for r in instructions:
+        assert "reference" not in r and not r["prompt"].lstrip().startswith(("def ", "class ")), r["id"]
+        for block in re.findall(r"```python\n(.*?)```", r["prompt"], re.S):
+            ast.parse(block)
+            with_code += 1
+    assert with_code >= 8
+
+
+def test_code_set_mixes_chat_and_continuation_kinds_and_languages():
+    records = raw_records("code")
+    chat = [r for r in records if r["chat"]]
+    assert 0.4 <= len(chat) / len(records) <= 0.6
+    kinds = {(r["tags"][0], r["chat"]) for r in records}
+    for kind in ["complete", "rename", "refactor", "docstring", "tests", "parameter"]:
+        assert (kind, False) in kinds, kind
+    for kind in ["write", "rename", "refactor", "docstring", "tests"]:
+        assert (kind, True) in kinds, kind
+    for lang in ["en", "pl"]:
+        assert sum(lang in r["tags"] and r["tags"][0] == "write" for r in records) >= 4, lang
+        assert sum(lang in r["tags"] for r in records) >= 10, lang
+    for r in records:
+        assert ("en" in r["tags"]) != ("pl" in r["tags"]), r["id"]
+        if "pl" in r["tags"]:
+            assert any(c in DIACRITICS for c in r["prompt"].lower()), r["id"]
+
+
+def test_chat_for_prefers_the_prompt_and_falls_back_to_the_run():
+    assert chat_for(Prompt("a", "d", "t", chat=True), False) is True
+    assert chat_for(Prompt("a", "d", "t", chat=False), True) is False
+    assert chat_for(Prompt("a", "d", "t"), True) is True and chat_for(Prompt("a", "d", "t"), False) is False
+
+
 def test_synthetic_questions_are_short_one_liners():
     for p in load_bundled("synthetic"):
         assert "\n" not in p.text and p.text.endswith("?") and len(p.text) <= 100, p.id
@@ -137,7 +289,7 @@ def test_examples_are_short_and_come_from_the_sets():
     assert set(ex) == set(BUNDLED)
     for name, texts in ex.items():
         assert len(texts) == 2 and all(len(t) <= ds.EXAMPLE_MAX_CHARS for t in texts)
-        assert set(texts) <= {p.text for p in load_bundled(name)}
+        assert set(texts) <= {p.text for p in load_bundled(name) if p.chat is not True}  # the app's chat is off
     with pytest.raises(ValueError, match="k must be positive"):
         ds.examples(k=0)
 
@@ -235,9 +387,109 @@ def test_csv_without_the_text_column_is_an_error(tmp_path):
     assert load_file(path, text_field="question").prompts[0].text == "Ile nóg ma pająk?"
 
 
+def test_csv_unterminated_quote_is_one_bad_line_not_the_rest_of_the_file(tmp_path):
+    """Finding 13: an unterminated quote used to swallow the rest of the file into one prompt, silently."""
+    text = 'id,prompt\nq1,"Ile nóg ma pająk?\nq2,Jaka jest stolica Czech?\nq3,Kto napisał „Lalkę”?\n'
+    result = load_file(write(tmp_path, "pytania.csv", text))
+    assert [(p.id, p.text) for p in result.prompts] == [
+        ("q2", "Jaka jest stolica Czech?"),
+        ("q3", "Kto napisał „Lalkę”?"),
+    ]
+    assert [e.line for e in result.errors] == [2]
+    assert "unterminated quote" in result.errors[0].message and "never closed" in result.errors[0].message
+    with pytest.warns(UserWarning, match="skipped 1 bad line.*line 2: unterminated quote"):
+        assert len(load(str(tmp_path / "pytania.csv"))) == 2
+
+
+def test_csv_quote_closed_lines_later_is_reported_where_it_opens(tmp_path):
+    text = 'id,prompt\nq1,"Ile nóg ma pająk?\nq2,Jaka jest stolica Czech?\nq3,"Kto napisał „Lalkę”?"\nq4,Ostatnie\n'
+    result = load_file(write(tmp_path, "pytania.csv", text))
+    assert [p.id for p in result.prompts] == ["q2", "q3", "q4"]
+    assert [(e.line, e.message) for e in result.errors] == [
+        (
+            2,
+            "unterminated quote? the quoted cell that opens on this line runs to line 4, then has text after its "
+            "closing quote",
+        )
+    ]
+
+
+def test_csv_text_after_a_closing_quote_and_split_cells_are_bad_lines(tmp_path):
+    text = 'id,prompt,tags\nq1,"Ala" ma kota,\nq2,Ala, ma kota,zwierzęta,dom\nq3,"Cytat: ""Ala ma kota""",\nq4,ok,a,,\n'
+    result = load_file(write(tmp_path, "zdania.csv", text))
+    assert [(p.id, p.text) for p in result.prompts] == [("q3", 'Cytat: "Ala ma kota"'), ("q4", "ok")]
+    messages = {e.line: e.message for e in result.errors}
+    assert set(messages) == {2, 3}
+    assert messages[2].startswith("text after a closing quote")
+    assert messages[3].startswith("5 cells, but the header has 3 columns")
+
+
+def test_csv_line_numbers_hold_with_crlf_and_blank_rows(tmp_path):
+    text = 'id,prompt\r\n\r\nq1,"Dwie\r\nlinie"\r\n , \r\nq2,"otwarty\r\nq3,ostatni\r\n'
+    result = load_file(write(tmp_path, "okna.csv", text))
+    assert [(p.id, p.text) for p in result.prompts] == [("q1", "Dwie\r\nlinie"), ("q3", "ostatni")]
+    assert [e.line for e in result.errors] == [6]
+
+
+def test_csv_with_semicolons_and_a_chat_column(tmp_path):
+    text = "id;prompt;chat\nq1;Napisz funkcję w Pythonie.;tak\nq2;def f(x):;false\n"
+    text += "q3;Ile nóg ma pająk?;\nq4;Kraków to;TRUE\n"
+    result = load_file(write(tmp_path, "excel.csv", text))
+    assert [(p.id, p.chat) for p in result.prompts] == [("q2", False), ("q3", None), ("q4", True)]
+    assert [(e.line, e.message) for e in result.errors] == [
+        (2, "field 'chat' must be true, false or empty (got 'tak')")
+    ]
+
+
+def test_csv_header_problems_are_errors(tmp_path):
+    with pytest.raises(InputError, match=r"line 1: the CSV header names column 'prompt' twice"):
+        load_file(write(tmp_path, "dwa.csv", "prompt,prompt\na,b\n"))
+    with pytest.raises(InputError, match=r"line 1: cannot read the CSV header"):
+        load_file(write(tmp_path, "zly.csv", 'id,"prompt\n'))
+
+
+def test_jsonl_records_that_are_not_one_object_per_line_are_reported(tmp_path):
+    text = "\n".join(
+        [
+            "{",  # 1: a pretty-printed object
+            '  "prompt": "Ile nóg ma pająk?"',  # 2
+            "}",  # 3
+            '[{"prompt": "Tablica zamiast obiektu"}]',  # 4
+            '{"prompt": "pierwszy", "prompt": "drugi"}',  # 5
+            "[" * 100_000 + "]" * 100_000,  # 6: too deep for the parser
+            '{"prompt": "Zepsuty \\ud800 znak"}',  # 7: a lone surrogate would break every tokenizer
+            '{"prompt": "Dobry", "chat": "no"}',  # 8: explicit words are fine
+            '{"prompt": "Zły", "chat": 1}',  # 9: no truthiness
+            '{"prompt": "Zły", "id": ["a"]}',  # 10
+            '{"prompt": "Zły", "tags": ["ok", 3]}',  # 11
+            '{"prompt": "Zły", "input": 7}',  # 12
+            '{"prompt": "Dobry", "id": 12, "chat": true, "reference": "ignored"}',  # 13
+        ]
+    )
+    result = load_file(write(tmp_path, "zle.jsonl", text))
+    assert [(p.id, p.chat) for p in result.prompts] == [("zle-008", False), ("12", True)]
+    messages = {e.line: e.message for e in result.errors}
+    assert sorted(messages) == [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12]
+    assert messages[1].endswith("the record does not end on this line (JSON Lines needs one whole object per line)")
+    assert "got an array" in messages[4]
+    assert messages[5] == "key 'prompt' appears twice in one object"
+    assert messages[6] == "invalid JSON (nested too deeply to read)"
+    assert messages[7] == "field 'prompt' is not valid Unicode (a lone surrogate '\\ud800' at character 9)"
+    assert "field 'chat' must be true, false or empty (got 1)" == messages[9]
+    assert "field 'id' must be" in messages[10] and "field 'tags' must be a list of strings" in messages[11]
+    assert messages[12] == "field 'input' must be a string (got int)"
+    assert all("\n" not in m for m in messages.values())
+
+
+def test_files_that_are_not_utf8_say_which_line(tmp_path):
+    (tmp_path / "latin2.csv").write_bytes("id,prompt\nq1,Zażółć\n".encode("iso-8859-2"))
+    with pytest.raises(InputError, match=r"latin2.csv: line 2 is not UTF-8 \(save the file as UTF-8\)"):
+        load_file(tmp_path / "latin2.csv")
+
+
 @pytest.mark.parametrize("name", ["pusty.jsonl", "pusty.csv"])
 def test_empty_file_is_an_error(tmp_path, name):
-    with pytest.raises(ValueError, match="no valid prompt|no column"):
+    with pytest.raises(InputError, match="no valid prompt in .*the file is empty|the CSV file is empty"):
         load_file(write(tmp_path, name, ""))
 
 
@@ -323,3 +575,9 @@ def test_helpers_match_their_docstrings():
     assert ds.record_to_prompt(
         {"prompt": "Ile nóg ma pająk?", "tags": ["biology"]}, dataset="mine", text_field="prompt", default_id="mine-001"
     ) == Prompt("mine-001", "mine", "Ile nóg ma pająk?", ("biology",))
+    rows = list(prompt_files.jsonl_rows('{"prompt": "Ile nóg ma pająk?"}\n\n[1]'))
+    assert rows[0] == (1, {"prompt": "Ile nóg ma pająk?"}) and rows[1][0] == 3
+    assert str(rows[1][1]).startswith("expected a JSON object, got an array")
+    rows = list(prompt_files.csv_rows('id,prompt\nq1,"Ile nóg\nq2,Jaka jest stolica Czech?\n', "prompt", "p.csv"))
+    assert rows[0][0] == 2 and str(rows[0][1]).startswith("unterminated quote")
+    assert rows[1] == (3, {"id": "q2", "prompt": "Jaka jest stolica Czech?"})
