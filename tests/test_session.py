@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -9,31 +10,20 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from uag.generate import SPECULATIVE
+from uag.access import Access, check_drafter, check_model, client_of, is_remote, names_for_remote
+from uag.config import MAX_TOKENS, SPECULATIVE
+from uag.errors import InputError
 from uag.highlight import DRAFT, TARGET
+from uag.history import C_FITTED, C_STUDY, HISTORY_COLUMNS, history_frame, history_row
 from uag.records import Cycle, Run, Token
-from uag.session import (
-    C_FITTED,
-    C_STUDY,
-    HISTORY_COLUMNS,
-    MAX_TOKENS,
-    Access,
-    InputError,
-    Session,
-    Settings,
-    check_model,
-    explain,
-    history_frame,
-    history_row,
-    is_remote,
-    labelled_spans,
-    mismatch,
-    stats_of,
-)
+from uag.session import Session
+from uag.settings import Settings, check_prompt
+from uag.views import explain, labelled_spans, mismatch, stats_of
 from uag.worker import MLXWorker
 
 REMOTE = Access(remote=True)
-REMOTE_ANY = Access(remote=True, allow_any_model=True)
+REMOTE_PRESETS = Access(remote=True, remote_models="presets")
+REMOTE_ANY = Access(remote=True, remote_models="any")
 LOCAL = Access()
 
 
@@ -42,10 +32,12 @@ LOCAL = Access()
 
 def test_settings_parse_coerces_form_values():
     settings = Settings.parse(target=" demo-target ", k=3.0, window="8", max_tokens=12.0, temperature="0.5", seed=None)
-    assert (settings.target, settings.k, settings.window, settings.max_tokens) == ("demo-target", 3, 8, 12)
-    assert settings.temperature == 0.5 and settings.seed is None
-    assert Settings.parse(seed="").seed is None
+    g = settings.generation
+    assert (settings.target, g.k, g.window, g.max_tokens) == ("demo-target", 3, 8, 12)
+    assert g.temperature == 0.5 and g.seed is None
+    assert Settings.parse(seed="").generation.seed is None
     assert Settings.parse() == Settings()
+    assert Settings.parse(chat="false").generation.chat is False and Settings.parse(chat=True).generation.chat
 
 
 @pytest.mark.parametrize(
@@ -58,14 +50,15 @@ def test_settings_parse_coerces_form_values():
         ({"k": True}, "k (draft length) must be a whole number"),
         ({"max_tokens": 0}, f"max tokens must be a whole number from 1 to {MAX_TOKENS} (got 0)"),
         ({"max_tokens": MAX_TOKENS + 1}, "max tokens must be"),
-        ({"window": -1}, "the context window must be a whole number from 0"),
-        ({"temperature": -0.1}, "temperature must be from 0 to 2.0 (got -0.1)"),
-        ({"temperature": float("nan")}, "temperature must be from 0 to 2.0"),
-        ({"temperature": "hot"}, "temperature must be from 0 to 2.0 (got 'hot')"),
-        ({"temperature": 3}, "temperature must be from 0 to 2.0 (got 3)"),
+        ({"window": -1}, "context window W must be a whole number from 0"),
+        ({"temperature": -0.1}, "temperature must be a number from 0 to 2 (got -0.1)"),
+        ({"temperature": float("nan")}, "temperature must be a number from 0 to 2"),
+        ({"temperature": "hot"}, "temperature must be a number from 0 to 2 (got 'hot')"),
         ({"strategy": "baseline"}, f"strategy must be one of {', '.join(SPECULATIVE)} (got 'baseline')"),
         ({"seed": -1}, "seed must be a whole number from 0"),
+        ({"chat": "no"}, "chat template must be true or false (got 'no')"),  # finding 9: not bool("no")
         ({"colour": "red"}, "unknown settings: colour"),
+        ({"target": 7}, "the target must be a name"),
     ],
 )
 def test_settings_parse_says_what_is_wrong(raw, message):
@@ -76,8 +69,26 @@ def test_settings_parse_says_what_is_wrong(raw, message):
 
 def test_settings_parse_lists_every_problem():
     with pytest.raises(InputError) as err:
-        Settings.parse(k=99, temperature=-1, max_tokens=0)
-    assert str(err.value).count(";") == 2
+        Settings.parse(k=99, temperature=-1, max_tokens=0, strategy="baseline")
+    assert str(err.value).count(";") == 3
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "the prompt is empty"),
+        (None, "the prompt is empty"),
+        (" \n ", "the prompt is empty"),
+        ("x" * 20_001, "at most 20000"),
+        ("Ala \ud83d ma kota", "not valid text at position 5 (a lone surrogate"),  # finding 5: raw JSON surrogate
+        ("a\x00b", "NUL character"),
+        (42, "the prompt must be text (got a number)"),
+    ],
+)
+def test_check_prompt(prompt, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        check_prompt(prompt)
+    assert check_prompt("Hej ") == "Hej "  # as typed: trailing spaces change the tokens
 
 
 # --- who may load what -------------------------------------------------------------------------------------
@@ -101,9 +112,9 @@ def test_is_remote(host, headers, share, remote):
     assert is_remote(host, headers, share=share) is remote
 
 
-@pytest.mark.parametrize("name", ["demo-target", "demo-drafter", "mlx-community/Qwen2.5-1.5B-Instruct-4bit"])
-def test_presets_are_open_to_everyone(name):
-    for access in (LOCAL, REMOTE, REMOTE_ANY):
+@pytest.mark.parametrize("name", ["demo-target", "demo-drafter"])
+def test_demo_models_are_open_to_everyone(name):
+    for access in (LOCAL, REMOTE, REMOTE_PRESETS, REMOTE_ANY):
         assert check_model(name, "target", access=access) == name
 
 
@@ -112,9 +123,14 @@ def test_local_user_may_load_anything():
     assert check_model("/models/mine", "drafter", access=LOCAL) == "/models/mine"
 
 
-def test_remote_user_gets_presets_and_loaded_models_only():
-    with pytest.raises(InputError, match="--allow-any-model"):
-        check_model("org/model", "target", access=REMOTE)
+def test_remote_users_load_hub_models_only_where_the_operator_allows():  # finding 8: a 12 GB preset
+    big = "speakleash/Bielik-11B-v3.0-Instruct-MLX-8bit"
+    with pytest.raises(InputError, match="not available to remote users") as err:
+        check_model(big, "target", access=REMOTE)
+    assert "--" not in str(err.value)  # finding 10: no command-line flags in the app's words
+    assert check_model(big, "target", access=REMOTE_PRESETS) == big
+    with pytest.raises(InputError, match="not available to remote users"):
+        check_model("org/model", "target", access=REMOTE_PRESETS)
     assert check_model("org/model", "target", access=REMOTE, loaded=["org/model"]) == "org/model"
     assert check_model("org/model", "target", access=REMOTE_ANY) == "org/model"
 
@@ -124,6 +140,18 @@ def test_remote_user_gets_presets_and_loaded_models_only():
 def test_remote_user_never_loads_a_local_path(path, access):
     with pytest.raises(InputError, match="model folders on the server can be chosen only by someone on that machine"):
         check_model(path, "drafter", access=access)
+
+
+def test_remote_users_never_see_or_use_a_path_a_local_user_loaded(tmp_path):  # finding 2
+    folder = str(tmp_path / "demo-drafter-1")
+    loaded = ["demo-target", folder, "org/model"]
+    assert names_for_remote(loaded) == ["demo-target", "org/model"]
+    with pytest.raises(InputError) as err:
+        check_model(folder, "drafter", access=REMOTE, loaded=loaded)
+    assert "not a hub id" in str(err.value)
+    with pytest.raises(InputError) as err:
+        check_model("org/other", "drafter", access=REMOTE, loaded=loaded)
+    assert str(tmp_path) not in str(err.value) and "org/model" in str(err.value)
 
 
 def test_a_hub_shaped_name_that_is_a_local_folder_is_local(tmp_path, monkeypatch):
@@ -136,6 +164,33 @@ def test_a_hub_shaped_name_that_is_a_local_folder_is_local(tmp_path, monkeypatch
 def test_empty_model_name():
     with pytest.raises(InputError, match="choose a drafter"):
         check_model("  ", "drafter", access=LOCAL)
+
+
+@pytest.mark.parametrize(
+    "text, access, expected",
+    [
+        ("lookup", REMOTE, "lookup"),
+        (" lookup+demo-drafter ", REMOTE, "lookup+demo-drafter"),
+        ("demo-drafter", REMOTE, "demo-drafter"),
+        ("lookup+/models/mine", LOCAL, "lookup+/models/mine"),
+    ],
+)
+def test_drafter_kinds(text, access, expected):
+    assert check_drafter(text, access=access) == expected
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("lookup+/etc", "not a hub id"), ("lookup+", "after lookup+ name a drafter model"), ("", "no drafter given")],
+)
+def test_drafter_kinds_refused(text, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        check_drafter(text, access=REMOTE)
+
+
+def test_client_of_takes_the_forwarded_address():
+    assert client_of("127.0.0.1", {"X-Forwarded-For": "203.0.113.9, 10.0.0.1"}) == "203.0.113.9"
+    assert client_of("192.168.1.7", {}) == "192.168.1.7" and client_of(None) == "unknown"
 
 
 class _NoWorker:
@@ -153,16 +208,15 @@ class _NoWorker:
         ("", Settings(), LOCAL, "the prompt is empty"),
         ("   \n ", Settings(), LOCAL, "the prompt is empty"),
         ("x" * 20_001, Settings(), LOCAL, "at most 20000"),
-        ("Hej", Settings(target="org/unknown"), REMOTE, "--allow-any-model"),
+        ("Hej", Settings(target="org/unknown"), REMOTE, "not available to remote users"),
         ("Hej", Settings(drafter="/tmp/model"), REMOTE_ANY, "not a hub id"),
         ("Hej", Settings(target=""), LOCAL, "choose a target"),
-        ("Hej", Settings(k=40), LOCAL, "k (draft length) must be a whole number from 1 to 32"),
     ],
 )
 def test_compare_refuses_bad_input_with_one_clear_update(prompt, settings, access, message):
     session = Session(worker=_NoWorker())
     (update,) = session.compare(prompt, settings, access=access)
-    assert update.state == "error" and message in update.status
+    assert update.state == "error" and message in update.status and update.status.startswith("**Cannot run:**")
     assert update.baseline_text is None and update.spans is None  # what was shown stays
 
 
@@ -173,11 +227,26 @@ def test_a_model_that_cannot_load_is_reported(tmp_path):
     session.worker.close(timeout=5)
 
 
+def test_an_internal_error_is_logged_with_its_traceback_and_shown_as_such(caplog):
+    session = Session(worker=MLXWorker(name="test-worker"))
+
+    def broken(job, *args):
+        yield from ()
+        raise KeyError("a bug")
+
+    session._compare_job = broken
+    updates = list(session.compare("Hej", Settings(), access=LOCAL))
+    final = updates[-1]
+    assert final.state == "error" and final.status.startswith("**Internal error**") and "KeyError" not in final.status
+    assert any(record.exc_info and record.exc_info[0] is KeyError for record in caplog.records)
+    session.worker.close(timeout=5)
+
+
 def test_access_follows_the_share_flag():
     assert Session(worker=_NoWorker()).access("127.0.0.1") == Access(remote=False)
-    shared = Session(worker=_NoWorker(), share=True, allow_any_model=True)
-    assert shared.access("127.0.0.1") == Access(remote=True, allow_any_model=True)
-    assert "not a local folder" in shared.access_note(shared.access("127.0.0.1"))
+    shared = Session(worker=_NoWorker(), share=True, remote_models="any")
+    assert shared.access("127.0.0.1") == Access(remote=True, remote_models="any")
+    assert "no local folders" in shared.access_note(shared.access("127.0.0.1"))
 
 
 # --- the worker ---------------------------------------------------------------------------------------------
@@ -356,12 +425,12 @@ def test_stats_have_the_numbers_users_ask_for():
     assert stats["cycles"] == 5 and stats["identical"] is True
     assert stats["time_split_ms"] == {"draft": 500.0, "translate": 50.0, "verify": 1000.0, "resync": 50.0}
     assert stats["baseline"]["generated_tokens"] == 11 and stats["speculative"]["cycles"] == 5
-    sampled = stats_of(Settings(temperature=0.8), baseline, speculative)
+    sampled = stats_of(Settings.parse(temperature=0.8), baseline, speculative)
     assert any("separate samples" in note for note in sampled["notes"])
 
 
 def _row(alpha, speedup, k=2, prompt="p", drafter="demo-drafter", r=0.5):
-    settings = Settings(drafter=drafter, k=k)
+    settings = Settings.parse(drafter=drafter, k=k)
     baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)
     proposed = 10
     accepted = round(alpha * proposed)
@@ -421,7 +490,7 @@ def test_load_results_reports_bad_files(tmp_path):
     junk = tmp_path / "junk.db"
     junk.write_text("not a database")
     frame, message = session.load_results(junk)
-    assert frame is None and message.startswith("Could not read junk.db")
+    assert frame is None and message.startswith("junk.db is not a results file") and str(tmp_path) not in message
 
 
 def test_exports(tmp_path):
@@ -441,7 +510,7 @@ PROMPT = "Stolica Polski to"
 
 @pytest.mark.slow
 def test_compare_streams_target_alone_then_speculative(app_session):
-    updates = list(app_session.compare(PROMPT, Settings(max_tokens=6)))
+    updates = list(app_session.compare(PROMPT, Settings.parse(max_tokens=6)))
     final = updates[-1]
     assert final.state == "done", final.status
     # The target alone streams and finishes before the speculative run shows anything.
@@ -459,7 +528,7 @@ def test_compare_streams_target_alone_then_speculative(app_session):
 
 @pytest.mark.slow
 def test_stop_ends_a_comparison_within_a_cycle_and_the_app_keeps_serving(app_session):
-    updates = app_session.compare(PROMPT, Settings(max_tokens=MAX_TOKENS), owner="tab-1")
+    updates = app_session.compare(PROMPT, Settings.parse(max_tokens=512), owner="tab-1")
     for update in updates:
         if update.baseline_text:  # the target alone has produced its first tokens
             shown = len(update.baseline_text)
@@ -470,7 +539,7 @@ def test_stop_ends_a_comparison_within_a_cycle_and_the_app_keeps_serving(app_ses
     assert final.baseline.finish_reason == "stopped"
     assert shown <= len(final.baseline_text) and final.baseline.generated < 50  # of up to 512
     assert not app_session.stop("tab-1")  # nothing left running for that tab
-    again = list(app_session.compare(PROMPT, Settings(max_tokens=3)))[-1]
+    again = list(app_session.compare(PROMPT, Settings.parse(max_tokens=3)))[-1]
     assert again.state == "done"
 
 
@@ -479,7 +548,7 @@ def test_worker_cancel_takes_effect_before_the_next_cycle(app_session):
     from uag.generate import stream
 
     target, drafter = app_session.store.get("demo-target"), app_session.store.get("demo-drafter")
-    config = Settings(max_tokens=100).config("context")
+    config = Settings.parse(max_tokens=100).config()
 
     def job_fn(job):
         run = None

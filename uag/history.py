@@ -110,7 +110,7 @@ def plot_view(
     elif file_r is not None:
         r, pair, r_from = file_r, None, "the results file's drafter/target bytes (median)"
     else:
-        r, pair, r_from = STUDY_R, None, "the study's (no run of a drafter model here yet)"
+        r, pair, r_from = STUDY_R, None, "the study's (no run here yet)"
     c, c_from = STUDY_C, "the study's (M2 Pro)"
     if c_choice == C_FITTED:
         same = history[(history["target"] == pair[0]) & (history["drafter"] == pair[1])] if pair else history

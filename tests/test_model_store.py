@@ -1,0 +1,89 @@
+"""The model store: one copy per resolved model, LRU eviction within a budget, clear messages for bad folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from uag.errors import ModelError
+from uag.models import ModelStore
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Three tiny model folders (real tokenizers, random weights) copied under one parent."""
+    from tests.support.tiny_models import build_tiny
+
+    root = tmp_path_factory.mktemp("models")
+    folders = []
+    for i, (arch, tokenizer) in enumerate((("mistral", "mistral-v1"), ("qwen2", "qwen2.5"), ("llama", "qwen2.5"))):
+        folder = root / f"m{i}"
+        shutil.copytree(build_tiny(arch, tokenizer), folder)
+        folders.append(folder)
+    return root, folders
+
+
+def test_every_spelling_of_a_folder_is_one_model(tiny, monkeypatch):  # finding 8
+    root, (m0, *_) = tiny
+    monkeypatch.chdir(root)
+    store = ModelStore()
+    first = store.get("m0")
+    for spelling in ("m0/", "m0//", "./m0", str(m0), f"{root}/./m0"):
+        assert store.get(spelling) is first and spelling in store
+    assert store.loaded == ["m0"]
+
+
+def test_the_least_recently_used_model_is_unloaded_beyond_the_budget(tiny):
+    _, (m0, m1, m2) = tiny
+    store, gone = ModelStore(max_models=2), []
+    store.on_evict.append(lambda model: gone.append(model.name))
+    a = store.get(str(m0))
+    store.get(str(m1))
+    store.get(str(m0))  # m0 is now the most recently used
+    store.get(str(m2))
+    assert gone == [str(m1)] and store.loaded == [str(m0), str(m2)] and store.holds(a)
+    store.get(str(m1), keep=[str(m0)])  # m0 is in use by the job: m2 goes instead
+    assert gone == [str(m1), str(m2)] and set(store.loaded) == {str(m0), str(m1)}
+
+
+def test_a_gigabyte_budget_unloads_down_to_it(tiny):
+    _, (m0, m1, _) = tiny
+    store = ModelStore(max_gb=1e-12)  # smaller than any model: only the one just loaded stays
+    store.get(str(m0))
+    store.get(str(m1))
+    assert store.loaded == [str(m1)]
+
+
+def test_fewer_than_two_models_cannot_hold_a_pair():
+    with pytest.raises(ValueError, match="at least 2"):
+        ModelStore(max_models=1)
+
+
+def _broken_copy(tiny, tmp_path, name):
+    _, (m0, *_) = tiny
+    folder = tmp_path / name
+    shutil.copytree(m0, folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: (f / "config.json").write_text(json.dumps({"hidden_size": 64})), "config.json names no model_type"),
+        (lambda f: (f / "config.json").write_text("{oops"), "config.json is not valid JSON (line 1)"),
+        (
+            lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:5000]),
+            "model.safetensors is incomplete or damaged",
+        ),
+        (lambda f: (f / "model.safetensors").write_bytes(b"\x01\x02"), "model.safetensors is incomplete or damaged"),
+    ],
+)
+def test_a_damaged_folder_gets_a_message_the_user_can_act_on(tiny, tmp_path, damage, message):  # finding 5
+    folder = _broken_copy(tiny, tmp_path, "broken")
+    damage(folder)
+    with pytest.raises(ModelError) as err:
+        ModelStore().get(str(folder))
+    text = str(err.value)
+    assert message in text and "Error" not in text and "Traceback" not in text
