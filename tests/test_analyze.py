@@ -22,6 +22,16 @@ def test_docstring_examples():
     assert doctest.testmod(analysis_module).failed == 0
 
 
+def test_analysis_json_gives_no_number_for_an_unreachable_break_even(tmp_path, capsys):
+    runs = {("d", "context", 2): (2, 2, 12.0), ("d", "context", 8): (1, 8, 4.0)}
+    path = db_with(tmp_path, [(f"w{i}", 10.0, runs, "wiki") for i in range(3)])
+    assert main([str(path), "--out", str(tmp_path / "out"), "--json"]) == 0
+    table7 = json.loads(capsys.readouterr().out)["tables"]["table7_model"]
+    paper = next(row for row in table7 if row["source"] == "paper (M2 Pro)" and row["form"] == "study")
+    assert paper["alpha_star_k8"] is None and 8 in paper["unreachable_k"] and paper["alpha_star_k2"] == 0.44
+    assert all(v is None or v <= 1 for row in table7 for c, v in row.items() if c.startswith("alpha_star_k"))
+
+
 def db_with(tmp_path, prompts) -> str:
     """A results file from [(prompt_id, tps_base, runs, dataset)] (see synthetic_runs.add_prompt)."""
     path = tmp_path / "results.db"
@@ -139,8 +149,13 @@ def test_leviathan_alpha_star_extends_costmodel_past_one(k, r, c):
 
 def test_model_only_reproduces_table7_of_the_paper(capsys):
     assert main(["--model-only", "--r", "0.07", "--c", "0.185", "--k", "2,4,6", "--json"]) == 0
-    study = next(row for row in json.loads(capsys.readouterr().out)["table7_model"] if row["form"] == "study")
-    assert [study["alpha_star_k2"], study["alpha_star_k4"], study["alpha_star_k6"]] == pytest.approx([0.44, 0.81, 1.18])
+    rows = {row["form"]: row for row in json.loads(capsys.readouterr().out)["table7_model"]}
+    study, leviathan = rows["study"], rows["leviathan"]
+    assert [study["alpha_star_k2"], study["alpha_star_k4"]] == pytest.approx([0.44, 0.81])
+    # 1.18 and Leviathan's 1.047 at k = 6 are above 100 %: no acceptance reaches them, so no number is given.
+    assert study["alpha_star_k6"] is None and study["unreachable_k"] == [6]
+    assert leviathan["alpha_star_k6"] is None and leviathan["unreachable_k"] == [6]
+    assert leviathan["alpha_star_k4"] == pytest.approx(0.917, abs=1e-3)
 
     assert main(["--model-only", "--k", "2", "4", "6"]) == 0  # the paper's r and c by default
     study_row = next(line for line in capsys.readouterr().out.splitlines() if "| study |" in line)

@@ -1,6 +1,7 @@
 """The sweep: its plan, the checks that run before any model loads, and resuming after a SIGKILL (tiny models)."""
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from uag import bench
+from uag.config import GenerationConfig
 from uag.datasets import Prompt
 from uag.results import ResultsDB
 
@@ -20,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def sweep(**change) -> bench.Sweep:
     settings = dict(
         target="t", drafters=("d1", "d2"), strategies=("none", "context"), ks=(1, 2), datasets=("wiki",), n=2,
-        max_tokens=8, window=10, temperature=0.0, seed=None, chat=False,
+        config=GenerationConfig(max_tokens=8, window=10),
     )  # fmt: skip
     return bench.Sweep(**{**settings, **change})
 
@@ -32,6 +34,7 @@ def test_plan_runs_the_baseline_then_every_condition_per_prompt():
     jobs = bench.plan(sweep(), PROMPTS)
     assert len(jobs) == 2 * (1 + 2 * 2 * 2)
     first = [(j.prompt.id, j.spec.drafter, j.spec.strategy, j.spec.k) for j in jobs[:4]]
+    assert all(j.spec.config.max_tokens == 8 and j.spec.config.window == 10 for j in jobs)
     assert first == [("wiki-001", None, "baseline", 0), ("wiki-001", "d1", "none", 1), ("wiki-001", "d1", "none", 2),
                      ("wiki-001", "d1", "context", 1)]  # fmt: skip
     assert jobs[9].spec.strategy == "baseline" and jobs[9].prompt.id == "wiki-002"
@@ -43,11 +46,11 @@ def test_plan_runs_the_baseline_then_every_condition_per_prompt():
     "change, message",
     [(dict(ks=(0,)), "k (draft length) must be a whole number from 1 to 32 (got 0)"),
      (dict(strategies=("exact",)), "unknown strategy 'exact'"),
-     (dict(max_tokens=0), "max tokens must be a whole number from 1 to 4096 (got 0)"),
-     (dict(drafters=()), "give at least one drafter")],
+     (dict(drafters=()), "give at least one drafter"),
+     (dict(drafters=("lookup+",)), "after lookup+ name a drafter model")],
 )  # fmt: skip
 def test_bad_settings(change, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         sweep(**change).validate()
 
 
@@ -58,10 +61,13 @@ def run_main(capsys, *argv) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize(
     "extra, message",
-    [(["--k", "1", "40"], "error: k (draft length) must be a whole number from 1 to 32 (got 40)"),
+    [(["--k", "1", "40"], "error: --k: k (draft length) must be a whole number from 1 to 32 (got 40)"),
      (["--datasets", "wikii"], "error: unknown dataset 'wikii'"),
      (["--datasets", "wiki", "--n", "500"], "error: dataset 'wiki' has 75 prompts; asked for 500"),
-     (["--max-tokens", "0"], "error: max tokens must be a whole number from 1 to 4096 (got 0)")],
+     (["--max-tokens", "0"], "error: --max-tokens: max tokens must be a whole number from 1 to 4096 (got 0)"),
+     (["--temp", "inf"], "error: --temp: temperature must be a number from 0 to 2 (got inf)"),
+     (["--seed", "-1"], "error: --seed: seed must be a whole number from 0 to 2147483647 (got -1)"),
+     (["--window", "1000000000"], "error: --window: context window W must be a whole number from 0 to 64")],
 )  # fmt: skip
 def test_bad_input_is_one_error_line_before_any_model_or_file(tmp_path, capsys, extra, message):
     # The models do not exist: an error about them would mean they were looked at first.
@@ -169,3 +175,38 @@ def test_a_killed_sweep_resumes_without_losing_or_repeating_runs(tiny, tmp_path)
             "GROUP BY r.id HAVING count(c.run_id) != r.cycles"
         ).fetchall()
     assert mismatched == []
+
+
+def _sweep_argv(target, drafter, db, *extra) -> list[str]:
+    return [
+        sys.executable, "-m", "uag.bench", "--target", str(target), "--drafters", *drafter,
+        "--strategies", "none", "context", "--k", "1", "2", "--datasets", "wiki", "--n", "3", "--max-tokens", "8",
+        "--out", str(db), *extra,
+    ]  # fmt: skip
+
+
+def test_two_identical_sweeps_on_one_file_share_the_work(tiny, tmp_path):
+    """Started together: both finish (exit 0), every run is stored exactly once, with its cycles, and what each
+    stored adds up to the whole sweep."""
+    target, drafter = tiny
+    db = tmp_path / "results" / "r.db"  # the folder does not exist yet either
+    argv = _sweep_argv(target, [str(drafter), "lookup"], db)
+    expected = 3 * (1 + 2 * 2 * 2)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    logs = [tmp_path / f"sweep{i}.log" for i in (1, 2)]
+    handles = [open(log, "w") for log in logs]
+    try:
+        procs = [subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=h, stderr=h) for h in handles]
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for h in handles:
+            h.close()
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], texts
+    rows = _rows(db)
+    assert len(rows) == expected and len({key for _, key, _, _ in rows}) == expected
+    stored = [int(re.search(r"stored (\d+) runs", text).group(1)) for text in texts]
+    assert sum(stored) == expected, texts
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM claims").fetchone()[0] == 0  # nothing left reserved
+        assert conn.execute("SELECT count(DISTINCT drafter) FROM runs WHERE drafter IS NOT NULL").fetchone()[0] == 2

@@ -1,12 +1,16 @@
 """The results file: what a run stores, one transaction per run, run keys, the baseline join, bad files."""
 
+import hashlib
 import json
 import sqlite3
+import subprocess
+import sys
 from dataclasses import fields, replace
 
 import pytest
 
 from tests.support.synthetic_runs import BASELINE_MACHINE, MACHINE, TARGET, add_prompt, make_run, spec
+from uag.config import GenerationConfig
 from uag.results import ResultsDB, RunSpec, load_runs, short_name
 
 
@@ -57,37 +61,97 @@ def test_a_run_and_its_cycles_are_one_transaction(db):
 
 def test_a_run_is_stored_once(db):
     s = spec("wiki-001")
-    db.add(make_run(s, tps=10.0), spec=s, prompt="p", machine=BASELINE_MACHINE)
-    with pytest.raises(ValueError, match="already holds this run"):
-        db.add(make_run(s, tps=11.0), spec=s, prompt="p", machine=BASELINE_MACHINE)
-    assert db.runs()["tokens_per_second"].tolist() == [pytest.approx(10.0)]
+    assert db.add(make_run(s, tps=10.0), spec=s, prompt="p", machine=BASELINE_MACHINE) is not None
+    # A second copy (another sweep finished it first) writes nothing and says so.
+    assert db.add(make_run(s, tps=11.0), spec=s, prompt="p", machine=BASELINE_MACHINE) is None
+    assert db.runs()["tokens_per_second"].tolist() == [pytest.approx(10.0)] and len(db.cycles()) == 0
+
+
+def test_a_claimed_run_is_skipped_by_another_writer_until_released(tmp_path):
+    s = spec("wiki-001", "d", "context", 2)
+    with ResultsDB(tmp_path / "r.db") as first, ResultsDB(tmp_path / "r.db") as second:
+        assert first.claim(s.key) and first.claim(s.key)  # a writer may re-claim its own run
+        assert not second.claim(s.key)  # the first is computing it
+        first.add(make_run(s, tps=10.0, accepted=1, proposed=2), spec=s, prompt="p", machine=MACHINE)
+        assert not second.claim(s.key)  # stored now
+        other = spec("wiki-002", "d", "context", 2)
+        assert first.claim(other.key)
+        first.close()  # a sweep that stops releases what it did not finish
+        assert second.claim(other.key)
+
+
+def test_the_claim_of_a_killed_sweep_is_taken_over(tmp_path):
+    s = spec("wiki-001")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with ResultsDB(tmp_path / "r.db") as db:
+        host = db.owner.split(":")[0]
+        db._conn.execute(
+            "INSERT INTO claims VALUES (?, ?, ?, ?, ?)",
+            (s.key, f"{host}:{dead.stdout.strip()}:x", host, int(dead.stdout), "2026-01-01T00:00:00+00:00"),
+        )
+        assert db.claim(s.key)
 
 
 def test_a_run_must_match_its_spec(db):
     s = spec("wiki-001", "d", "context", 2)
     with pytest.raises(ValueError, match=r"k 4 \(spec: 2\)"):
-        db.add(make_run(replace(s, k=4), tps=1.0), spec=s, prompt="p", machine=MACHINE)
+        db.add(make_run(replace(s, config=s.config.replace(k=4)), tps=1.0), spec=s, prompt="p", machine=MACHINE)
+    baseline = replace(s, drafter=None, config=s.config.replace(strategy="baseline"))
     with pytest.raises(ValueError, match="baseline"):
-        db.add(make_run(s, tps=1.0), spec=replace(s, drafter=None, strategy="baseline"), prompt="p", machine=MACHINE)
+        db.add(make_run(s, tps=1.0), spec=baseline, prompt="p", machine=MACHINE)
 
 
-BASE = RunSpec("t", "d", "context", 2, 16, 32, 0.0, None, False, "wiki", "wiki-001")
-CHANGES = [dict(target="t2"), dict(drafter="d2"), dict(strategy="naive"), dict(k=4), dict(window=8),
-           dict(max_tokens=64), dict(temperature=0.7), dict(seed=1), dict(chat=True), dict(dataset="alpaca"),
-           dict(prompt_id="wiki-002")]  # fmt: skip
+BASE = RunSpec("t", "d", GenerationConfig("context", 2, window=16, max_tokens=32), "wiki", "wiki-001")
+SPEC_CHANGES = [dict(target="t2"), dict(drafter="d2"), dict(drafter="lookup+d"), dict(dataset="alpaca"),
+                dict(prompt_id="wiki-002")]  # fmt: skip
+CONFIG_CHANGES = [dict(strategy="naive"), dict(k=4), dict(window=8), dict(max_tokens=64), dict(temperature=0.7),
+                  dict(seed=1), dict(chat=True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("change", SPEC_CHANGES + CONFIG_CHANGES)
 def test_every_field_is_part_of_the_run_key(change):
-    assert replace(BASE, **change).key != BASE.key
+    changed = replace(BASE, **change) if set(change) <= {f.name for f in fields(RunSpec)} else None
+    changed = changed or replace(BASE, config=BASE.config.replace(**change))
+    assert changed.key != BASE.key
 
 
 def test_every_field_is_tested():
-    assert {name for change in CHANGES for name in change} == {f.name for f in fields(RunSpec)}
+    assert {name for change in SPEC_CHANGES for name in change} | {"config"} == {f.name for f in fields(RunSpec)}
+    assert {name for change in CONFIG_CHANGES for name in change} == {f.name for f in fields(GenerationConfig)}
 
 
 def test_run_key_normalises_numbers():
-    assert replace(BASE, temperature=0, k=2.0).key == BASE.key
+    assert replace(BASE, config=BASE.config.replace(temperature=0, k=2.0)).key == BASE.key
+
+
+def test_run_keys_are_those_of_files_written_before_specs_held_a_config():
+    """Old results files resume: the key hashes the same eleven columns as before, baselines with k = window = 0."""
+
+    def old_key(**fields):
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+    common = dict(
+        target="t", max_tokens=32, temperature=0.0, seed=None, chat=False, dataset="wiki", prompt_id="wiki-001"
+    )
+    assert BASE.key == old_key(**common, drafter="d", strategy="context", k=2, window=16)
+    baseline = RunSpec.baseline(target="t", max_tokens=32, dataset="wiki", prompt_id="wiki-001")
+    assert baseline.key == old_key(**common, drafter=None, strategy="baseline", k=0, window=0)
+
+
+def test_a_file_written_before_claims_existed_opens_and_loads(tmp_path):
+    path = tmp_path / "old.db"
+    with ResultsDB(path) as db:
+        add_prompt(db, "wiki-001", tps_base=10.0, runs={("d", "context", 2): (1, 2, 9.0)})
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE claims")
+    assert len(load_runs(path)) == 1
+    with ResultsDB(path) as db:
+        assert db.claim(spec("wiki-002").key)
+
+
+def test_a_missing_folder_for_a_new_results_file_is_created(tmp_path):
+    with ResultsDB(tmp_path / "results" / "deeper" / "r.db") as db:
+        assert db.runs().empty
 
 
 def test_load_runs_joins_each_run_to_its_baseline(tmp_path):
@@ -110,7 +174,7 @@ def test_baselines_join_on_the_decoding_settings(tmp_path):
     """A baseline at another max_tokens or seed is not the baseline of a run."""
     with ResultsDB(tmp_path / "r.db") as db:
         add_prompt(db, "wiki-001", tps_base=None, runs={("d", "context", 2): (5, 10, 12.0)})
-        other = replace(spec("wiki-001"), max_tokens=64)
+        other = replace(spec("wiki-001"), config=spec("wiki-001").config.replace(max_tokens=64))
         run = make_run(other, tps=99.0)
         db.add(run, spec=other, prompt="p", machine=BASELINE_MACHINE)
     assert load_runs(tmp_path / "r.db")["tps_base"].isna().all()
@@ -119,7 +183,7 @@ def test_baselines_join_on_the_decoding_settings(tmp_path):
 @pytest.mark.parametrize(
     "name, expected",
     [("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "Qwen2.5-1.5B-Instruct-4bit"), ("/m/drafter/", "drafter"),
-     ("demo-drafter", "demo-drafter")],
+     ("demo-drafter", "demo-drafter"), ("lookup", "lookup"), ("lookup+org/d-1B", "lookup+d-1B")],
 )  # fmt: skip
 def test_short_name(name, expected):
     assert short_name(name) == expected

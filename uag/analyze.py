@@ -24,10 +24,8 @@ Tables 2, 3, 5 and 6/8–10 are at one draft length (``--k``, default 2), as in 
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import math
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,9 +34,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from uag.command import CommandParser, number, run
 from uag.costmodel import FORMS, cycle_cost, fit_c_from_speedups
-from uag.plots import STUDY_C, STUDY_R, alpha_by_strategy, speedup_vs_alpha
-from uag.results import load_runs, short_name
+from uag.errors import InputError
+from uag.plots import STUDY_C, STUDY_R
+from uag.report import break_even_records, markdown, to_json, to_markdown, write
+from uag.results import load_runs
 from uag.stats import break_even_ols, bucket_means
 
 DEFAULT_K = 2  # the paper's tables are at k = 2
@@ -46,19 +47,6 @@ MODEL_KS = (1, 2, 4, 6, 8)
 PAPER = "paper (M2 Pro)"
 MACHINE_COLUMNS = ["platform", "python", "uag_version", "mlx_version", "device", "backend", "blas"]
 SETTINGS = ["max_tokens", "temperature", "seed", "chat", "window"]
-DEFINITIONS = (
-    "α = accepted ÷ proposed draft tokens (in target tokens); tokens/s from the first generated token to the last "
-    "(prompt processing excluded); speedup = a run's tokens/s ÷ the baseline's on the same prompt, averaged over "
-    "prompts; α* = the acceptance at which speculation breaks even (speedup 1): above 100 % it cannot pay."
-)
-TITLES = {
-    "table2_alpha": "Table 2. Acceptance α per drafter × strategy × dataset (k = {k})",
-    "table3_speed": "Table 3. Tokens/s and speedup per drafter × strategy × dataset (k = {k})",
-    "table4_k": "Table 4. Effect of the draft length k (all datasets)",
-    "table5_break_even": "Table 5. Break-even α* from TPS = a + b·α per drafter × dataset (k = {k})",
-    "table6_buckets": "Tables 6, 8–10. Mean speedup per α bucket (k = {k})",
-    "table7_model": "Table 7. Parametric model: r, fitted c and α* per k",
-}
 
 
 # --- tables (pure: runs in, DataFrame out) ----------------------------------------------------------------------
@@ -234,7 +222,7 @@ def choose_k(runs: pd.DataFrame, k: int | None) -> int:
     if k is None:
         return DEFAULT_K if DEFAULT_K in measured else measured[0]
     if k not in measured:
-        raise ValueError(f"no runs with k = {k} (the results have k = {', '.join(map(str, measured))})")
+        raise InputError(f"no runs with k = {k} (the results have k = {', '.join(map(str, measured))})")
     return k
 
 
@@ -269,135 +257,6 @@ def analyze(runs: pd.DataFrame, *, k: int | None = None, source: str = "") -> An
     return Analysis(source, k, runs, tables, machine, models, notes)
 
 
-def figures(analysis: Analysis) -> dict[str, object]:
-    """Plotly figures by file stem: speedup vs α per drafter and k (points, OLS line and α* with its interval
-    per drafter · strategy, the fitted S(α, k) and its α*), and α by strategy at the tables' k."""
-    runs, model = analysis.runs, analysis.tables["table7_model"]
-    out = {}
-    for (target, drafter), pair in runs.groupby(["target", "drafter"], sort=False):
-        name = short_name(drafter)
-        fitted = model[(model["target"] == target) & (model["source"] == drafter) & (model["form"] == "study")]
-        r, c = (float(fitted["r"].iloc[0]), float(fitted["c"].iloc[0])) if len(fitted) else (None, math.nan)
-        curve = f"S(α, k) with r = {r:.3f}, fitted c = {c:.3f}" if r is not None else "no speedups to fit c"
-        for k, at_k in pair.groupby("k", sort=True):
-            out[f"speedup_vs_alpha_{_slug(name)}_k{k}"] = speedup_vs_alpha(
-                at_k, ks=(int(k),), r=r, c=c, title=f"{name} → {short_name(target)}, k = {k}: {curve}"
-            )
-    at_k = runs[runs["k"] == analysis.k]
-    out["alpha_by_strategy"] = alpha_by_strategy(at_k, title=f"Acceptance by strategy, k = {analysis.k}")
-    return out
-
-
-def _slug(text: str) -> str:
-    """Example: "Qwen2.5-1.5B Instruct" -> "Qwen2.5-1.5B_Instruct" """
-    return re.sub(r"[^\w.-]+", "_", text)
-
-
-# --- output ---------------------------------------------------------------------------------------------------
-def _cell(column: str, value) -> str:
-    """How a table cell reads: α in %, α* of Table 7 capped as the paper prints it, speedups with ×.
-
-    Example: ("alpha_mean", 0.4462) -> "44.6 %";  ("alpha_star_k6", 1.18) -> "≥ 100 %";  ("speedup", 1.06) -> "1.06×"
-    """
-    if value is None or pd.isna(value):
-        return "–"
-    if isinstance(value, str):
-        return value
-    if column.startswith("alpha_star_k"):
-        return "≥ 100 %" if value > 1 else f"{value * 100:.0f} %"
-    if column.startswith("alpha") or column in ("ci_low", "ci_high", "se", "lo", "hi"):
-        return f"{value * 100:.1f} %"
-    if "speedup" in column:
-        return f"{value:.2f}×"
-    if column in ("n", "k", "runs", "bytes"):
-        return f"{int(value)}"
-    if column in ("r", "c", "r2", "rmse", "sem"):
-        return f"{value:.3f}"
-    if column == "p_b":
-        return f"{value:.2g}"
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
-
-
-def formatted(table: pd.DataFrame) -> pd.DataFrame:
-    """The table with every cell as text, as `_cell` writes it."""
-    return pd.DataFrame({c: [_cell(c, v) for v in table[c].tolist()] for c in table.columns}, index=table.index)
-
-
-def markdown(table: pd.DataFrame) -> str:
-    """A GitHub markdown table of the formatted cells."""
-    text = formatted(table)
-    lines = ["| " + " | ".join(map(str, text.columns)) + " |", "|" + "---|" * len(text.columns)]
-    lines += ["| " + " | ".join(row) + " |" for row in text.itertuples(index=False)]
-    return "\n".join(lines)
-
-
-def _records(table: pd.DataFrame) -> list[dict]:
-    return json.loads(table.to_json(orient="records", force_ascii=False))  # NaN -> null, numpy -> plain
-
-
-def to_json(analysis: Analysis) -> dict:
-    """Everything as one JSON-ready object: raw numbers (α as fractions), notes and where the runs ran."""
-    return {
-        "source": analysis.source,
-        "k": analysis.k,
-        "runs": len(analysis.runs),
-        "tables": {name: _records(table) for name, table in analysis.tables.items()},
-        "machine": _records(analysis.machine),
-        "models": _records(analysis.models),
-        "notes": analysis.notes,
-    }
-
-
-def to_markdown(analysis: Analysis) -> str:
-    parts = [f"# Analysis of {analysis.source} ({len(analysis.runs)} speculative runs)", DEFINITIONS]
-    parts += [f"note: {note}" for note in analysis.notes]
-    for name, table in analysis.tables.items():
-        parts += [f"## {TITLES[name].format(k=analysis.k)}", markdown(table)]
-    parts += ["## Machine", markdown(analysis.machine), markdown(analysis.models)]
-    return "\n\n".join(parts) + "\n"
-
-
-def write(analysis: Analysis, out: Path) -> list[Path]:
-    """CSV per table, one HTML file per figure, and report.html with all of them; returns the paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, table in {**analysis.tables, "machine": analysis.machine, "models": analysis.models}.items():
-        table.to_csv(out / f"{name}.csv", index=False)
-        written.append(out / f"{name}.csv")
-    figs = figures(analysis)
-    for name, fig in figs.items():
-        fig.write_html(out / f"{name}.html", include_plotlyjs="directory")  # one plotly.min.js, works offline
-        written.append(out / f"{name}.html")
-    (out / "report.html").write_text(_report(analysis, figs), encoding="utf-8")
-    return [*written, out / "report.html"]
-
-
-def _report(analysis: Analysis, figs: dict) -> str:
-    def table_html(table: pd.DataFrame) -> str:
-        return formatted(table).to_html(index=False, border=0, classes="table")
-
-    body = [f"<h1>Speculative decoding study: {html.escape(analysis.source)}</h1>"]
-    body.append(f"<p>{len(analysis.runs)} speculative runs; per-k tables at k = {analysis.k}.</p>")
-    body.append(f"<p>{html.escape(DEFINITIONS)}</p>")
-    body += [f"<p class='note'>{html.escape(note)}</p>" for note in analysis.notes]
-    body += ["<h2>Machine</h2>", table_html(analysis.machine), table_html(analysis.models)]
-    for name, table in analysis.tables.items():
-        body += [f"<h2>{html.escape(TITLES[name].format(k=analysis.k))}</h2>", table_html(table)]
-    body.append("<h2>Figures</h2>")
-    for i, fig in enumerate(figs.values()):
-        body.append(fig.to_html(full_html=False, include_plotlyjs="directory" if i == 0 else False))
-    style = (
-        "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}"
-        ".table{border-collapse:collapse;margin:1em 0;font-size:14px}"
-        ".table td,.table th{padding:3px 10px;border-bottom:1px solid #e2e8f0;text-align:right}"
-        ".note{color:#b45309}"
-    )
-    return (
-        f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>uag analysis</title><style>{style}</style>"
-        f"</head><body>\n{chr(10).join(body)}\n</body></html>\n"
-    )
-
-
 # --- command line -----------------------------------------------------------------------------------------------
 def k_list(text: str) -> list[int]:
     """Draft lengths from "2,4,6" (an argparse type; with nargs="+", "--k 2 4 6" works too). The range is
@@ -412,7 +271,7 @@ def k_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m uag.analyze",
         description="The study's tables and figures, regenerated from a results file of python -m uag.bench.",
     )
@@ -427,21 +286,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {','.join(map(str, MODEL_KS))})",
     )
     parser.add_argument("--model-only", action="store_true", help="α* per k from the parametric model, no data")
-    parser.add_argument("--r", type=float, help=f"with --model-only: drafter/target bytes (default {STUDY_R})")
-    parser.add_argument("--c", type=float, help=f"with --model-only: verification cost (default {STUDY_C})")
+    parser.add_argument("--r", type=number, help=f"with --model-only: drafter/target bytes (default {STUDY_R})")
+    parser.add_argument("--c", type=number, help=f"with --model-only: verification cost (default {STUDY_C})")
     return parser
 
 
 def _model_only(args: argparse.Namespace, ks: list[int]) -> int:
     if args.db is not None:
-        raise ValueError("--model-only reads no results file; drop the file name or --model-only")
+        raise InputError("--model-only reads no results file; drop the file name or --model-only")
     r = STUDY_R if args.r is None else args.r
     c = STUDY_C if args.c is None else args.c
     if ks and min(ks) < 1:
-        raise ValueError(f"draft lengths k must be at least 1 (got {min(ks)})")
+        raise InputError(f"draft lengths k must be at least 1 (got {min(ks)})")
     table = parametric(r, c, ks or MODEL_KS, source="model")
     if args.json:
-        print(json.dumps({"r": r, "c": c, "table7_model": _records(table)}, ensure_ascii=False))
+        print(json.dumps({"r": r, "c": c, "table7_model": break_even_records(table)}, ensure_ascii=False))
     else:
         print(markdown(table))
     return 0
@@ -449,14 +308,17 @@ def _model_only(args: argparse.Namespace, ks: list[int]) -> int:
 
 def _analyze_file(args: argparse.Namespace, ks: list[int]) -> int:
     if args.db is None:
-        raise ValueError("no results file given (python -m uag.analyze results.db, or --model-only)")
+        raise InputError("no results file given (python -m uag.analyze results.db, or --model-only)")
     if args.r is not None or args.c is not None:
-        raise ValueError("--r and --c go with --model-only; with a results file both come from the data")
+        raise InputError("--r and --c go with --model-only; with a results file both come from the data")
     if len(ks) > 1:
-        raise ValueError(f"--k takes one draft length with a results file (got {', '.join(map(str, ks))})")
+        raise InputError(f"--k takes one draft length with a results file (got {', '.join(map(str, ks))})")
     analysis = analyze(load_runs(args.db), k=ks[0] if ks else None, source=str(args.db))
     out = args.out or args.db.parent / "analysis"
-    write(analysis, out)
+    try:
+        write(analysis, out)
+    except OSError as err:
+        raise InputError(f"cannot write the analysis to {out}: {err.strerror or err}; choose another --out") from None
     print(f"wrote {out}/report.html, CSV tables and figures", file=sys.stderr)
     if args.json:
         print(json.dumps({**to_json(analysis), "out": str(out)}, ensure_ascii=False))
@@ -468,11 +330,7 @@ def _analyze_file(args: argparse.Namespace, ks: list[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     ks = [k for group in args.k or [] for k in group]
-    try:
-        return _model_only(args, ks) if args.model_only else _analyze_file(args, ks)
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run("python -m uag.analyze", lambda: _model_only(args, ks) if args.model_only else _analyze_file(args, ks))
 
 
 if __name__ == "__main__":

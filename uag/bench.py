@@ -20,17 +20,19 @@ import platform
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from uag import __version__, _blas
-from uag.analyze import k_list, k_table, markdown
-from uag.cli import add_decoding_options
+from uag.analyze import k_list, k_table
+from uag.cli import add_decoding_options, decoding_config
+from uag.command import CommandParser, run, whole
+from uag.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig
 from uag.datasets import BUNDLED, Prompt, load
-from uag.generate import DEFAULT_K, SPECULATIVE, GenerationConfig, generate, prompt_ids
-from uag.models import LoadedModel, ModelStore, check_pair
+from uag.errors import InputError
+from uag.report import markdown
 from uag.results import Machine, ResultsDB, RunSpec, load_runs, short_name
 
 WARMUP_TOKENS = 8  # enough for every phase of a cycle to have run once
@@ -39,7 +41,8 @@ DEFAULT_STRATEGIES = ("none", "naive", "context")  # the paper's three
 
 @dataclass(frozen=True)
 class Sweep:
-    """What to run: one target against each drafter × strategy × k, with the same decoding settings."""
+    """What to run: one target against each drafter × strategy × k, all with the decoding settings of `config`
+    (its strategy and k are replaced per run). A drafter is a model, "lookup" or "lookup+<model>"."""
 
     target: str
     drafters: tuple[str, ...]
@@ -47,38 +50,26 @@ class Sweep:
     ks: tuple[int, ...]
     datasets: tuple[str, ...]
     n: int | None  # prompts per dataset; None = all
-    max_tokens: int
-    window: int
-    temperature: float
-    seed: int | None
-    chat: bool
-
-    def config(self, spec: RunSpec) -> GenerationConfig:
-        """The generation settings of one planned run (a baseline ignores k)."""
-        return GenerationConfig(
-            strategy=spec.strategy,
-            k=spec.k or DEFAULT_K,
-            window=self.window,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            seed=self.seed,
-            chat=self.chat,
-        )
+    config: GenerationConfig
 
     def validate(self) -> Sweep:
-        """ValueError naming the first bad setting; the settings themselves are GenerationConfig's checks."""
+        """InputError naming the first bad setting; the settings themselves are GenerationConfig's checks."""
         if not self.target:
-            raise ValueError("no target given")
+            raise InputError("no target given (--target)")
         if not self.drafters or not all(self.drafters):
-            raise ValueError("give at least one drafter (--drafters)")
+            raise InputError("give at least one drafter (--drafters)")
+        for drafter in self.drafters:
+            DrafterSpec.parse(drafter)
         if not self.strategies or not self.ks or not self.datasets:
-            raise ValueError("give at least one strategy, one k and one dataset")
-        for strategy, k in itertools.product(self.strategies, self.ks):
+            raise InputError("give at least one strategy, one k and one dataset")
+        for strategy in self.strategies:
             if strategy not in SPECULATIVE:
-                raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(SPECULATIVE)}")
-            GenerationConfig(
-                strategy=strategy, k=k, window=self.window, max_tokens=self.max_tokens, temperature=self.temperature
-            ).validate()
+                raise InputError(f"unknown strategy {strategy!r}; choose from {', '.join(SPECULATIVE)}")
+        for k in self.ks:
+            try:
+                self.config.replace(k=k)
+            except InputError as err:
+                raise InputError(f"--k: {err}") from None
         return self
 
 
@@ -98,11 +89,10 @@ def plan(sweep: Sweep, prompts: Sequence[Prompt]) -> list[Job]:
     """
     jobs = []
     for prompt in prompts:
-        common = dict(max_tokens=sweep.max_tokens, temperature=sweep.temperature, seed=sweep.seed, chat=sweep.chat)
         where = dict(dataset=prompt.dataset, prompt_id=prompt.id)
-        jobs.append(Job(RunSpec.baseline(target=sweep.target, **common, **where), prompt))
+        jobs.append(Job(RunSpec(sweep.target, None, sweep.config.replace(strategy="baseline"), **where), prompt))
         for drafter, strategy, k in itertools.product(sweep.drafters, sweep.strategies, sweep.ks):
-            spec = RunSpec(sweep.target, drafter, strategy, k, sweep.window, **common, **where)
+            spec = RunSpec(sweep.target, drafter, sweep.config.replace(strategy=strategy, k=k), **where)
             jobs.append(Job(spec, prompt))
     return jobs
 
@@ -110,7 +100,7 @@ def plan(sweep: Sweep, prompts: Sequence[Prompt]) -> list[Job]:
 def load_prompts(datasets: Sequence[str], n: int | None) -> tuple[list[Prompt], list[str]]:
     """The first `n` prompts of each dataset, in order, and a warning per user file with skipped lines.
 
-    ValueError for an unknown dataset, too small a one, or two prompts with the same dataset and id.
+    InputError for an unknown dataset, too small a one, or two prompts with the same dataset and id.
     """
     prompts, notes = [], []
     for name in datasets:
@@ -118,33 +108,31 @@ def load_prompts(datasets: Sequence[str], n: int | None) -> tuple[list[Prompt], 
             warnings.simplefilter("always")
             try:
                 prompts += load(name, n)
-            except RuntimeError as err:  # hf: datasets the environment cannot serve
-                raise ValueError(str(err)) from None
+            except (ValueError, RuntimeError) as err:  # uag.datasets: a bad name or file; hf: not servable here
+                raise InputError(str(err)) from None
         notes += [str(w.message) for w in caught]
     seen = set()
     for p in prompts:
         if (p.dataset, p.id) in seen:
-            raise ValueError(f"two prompts are named {p.dataset}/{p.id}: give each dataset file its own name")
+            raise InputError(f"two prompts are named {p.dataset}/{p.id}: give each dataset file its own name")
         seen.add((p.dataset, p.id))
     return prompts, notes
 
 
-def machine(target: LoadedModel, drafter: LoadedModel | None) -> Machine:
-    """This machine and the pair's sizes, as stored with every run."""
+def machine(target, drafter) -> Machine:
+    """This machine and the pair's sizes, as stored with every run (`drafter`: a model, or None for lookup
+    and baselines)."""
     import mlx.core as mx
 
-    device = mx.default_device()
-    if device == mx.cpu:
-        backend = "cpu"
-    else:
-        backend = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "gpu"
+    from uag.machine import backend
+
     return Machine(
         platform=platform.platform(),
         python=platform.python_version(),
         uag_version=__version__,
         mlx_version=mx.__version__,
-        device=str(device),
-        backend=backend,
+        device=str(mx.default_device()),
+        backend=backend(),
         blas=_blas.status,
         target_bytes=target.weight_bytes,
         target_dtype=target.dtype,
@@ -169,18 +157,44 @@ def _say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr)
 
 
-def execute(sweep: Sweep, pending: list[Job], db: ResultsDB, *, done: int, name: str | None) -> None:
-    """Load the models, check the pairs and prompts, warm up, then run and store each pending job."""
-    from tqdm import tqdm
+def _load(sweep: Sweep, pending: list[Job]):
+    """Load the models and check the pairs and every pending prompt against both contexts, before any run."""
+    from uag.cli import drafter_prompt_length
+    from uag.generate import prompt_ids
+    from uag.loading_errors import load_drafter_choice, load_model
+    from uag.models import ModelStore, check_pair
+    from uag.prompt_input import check_context
 
     store = ModelStore()
-    drafters = {d: store.get(d, progress=_say) for d in sweep.drafters}  # first: usually the smaller models
-    target = store.get(sweep.target, progress=_say)
-    for drafter in drafters.values():
-        check_pair(target, drafter)
+    # Drafters first: usually the smaller models, so a bad name fails fast.
+    choices = {d: load_drafter_choice(store, d, progress=_say) for d in sweep.drafters}
+    target = load_model(store, sweep.target, role="target", progress=_say)
+    for choice in choices.values():
+        if choice.model is not None:
+            check_pair(target, choice.model)
     texts = {(j.spec.dataset, j.spec.prompt_id): j.prompt.text for j in pending}
-    ids = {where: prompt_ids(target, text, chat=sweep.chat) for where, text in texts.items()}
-    machines = {None: machine(target, None), **{d: machine(target, m) for d, m in drafters.items()}}
+    ids = {where: prompt_ids(target, text, chat=sweep.config.chat) for where, text in texts.items()}
+    for job in pending:
+        choice = choices.get(job.spec.drafter)
+        if choice is not None and choice.model is not None:
+            n = drafter_prompt_length(target, choice.model, ids[job.spec.dataset, job.spec.prompt_id], job.spec.config)
+            where = f"{job.spec.dataset}/{job.spec.prompt_id}"
+            try:
+                check_context(n, choice.model.context_length, "drafter", choice.model.name)
+            except InputError as err:
+                raise InputError(f"prompt {where}: {err}") from None
+    return target, choices, ids
+
+
+def execute(sweep: Sweep, pending: list[Job], db: ResultsDB, *, done: int, name: str | None) -> tuple[int, int]:
+    """Load and check everything, warm up, then run and store each pending job that no other sweep on the same
+    file has taken. Returns (runs stored here, runs left to another sweep)."""
+    from tqdm import tqdm
+
+    from uag.generate import generate
+
+    target, choices, ids = _load(sweep, pending)
+    machines = {None: machine(target, None), **{d: machine(target, c.model) for d, c in choices.items()}}
 
     # Warm-up: one short run per drafter (it runs the target too) on the first prompt, before any timing.
     first = ids[pending[0].spec.dataset, pending[0].spec.prompt_id]
@@ -190,26 +204,38 @@ def execute(sweep: Sweep, pending: list[Job], db: ResultsDB, *, done: int, name:
             warm_ups.setdefault(job.spec.drafter, job.spec)
     for drafter, spec in warm_ups.items():
         _say(f"warm-up with {drafter} (not recorded)")
-        config = replace(sweep.config(spec), max_tokens=min(WARMUP_TOKENS, sweep.max_tokens))
-        generate(target, drafters[drafter], first, config)
+        generate(
+            target, choices[drafter], first, spec.config.replace(max_tokens=min(WARMUP_TOKENS, spec.config.max_tokens))
+        )
 
+    stored = elsewhere = 0
     total = done + len(pending)
     with tqdm(total=total, initial=done, unit="run", file=sys.stderr, smoothing=0.1, dynamic_ncols=True) as bar:
         for job in pending:
-            bar.set_postfix_str(_label(job.spec), refresh=True)
             spec = job.spec
-            run = generate(target, drafters.get(spec.drafter), ids[spec.dataset, spec.prompt_id], sweep.config(spec))
-            db.add(run, spec=spec, prompt=job.prompt.text, machine=machines[spec.drafter], sweep=name)
+            if not db.claim(spec.key):  # finished meanwhile, or running in another sweep on this file
+                elsewhere += 1
+                bar.update()
+                continue
+            bar.set_postfix_str(_label(spec), refresh=True)
+            result = generate(target, choices.get(spec.drafter), ids[spec.dataset, spec.prompt_id], spec.config)
+            if db.add(result, spec=spec, prompt=job.prompt.text, machine=machines[spec.drafter], sweep=name) is None:
+                elsewhere += 1
+            else:
+                stored += 1
             bar.update()
+    return stored, elsewhere
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m uag.bench",
         description="Resumable sweep: baseline and speculative runs per prompt into a SQLite results file.",
     )
     parser.add_argument("--target", required=True, help="hub id, local directory or demo-target")
-    parser.add_argument("--drafters", nargs="+", required=True, help="hub ids, local directories or demo-drafter")
+    parser.add_argument(
+        "--drafters", nargs="+", required=True, help="hub ids, local directories, demo-drafter, lookup, lookup+<model>"
+    )
     parser.add_argument(
         "--strategies",
         nargs="+",
@@ -221,9 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--datasets", nargs="+", default=list(BUNDLED), help="bundled sets, .jsonl/.csv files or hf:<name>"
     )
-    parser.add_argument("--n", type=int, default=None, help="first N prompts of each dataset (default: all)")
+    parser.add_argument("--n", type=whole, default=None, help="first N prompts of each dataset (default: all)")
     add_decoding_options(parser)
-    parser.add_argument("--out", type=Path, required=True, help="results file (SQLite); created if missing")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="results file (SQLite); created, with its folder, if missing"
+    )
     parser.add_argument("--sweep", default=None, help="a label stored with every run of this command")
     return parser
 
@@ -236,43 +264,41 @@ def _unique(items) -> tuple:
 def sweep_from(args: argparse.Namespace) -> Sweep:
     return Sweep(
         target=args.target.strip(),
-        drafters=_unique(d.strip() for d in args.drafters),
+        drafters=_unique(str(DrafterSpec.parse(d)) if d.strip() else "" for d in args.drafters),
         strategies=_unique(args.strategies),
         ks=_unique(k for group in args.k for k in group),
         datasets=_unique(args.datasets),
         n=args.n,
-        max_tokens=args.max_tokens,
-        window=args.window,
-        temperature=args.temp,
-        seed=args.seed,
-        chat=args.chat,
+        config=decoding_config(args),
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _sweep(args: argparse.Namespace) -> int:
+    sweep = sweep_from(args).validate()
+    prompts, notes = load_prompts(sweep.datasets, sweep.n)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
     try:
-        sweep = sweep_from(args).validate()
-        prompts, notes = load_prompts(sweep.datasets, sweep.n)
-        for note in notes:
-            print(f"warning: {note}", file=sys.stderr)
         with ResultsDB(args.out) as db:
             jobs = plan(sweep, prompts)
             pending = [job for job in jobs if not db.has(job.spec.key)]
             done = len(jobs) - len(pending)
             _say(f"{len(jobs)} runs in this sweep, {done} already in {args.out}")
             if pending:
-                execute(sweep, pending, db, done=done, name=args.sweep)
-        print(markdown(summary(load_runs(args.out), {job.spec.key for job in jobs})))
-    except (ValueError, OSError) as err:  # ModelError is a ValueError: bad input, said plainly
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+                stored, elsewhere = execute(sweep, pending, db, done=done, name=args.sweep)
+                _say(f"stored {stored} runs; {elsewhere} were stored or are being run by another sweep on this file")
     except KeyboardInterrupt:
         print(
             f"\ninterrupted: finished runs are saved in {args.out}; run the same command to continue", file=sys.stderr
         )
         return 130
+    print(markdown(summary(load_runs(args.out), {job.spec.key for job in jobs})))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run("python -m uag.bench", lambda: _sweep(args))
 
 
 if __name__ == "__main__":

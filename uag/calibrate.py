@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 
 import mlx.core as mx
 
+from uag.command import CommandParser, run, whole
 from uag.costmodel import CostProfile
 from uag.errors import UserError
 from uag.models import LoadedModel, ModelStore, Pair, check_pair
@@ -102,34 +103,50 @@ def summary(calibration: Calibration, ks=(1, 2, 4, 8)) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m uag.calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="demo-target")
-    parser.add_argument("--drafter", default="demo-drafter")
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens in the cache while timing")
-    parser.add_argument("--max-width", type=int, default=16, help="largest verification width w to time")
-    parser.add_argument("--repeats", type=int, default=5)
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="python -m uag.calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="demo-target", help="hub id, local directory or demo-target")
+    parser.add_argument("--drafter", default="demo-drafter", help="hub id, local directory or demo-drafter")
+    parser.add_argument("--context", type=whole, default=DEFAULT_CONTEXT, help="tokens in the cache while timing")
+    parser.add_argument("--max-width", type=whole, default=16, help="largest verification width w to time, 1..64")
+    parser.add_argument("--repeats", type=whole, default=5, help="timed passes per width (their median is kept)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        if not 1 <= args.max_width <= 64 or args.context < 16 or args.repeats < 1:
-            raise UserError("need 1 <= --max-width <= 64, --context >= 16, --repeats >= 1")
-        store = ModelStore()
-        say = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
-        pair = check_pair(store.get(args.target, progress=say), store.get(args.drafter, progress=say))
-        calibration = calibrate(
-            pair, context=args.context, widths=range(1, args.max_width + 1), repeats=args.repeats, progress=say
+    return parser
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from uag.loading_errors import load_model
+
+    problems = [
+        f"{flag} must be {bound} (got {value})"
+        for flag, value, ok, bound in (
+            ("--max-width", args.max_width, 1 <= args.max_width <= 64, "from 1 to 64"),
+            ("--context", args.context, args.context >= 16, "at least 16"),
+            ("--repeats", args.repeats, args.repeats >= 1, "at least 1"),
         )
-        path = save(calibration)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        if not ok
+    ]
+    if problems:
+        raise UserError("; ".join(problems))
+    store = ModelStore()
+    say = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
+    target = load_model(store, args.target, role="target", progress=say)
+    pair = check_pair(target, load_model(store, args.drafter, role="drafter", progress=say))
+    calibration = calibrate(
+        pair, context=args.context, widths=range(1, args.max_width + 1), repeats=args.repeats, progress=say
+    )
+    path = save(calibration)
     if args.json:
         print(json.dumps({**calibration.to_dict(), "path": str(path)}, indent=2))
     else:
         print(summary(calibration))
         print(f"saved {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run("python -m uag.calibrate", lambda: _calibrate(args))
 
 
 if __name__ == "__main__":

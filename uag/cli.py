@@ -1,68 +1,124 @@
-"""`python -m uag generate ...`: one generation from the command line, plain or as JSON."""
+"""`python -m uag generate ...`: one generation from the command line, plain or as JSON.
+
+    python -m uag generate --drafter demo-drafter -k 2 "Stolica Polski to"
+    python -m uag generate --drafter lookup --prompt-file notes.txt      # prompt lookup, no drafter model
+    cat long.txt | python -m uag generate --strategy auto -k 8 -            # the prompt from stdin
+
+Every decoding flag is checked by `GenerationConfig.parse`, the same checks as the app's and the API's, and
+the prompt is checked against the target's context and the drafter's before anything is generated. Bad
+input is one ``error: …`` line and exit 2 (uag.command).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
-from uag.generate import DEFAULT_K, DEFAULT_MAX_TOKENS, MAX_K, MODES, GenerationConfig
+from uag.command import CommandParser, literal, run
+from uag.config import DEFAULT_K, DEFAULT_MAX_TOKENS, FIELD, MAX_K, MODES, DrafterSpec, GenerationConfig
+from uag.errors import InputError
+from uag.prompt_input import check_context, read_prompt
 from uag.translate import DEFAULT_WINDOW
+
+# The flag that sets each GenerationConfig field, for messages ("--seed: seed must be …").
+FLAGS = {
+    "strategy": "--strategy",
+    "k": "-k",
+    "window": "--window",
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "seed": "--seed",
+    "chat": "--chat",
+}
 
 
 def add_generation_options(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that generates (generate, bench, calibrate)."""
+    """Options shared by commands that generate with one pair (generate, calibrate)."""
     parser.add_argument("--target", default="demo-target", help="hub id, local directory or demo-target")
-    parser.add_argument("--drafter", default="demo-drafter", help="hub id, local directory or demo-drafter")
-    parser.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft length, 1..{MAX_K} (default {DEFAULT_K})")
+    parser.add_argument(
+        "--drafter",
+        default="demo-drafter",
+        help="hub id, local directory, demo-drafter, lookup (prompt lookup, no model) or lookup+<model>",
+    )
+    parser.add_argument("-k", default=str(DEFAULT_K), help=f"draft length, 1..{MAX_K} (default {DEFAULT_K})")
     add_decoding_options(parser)
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    """The decoding settings, for commands that take several drafters or draft lengths (uag.bench)."""
+    """The decoding settings, for commands that take several drafters or draft lengths (uag.bench).
+    Taken as text: `decoding_config` checks them all at once, as the app does."""
+    limits = {name: FIELD[name] for name in ("window", "max_tokens", "temperature", "seed")}
     parser.add_argument(
         "--window",
-        type=int,
-        default=DEFAULT_WINDOW,
-        help=f"committed tokens of context for translation (default {DEFAULT_WINDOW})",
+        default=str(DEFAULT_WINDOW),
+        help=f"committed tokens of context for translation, 0..{limits['window'].hi:g} (default {DEFAULT_WINDOW})",
     )
     parser.add_argument(
         "--max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})",
+        default=str(DEFAULT_MAX_TOKENS),
+        help=f"tokens to generate at most, 1..{limits['max_tokens'].hi:g} (default {DEFAULT_MAX_TOKENS})",
     )
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    parser.add_argument("--seed", type=int, default=None, help="random seed for temperature > 0")
+    parser.add_argument(
+        "--temp", default="0", help=f"sampling temperature, 0..{limits['temperature'].hi:g}; 0 = greedy"
+    )
+    parser.add_argument("--seed", default=None, help=f"random seed for temperature > 0, 0..{limits['seed'].hi:g}")
     parser.add_argument("--chat", action="store_true", help="apply the target's chat template to the prompt")
 
 
+def decoding_config(args: argparse.Namespace, **fields: Any) -> GenerationConfig:
+    """The GenerationConfig the flags ask for (plus `fields`); InputError naming every bad flag.
+
+    Example: --seed -1 --temp inf -> InputError("--temp: temperature must be a number from 0 to 2 (got inf);
+             --seed: seed must be a whole number from 0 to 2147483647 (got -1)")
+    """
+    raw: dict[str, Any] = {
+        "window": literal(args.window),
+        "max_tokens": literal(args.max_tokens),
+        "temperature": literal(args.temp),
+        "seed": None if args.seed is None else literal(args.seed),
+        "chat": bool(args.chat),
+        **fields,
+    }
+    problems = []
+    for name, value in raw.items():
+        try:
+            GenerationConfig.parse(**{name: value})
+        except InputError as err:
+            problems.append(f"{FLAGS.get(name, name)}: {err}")
+    if problems:
+        raise InputError("; ".join(problems))
+    return GenerationConfig.parse(**raw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m uag", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = CommandParser(prog="python -m uag", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     gen = commands.add_parser("generate", help="generate text, baseline or speculative")
     add_generation_options(gen)
     gen.add_argument(
         "--strategy",
-        choices=MODES,
         default="context",
-        help="baseline = target alone; none / naive / context = how drafts are translated",
+        help=f"{' / '.join(MODES)}: baseline = target alone; none / naive / context / tli = how drafts are "
+        "translated; auto = context with k re-decided each cycle",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and records")
-    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
+    gen.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from stdin")
     return parser
 
 
-def config_from(args: argparse.Namespace, strategy: str) -> GenerationConfig:
-    return GenerationConfig(
-        strategy=strategy,
-        k=args.k,
-        window=args.window,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        seed=args.seed,
-        chat=args.chat,
-    ).validate()
+def drafter_prompt_length(target, drafter, ids: list[int], config: GenerationConfig) -> int:
+    """How many tokens the drafter model reads for the target's prompt `ids`: the translator's own
+    drafter-side prompt, so exactly what the run will feed it."""
+    from uag.translate import make_translator
+    from uag.vocab import same_vocabulary
+
+    translation = "context" if config.strategy == "auto" else config.strategy
+    shared = same_vocabulary(target.vocab, drafter.vocab)
+    translator = make_translator(translation, target.vocab, drafter.vocab, window=config.window, shared=shared)
+    return len(translator.start(ids))
 
 
 def _stats_line(stats: dict) -> str:
@@ -83,35 +139,36 @@ def _stats_line(stats: dict) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from uag.generate import generate
+    from uag.generate import generate, prompt_ids
     from uag.highlight import ansi
+    from uag.loading_errors import load_drafter_choice, load_model
     from uag.models import ModelStore
 
-    config = config_from(args, args.strategy)
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty")
+    config = decoding_config(args, strategy=args.strategy, k=literal(args.k))
+    prompt = read_prompt(args.prompt, args.prompt_file, sys.stdin.buffer)
+    if not prompt.strip():
+        raise InputError("the prompt is empty")
+    spec = DrafterSpec.parse(args.drafter) if config.speculative else None
     store = ModelStore()
     progress = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
-    target = store.get(args.target, progress=progress)
-    drafter = None if config.strategy == "baseline" else store.get(args.drafter, progress=progress)
-    run = generate(target, drafter, args.prompt, config)
+    target = load_model(store, args.target, role="target", progress=progress)
+    choice = None if spec is None else load_drafter_choice(store, spec, progress=progress)
+    ids = prompt_ids(target, prompt, chat=config.chat)  # checks the target's context
+    if choice is not None and choice.model is not None:
+        n = drafter_prompt_length(target, choice.model, ids, config)
+        check_context(n, choice.model.context_length, "drafter", choice.model.name)
+    result = generate(target, choice, ids, config)
     if args.json:
-        json.dump(run.to_dict(), sys.stdout, ensure_ascii=False)
+        json.dump(result.to_dict(), sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
         return 0
-    print(ansi(run.tokens, colour=sys.stdout.isatty()))
-    for note in run.notes:
+    print(ansi(result.tokens, colour=sys.stdout.isatty()))
+    for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
-    print(_stats_line(run.stats()), file=sys.stderr)
+    print(_stats_line(result.stats()), file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return {"generate": run_generate}[args.command](args)
-    except (ValueError, OSError) as err:  # ModelError is a ValueError: bad input, said plainly
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run(f"python -m uag {args.command}", lambda: {"generate": run_generate}[args.command](args))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from uag.config import GenerationConfig
 from uag.records import Cycle, Run, Token
 from uag.results import Machine, ResultsDB, RunSpec
 
@@ -37,7 +38,7 @@ def spec(prompt_id: str, drafter: str | None = None, strategy: str = "baseline",
             target=TARGET, max_tokens=GENERATED, temperature=0.0, seed=None, chat=False, dataset=dataset,
             prompt_id=prompt_id,
         )  # fmt: skip
-    return RunSpec(TARGET, drafter, strategy, k, 16, GENERATED, 0.0, None, False, dataset, prompt_id)
+    return RunSpec(TARGET, drafter, GenerationConfig(strategy, k, window=16, max_tokens=GENERATED), dataset, prompt_id)
 
 
 def make_run(spec: RunSpec, *, tps: float, accepted: int = 0, proposed: int = 0) -> Run:
@@ -51,9 +52,9 @@ def make_run(spec: RunSpec, *, tps: float, accepted: int = 0, proposed: int = 0)
         spec.drafter,
         k=spec.k,
         window=spec.window,
-        temperature=spec.temperature,
-        seed=spec.seed,
-        max_tokens=spec.max_tokens,
+        temperature=spec.config.temperature,
+        seed=spec.config.seed,
+        max_tokens=spec.config.max_tokens,
         prompt_ids=[1, 2, 3],
         prompt_ms=5.0,
         tokens=[Token(i, "ą", False) for i in range(GENERATED)],

@@ -1,0 +1,108 @@
+"""What every `python -m uag…` command shares: one-line errors, exit codes, and flags read as text.
+
+- Input the user can fix (`uag.errors.UserError`, a bad flag) -> one line ``error: …`` on stderr, exit 2.
+- Anything else is a bug: its traceback goes to a log file, the user sees ``internal error: …``, exit 1.
+- Ctrl-C -> exit 130.
+
+Numeric flags are taken as text and checked by the same code as the app's inputs (GenerationConfig.parse),
+so a bad number reads the same everywhere and never names a Python type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from uag.errors import UserError
+
+USER_ERROR = 2
+INTERNAL_ERROR = 1
+INTERRUPTED = 130
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, with its errors as one ``error: …`` line (exit 2) instead of a usage block."""
+
+    def error(self, message: str) -> None:  # argparse's hook for bad command lines
+        say(f"error: {message} (see {self.prog} --help)")
+        sys.exit(USER_ERROR)
+
+
+def say(line: str) -> None:
+    """One line on stderr, whatever it holds (newlines folded, unencodable characters escaped)."""
+    line = " ".join(line.split())
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    print(line.encode(encoding, "backslashreplace").decode(encoding), file=sys.stderr)
+
+
+def literal(text: str) -> int | float | str:
+    """A flag's text as a number where it reads as one, else unchanged (the checks report it as given).
+
+    Example: "3" -> 3;  "-1" -> -1;  "0.5" -> 0.5;  "inf" -> inf;  "10**9" -> "10**9";  "" -> ""
+    """
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def number(text: str) -> float:
+    """An argparse type for a real number that says so in words (argparse's own names Python's float).
+
+    Example: "0.185" -> 0.185;  "abc" -> error "must be a number (got 'abc')"
+    """
+    value = literal(text)
+    if isinstance(value, str) or value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number (got {text!r})")
+    return float(value)
+
+
+def whole(text: str) -> int:
+    """An argparse type for a whole number. Example: "4" -> 4;  "4.5" -> error "must be a whole number" """
+    value = literal(text)
+    if not isinstance(value, int):
+        raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})")
+    return value
+
+
+def log_path() -> Path:
+    from uag.machine import cache_dir
+
+    return cache_dir() / "logs" / "errors.log"
+
+
+def _log_internal_error(command: str) -> Path | None:
+    """Append the current exception's traceback to the error log; its path, or None if it cannot be written."""
+    path = log_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as log:
+            stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            log.write(f"--- {stamp} {command} (argv: {sys.argv!r})\n{traceback.format_exc()}\n")
+    except OSError:
+        logging.getLogger("uag").exception("internal error in %s", command)  # no log file: stderr, via logging
+        return None
+    return path
+
+
+def run(command: str, body: Callable[[], int]) -> int:
+    """Run a command's body and turn what escapes it into a message and an exit code (see the module doc)."""
+    try:
+        return body()
+    except UserError as err:
+        say(f"error: {err}")
+        return USER_ERROR
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except Exception as err:  # a bug: the user gets one line, the log gets the traceback
+        path = _log_internal_error(command)
+        where = f"the traceback is in {path}" if path else "the traceback is above"
+        say(f"internal error: {command} failed ({type(err).__name__}: {err}); {where}. Please report it.")
+        return INTERNAL_ERROR

@@ -1,0 +1,186 @@
+"""The analysis as people read it: formatted tables, markdown, JSON, figures and report.html. No mlx.
+
+`uag.analyze` computes the tables (numbers in DataFrames); this module only presents them.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from uag.plots import alpha_by_strategy, speedup_vs_alpha
+from uag.results import short_name
+
+if TYPE_CHECKING:
+    from uag.analyze import Analysis
+
+BREAK_EVEN_PREFIX = "alpha_star_k"  # Table 7's α* columns: alpha_star_k2, alpha_star_k4, …
+
+
+DEFINITIONS = (
+    "α = accepted ÷ proposed draft tokens (in target tokens); tokens/s from the first generated token to the last "
+    "(prompt processing excluded); speedup = a run's tokens/s ÷ the baseline's on the same prompt, averaged over "
+    "prompts; α* = the acceptance at which speculation breaks even (speedup 1): above 100 % it cannot pay."
+)
+TITLES = {
+    "table2_alpha": "Table 2. Acceptance α per drafter × strategy × dataset (k = {k})",
+    "table3_speed": "Table 3. Tokens/s and speedup per drafter × strategy × dataset (k = {k})",
+    "table4_k": "Table 4. Effect of the draft length k (all datasets)",
+    "table5_break_even": "Table 5. Break-even α* from TPS = a + b·α per drafter × dataset (k = {k})",
+    "table6_buckets": "Tables 6, 8–10. Mean speedup per α bucket (k = {k})",
+    "table7_model": "Table 7. Parametric model: r, fitted c and α* per k",
+}
+
+
+def figures(analysis: Analysis) -> dict[str, object]:
+    """Plotly figures by file stem: speedup vs α per drafter and k (points, OLS line and α* with its interval
+    per drafter · strategy, the fitted S(α, k) and its α*), and α by strategy at the tables' k."""
+    runs, model = analysis.runs, analysis.tables["table7_model"]
+    out = {}
+    for (target, drafter), pair in runs.groupby(["target", "drafter"], sort=False):
+        name = short_name(drafter)
+        fitted = model[(model["target"] == target) & (model["source"] == drafter) & (model["form"] == "study")]
+        r, c = (float(fitted["r"].iloc[0]), float(fitted["c"].iloc[0])) if len(fitted) else (None, math.nan)
+        curve = f"S(α, k) with r = {r:.3f}, fitted c = {c:.3f}" if r is not None else "no speedups to fit c"
+        for k, at_k in pair.groupby("k", sort=True):
+            out[f"speedup_vs_alpha_{_slug(name)}_k{k}"] = speedup_vs_alpha(
+                at_k, ks=(int(k),), r=r, c=c, title=f"{name} → {short_name(target)}, k = {k}: {curve}"
+            )
+    at_k = runs[runs["k"] == analysis.k]
+    out["alpha_by_strategy"] = alpha_by_strategy(at_k, title=f"Acceptance by strategy, k = {analysis.k}")
+    return out
+
+
+def _slug(text: str) -> str:
+    """Example: "Qwen2.5-1.5B Instruct" -> "Qwen2.5-1.5B_Instruct" """
+    return re.sub(r"[^\w.-]+", "_", text)
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+def _cell(column: str, value) -> str:
+    """How a table cell reads: α in %, α* of Table 7 capped as the paper prints it, speedups with ×.
+
+    Example: ("alpha_mean", 0.4462) -> "44.6 %";  ("alpha_star_k6", 1.18) -> "≥ 100 %";  ("speedup", 1.06) -> "1.06×"
+    """
+    if value is None or pd.isna(value):
+        return "–"
+    if isinstance(value, str):
+        return value
+    if column.startswith("alpha_star_k"):
+        return "≥ 100 %" if value > 1 else f"{value * 100:.0f} %"
+    if column.startswith("alpha") or column in ("ci_low", "ci_high", "se", "lo", "hi"):
+        return f"{value * 100:.1f} %"
+    if "speedup" in column:
+        return f"{value:.2f}×"
+    if column in ("n", "k", "runs", "bytes"):
+        return f"{int(value)}"
+    if column in ("r", "c", "r2", "rmse", "sem"):
+        return f"{value:.3f}"
+    if column == "p_b":
+        return f"{value:.2g}"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def formatted(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with every cell as text, as `_cell` writes it."""
+    return pd.DataFrame({c: [_cell(c, v) for v in table[c].tolist()] for c in table.columns}, index=table.index)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """A GitHub markdown table of the formatted cells."""
+    text = formatted(table)
+    lines = ["| " + " | ".join(map(str, text.columns)) + " |", "|" + "---|" * len(text.columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in text.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _records(table: pd.DataFrame) -> list[dict]:
+    return json.loads(table.to_json(orient="records", force_ascii=False))  # NaN -> null, numpy -> plain
+
+
+def break_even_records(table: pd.DataFrame) -> list[dict]:
+    """Table 7's rows for JSON: an α* above 1 cannot be reached by any acceptance, so it is null, and
+    `unreachable_k` lists those k (a number there would read as an acceptance to aim for).
+
+    Example: {"alpha_star_k4": 0.81, "alpha_star_k6": 1.18} -> {"alpha_star_k4": 0.81, "alpha_star_k6": None,
+             "unreachable_k": [6]}
+    """
+    records = []
+    for record in _records(table):
+        over = {c for c, v in record.items() if c.startswith(BREAK_EVEN_PREFIX) and v is not None and v > 1}
+        record = {c: None if c in over else v for c, v in record.items()}
+        record["unreachable_k"] = sorted(int(c.removeprefix(BREAK_EVEN_PREFIX)) for c in over)
+        records.append(record)
+    return records
+
+
+def to_json(analysis: Analysis) -> dict:
+    """Everything as one JSON-ready object: raw numbers (α as fractions), notes and where the runs ran."""
+    return {
+        "source": analysis.source,
+        "k": analysis.k,
+        "runs": len(analysis.runs),
+        "tables": {
+            name: break_even_records(table) if name == "table7_model" else _records(table)
+            for name, table in analysis.tables.items()
+        },
+        "machine": _records(analysis.machine),
+        "models": _records(analysis.models),
+        "notes": analysis.notes,
+    }
+
+
+def to_markdown(analysis: Analysis) -> str:
+    parts = [f"# Analysis of {analysis.source} ({len(analysis.runs)} speculative runs)", DEFINITIONS]
+    parts += [f"note: {note}" for note in analysis.notes]
+    for name, table in analysis.tables.items():
+        parts += [f"## {TITLES[name].format(k=analysis.k)}", markdown(table)]
+    parts += ["## Machine", markdown(analysis.machine), markdown(analysis.models)]
+    return "\n\n".join(parts) + "\n"
+
+
+def write(analysis: Analysis, out: Path) -> list[Path]:
+    """CSV per table, one HTML file per figure, and report.html with all of them; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, table in {**analysis.tables, "machine": analysis.machine, "models": analysis.models}.items():
+        table.to_csv(out / f"{name}.csv", index=False)
+        written.append(out / f"{name}.csv")
+    figs = figures(analysis)
+    for name, fig in figs.items():
+        fig.write_html(out / f"{name}.html", include_plotlyjs="directory")  # one plotly.min.js, works offline
+        written.append(out / f"{name}.html")
+    (out / "report.html").write_text(_report(analysis, figs), encoding="utf-8")
+    return [*written, out / "report.html"]
+
+
+def _report(analysis: Analysis, figs: dict) -> str:
+    def table_html(table: pd.DataFrame) -> str:
+        return formatted(table).to_html(index=False, border=0, classes="table")
+
+    body = [f"<h1>Speculative decoding study: {html.escape(analysis.source)}</h1>"]
+    body.append(f"<p>{len(analysis.runs)} speculative runs; per-k tables at k = {analysis.k}.</p>")
+    body.append(f"<p>{html.escape(DEFINITIONS)}</p>")
+    body += [f"<p class='note'>{html.escape(note)}</p>" for note in analysis.notes]
+    body += ["<h2>Machine</h2>", table_html(analysis.machine), table_html(analysis.models)]
+    for name, table in analysis.tables.items():
+        body += [f"<h2>{html.escape(TITLES[name].format(k=analysis.k))}</h2>", table_html(table)]
+    body.append("<h2>Figures</h2>")
+    for i, fig in enumerate(figs.values()):
+        body.append(fig.to_html(full_html=False, include_plotlyjs="directory" if i == 0 else False))
+    style = (
+        "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}"
+        ".table{border-collapse:collapse;margin:1em 0;font-size:14px}"
+        ".table td,.table th{padding:3px 10px;border-bottom:1px solid #e2e8f0;text-align:right}"
+        ".note{color:#b45309}"
+    )
+    return (
+        f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>uag analysis</title><style>{style}</style>"
+        f"</head><body>\n{chr(10).join(body)}\n</body></html>\n"
+    )
