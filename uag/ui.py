@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from uag.access import REMOTE_MODELS
 from uag.config import FIELDS, SPECULATIVE, GenerationConfig
@@ -28,6 +29,7 @@ from uag.history import C_FITTED, C_STUDY, K_CHOICES
 from uag.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT
 from uag.models import ModelStore
 from uag.presets import DEFAULT, by_label
+from uag.rest import FillDefaults
 from uag.session import Session
 
 log = logging.getLogger(__name__)
@@ -306,6 +308,12 @@ def _one_line(message: str) -> str:
 # --- command line ---------------------------------------------------------------------------------------
 
 
+def api_defaults(session: Session) -> list:
+    """The /compare endpoint's defaults after the prompt, in its parameter order."""
+    g = session.defaults.generation
+    return [session.defaults.target, session.defaults.drafter, *(getattr(g, name) for name in DECODING)]
+
+
 def launch(
     demo: gr.Blocks,
     *,
@@ -314,9 +322,12 @@ def launch(
     share: bool = False,
     auth: tuple[str, str] | None = None,
     quiet: bool = False,
+    defaults: list | None = None,
 ) -> tuple[str, str | None]:
-    """Queue and serve the app without blocking; (local URL, share URL or None)."""
+    """Queue and serve the app without blocking; (local URL, share URL or None). `defaults`: what a raw
+    REST call of /compare gets for the parameters it leaves out (`api_defaults`)."""
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
+    middleware = [Middleware(FillDefaults, api_name="compare", defaults=defaults)] if defaults else []
     _, local_url, share_url = demo.launch(
         server_name=host,
         server_port=port,
@@ -330,6 +341,7 @@ def launch(
         theme=THEME,
         ssr_mode=False,
         max_file_size=f"{MAX_UPLOAD_MB}mb",
+        app_kwargs={"middleware": middleware},
     )
     return local_url, share_url
 
@@ -444,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo = build(session)
     try:
-        local_url, share_url = launch(demo, host=args.host, port=args.port, share=args.share, auth=auth)
+        local_url, share_url = launch(
+            demo, host=args.host, port=args.port, share=args.share, auth=auth, defaults=api_defaults(session)
+        )
     except OSError as err:  # the address is not this machine's, or the port was taken since the check
         print(
             f"error: cannot serve on {args.host}:{args.port} ({err.strerror or err}): use --host or --port",
