@@ -1,6 +1,20 @@
-"""uag: cross-tokenizer speculative decoding (Universal Assisted Generation) on MLX."""
+"""uag: cross-tokenizer speculative decoding (Universal Assisted Generation) on MLX.
+
+    import uag
+    target = uag.load("demo-target")
+    run = uag.generate(target, uag.load_drafter("demo-drafter"), "Stolica Polski to",
+                       uag.GenerationConfig(strategy="context", k=2))
+
+Importing uag does one thing beyond defining names, on Linux only: it loads the system OpenBLAS so that
+MLX's CPU matmuls use it (~50x faster float32 than MLX's reference BLAS). That must happen before
+anything imports mlx.core; `UAG_OPENBLAS=0` turns it off (uag/_blas.py). The heavy modules (mlx, mlx-lm,
+transformers) are imported only when a name below is first used.
+"""
+
+from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from uag._blas import preload_openblas
 
@@ -9,3 +23,36 @@ preload_openblas()  # must run before anything imports mlx.core
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "GenerationConfig": "uag.config",
+    "DrafterSpec": "uag.config",
+    "UserError": "uag.errors",
+    "load": "uag.api",
+    "load_drafter": "uag.api",
+    "generate": "uag.api",
+    "stream": "uag.api",
+    "saved_profile": "uag.api",
+    "Run": "uag.records",
+    "Cycle": "uag.records",
+    "CostProfile": "uag.costmodel",
+}
+__all__ = [
+    "CostProfile", "Cycle", "DrafterSpec", "GenerationConfig", "Run", "UserError",
+    "generate", "load", "load_drafter", "saved_profile", "stream", "__version__",
+]  # fmt: skip
+
+if TYPE_CHECKING:
+    from uag.api import generate, load, load_drafter, saved_profile, stream
+    from uag.config import DrafterSpec, GenerationConfig
+    from uag.costmodel import CostProfile
+    from uag.errors import UserError
+    from uag.records import Cycle, Run
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'uag' has no attribute {name!r}")

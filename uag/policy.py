@@ -19,10 +19,14 @@ the target alone costs, plus at most that budget.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from uag.config import LOOKUP
 from uag.costmodel import CostProfile
 from uag.records import Cycle
+
+MODEL = "model"
 
 DEFAULT_K_MAX = 8
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
@@ -32,6 +36,7 @@ PROBE_EVERY = 16  # parked steps before the first probe, at the least
 PROBE_GAP_MAX = 128  # the least number of parked steps between probes after repeated failed probes
 PROBE_BUDGET = 0.03  # the most a probe may cost, as a share of the parked (target-alone) stretch it ends
 EMA = 0.2  # weight of a new timing in the running cost estimates
+LOOKUP_MS = 0.02  # what a lookup is assumed to cost before one was timed (it is a dictionary lookup)
 
 
 @dataclass
@@ -42,6 +47,11 @@ class FixedK:
 
     def next_k(self) -> int:
         return self.k
+
+    def choose(self, offer: Mapping[str, int]) -> tuple[str, int]:
+        """Lookup where it has a match (it costs nothing), else the model; a plain step when neither drafts."""
+        source = LOOKUP if LOOKUP in offer else MODEL if MODEL in offer else ""
+        return (source, min(self.k, offer[source])) if source else ("", 0)
 
     def plain_steps(self) -> int:
         return 1
@@ -72,6 +82,10 @@ class AdaptiveK:
     parked_for: int = 0
     probe_gap: int = 0  # parked steps before the next probe (probe_every, doubled by each failed probe)
     probing: bool = False
+    learn_costs: bool = True  # False: keep the profile's costs, never the run's own timings (tests pin them)
+    lookup_accepted: list[float] = field(default_factory=list)  # the same counts for lookup proposals
+    lookup_rejected: list[float] = field(default_factory=list)
+    lookup_ms: float = LOOKUP_MS
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -79,20 +93,26 @@ class AdaptiveK:
         self.probe_gap = self.probe_gap or self.probe_every
 
     # --- estimates -------------------------------------------------------------------------------------
-    def acceptances(self, n: int) -> list[float]:
-        """Estimated P(position i accepted | positions before it accepted) for i = 0..n−1.
+    def acceptances(self, n: int, source: str = MODEL) -> list[float]:
+        """Estimated P(position i accepted | positions before it accepted) for i = 0..n−1, per source.
 
         Decayed counts, shrunk toward the previous position's estimate: later positions are tried only
         after earlier ones were accepted, so they have little evidence of their own.
         Example: no evidence -> [0.5, 0.5]; 10 accepts at position 0 only -> [10.5/11, 10.5/11]
         """
+        accepted, rejected = self._counts(source)
         out, prior = [], PRIOR
         for i in range(n):
-            a = self.accepted[i] if i < len(self.accepted) else 0.0
-            b = self.rejected[i] if i < len(self.rejected) else 0.0
+            a = accepted[i] if i < len(accepted) else 0.0
+            b = rejected[i] if i < len(rejected) else 0.0
             prior = (a + PRIOR_WEIGHT * prior) / (a + b + PRIOR_WEIGHT)
             out.append(prior)
         return out
+
+    def _counts(self, source: str) -> tuple[list[float], list[float]]:
+        if source == LOOKUP:
+            return self.lookup_accepted, self.lookup_rejected
+        return self.accepted, self.rejected
 
     def acceptance(self, i: int) -> float:
         return self.acceptances(i + 1)[i]
@@ -215,6 +235,40 @@ class AdaptiveK:
             return 1  # a probe: is the drafter paying again?
         return 0
 
+    def lookup_rates(self, k_max: int) -> dict[int, float]:
+        """Expected tokens per millisecond of a lookup proposal of k tokens (it costs a lookup and the wider pass)."""
+        acceptances = self.acceptances(k_max, LOOKUP)
+        out = {}
+        for k in range(1, k_max + 1):
+            verify = self.target_ms(k + 1)
+            if verify:
+                out[k] = self.expected_tokens(k, acceptances) / (self.lookup_ms + verify)
+        return out
+
+    def choose(self, offer: Mapping[str, int]) -> tuple[str, int]:
+        """The source and draft length with the best expected rate among what `offer` holds
+        (source -> the most it can propose); ("", 0) for a plain target step."""
+        best = ("", 0)
+        rates = self.rates()
+        if 0 not in rates:
+            return best  # time one plain target step first: every decision is relative to it
+        if MODEL in offer:
+            k = min(self.next_k(), offer[MODEL])
+            if k:
+                best = (MODEL, k)
+        if LOOKUP in offer:
+            lookup = self.lookup_rates(min(self.k_max, offer[LOOKUP]))
+            k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
+            current = rates[best[1]] if best[0] == MODEL and best[1] in rates else rates[0]
+            if k and lookup[k] > current:
+                if best[0] == MODEL and self.probing:
+                    self.probing = False  # the probe is not made
+                return LOOKUP, k
+            # Not chosen: its evidence ages, so that a source that failed once is tried again later.
+            for counts in self._counts(LOOKUP):
+                counts[:] = [c * DECAY for c in counts]
+        return best
+
     def plain_steps(self) -> int:
         """Plain target steps to take in a row after `next_k()` returned 0, before deciding again
         (at most PROBE_GAP_MAX: the decision is revisited as the run's own timings come in)."""
@@ -229,34 +283,47 @@ class AdaptiveK:
     def observe(self, cycle: Cycle) -> None:
         """Learn from a finished cycle: which positions were accepted, and what each phase cost."""
         w = len(cycle.proposed_ids) + 1
-        self.verify_ms[w] = _ema(self.verify_ms.get(w), cycle.verify_ms)
+        if self.learn_costs or not (self.profile and w in self.profile.target_ms):
+            self.verify_ms[w] = _ema(self.verify_ms.get(w), cycle.verify_ms)
         if cycle.k == 0:
             self.parked_for += 1
             self.unread += 1
             return
+        if cycle.source == LOOKUP:  # the model drafter reads these tokens later, as if parked
+            self.parked_for += cycle.emitted
+            self.unread += cycle.emitted
+            if self.learn_costs:
+                self.lookup_ms = _ema(self.lookup_ms, cycle.draft_ms + cycle.translate_ms)
+            _count(self.lookup_accepted, self.lookup_rejected, len(cycle.proposed_ids), cycle.accepted)
+            return
         probe, self.probing, self.unread = self.probing, False, 0
-        passes = cycle.drafter_passes
+        passes = cycle.drafter_passes if self.learn_costs else 0
         if passes and cycle.drafter_read <= 2 * passes + 1:
             self.drafter_ms = _ema(self.drafter_ms, cycle.draft_ms / passes)
         elif passes:  # it first caught up on the prompt or a parked stretch: what reading a token costs
             caught_up = cycle.draft_ms - passes * self.drafter_step_ms(cycle.draft_ms / passes)
             self.read_ms = _ema(self.read_ms, max(0.0, caught_up) / (cycle.drafter_read - passes))
-        self.overhead_ms = _ema(self.overhead_ms, cycle.translate_ms + cycle.resync_ms)
+        if self.learn_costs:
+            self.overhead_ms = _ema(self.overhead_ms, cycle.translate_ms + cycle.resync_ms)
         if cycle.draft_ids:
             self.expansion = _ema(self.expansion, max(len(cycle.proposed_ids), 1) / len(cycle.draft_ids))
-        tried = len(cycle.proposed_ids)
-        for i in range(min(tried, cycle.accepted + 1)):
-            while len(self.accepted) <= i:
-                self.accepted.append(0.0)
-                self.rejected.append(0.0)
-            self.accepted[i] *= DECAY
-            self.rejected[i] *= DECAY
-            if i < cycle.accepted:
-                self.accepted[i] += 1
-            else:
-                self.rejected[i] += 1
+        _count(self.accepted, self.rejected, len(cycle.proposed_ids), cycle.accepted)
         if probe and self.best_k() == 0:  # the probe did not pay: wait twice as long for the next one
             self.probe_gap = min(2 * self.probe_gap, PROBE_GAP_MAX)
+
+
+def _count(accepted: list[float], rejected: list[float], tried: int, kept: int) -> None:
+    """Decay the counts of every position the target looked at, then count this cycle's outcome there."""
+    for i in range(min(tried, kept + 1)):
+        while len(accepted) <= i:
+            accepted.append(0.0)
+            rejected.append(0.0)
+        accepted[i] *= DECAY
+        rejected[i] *= DECAY
+        if i < kept:
+            accepted[i] += 1
+        else:
+            rejected[i] += 1
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -51,6 +51,7 @@ class Cycle:
     fallback: bool = False  # no usable in-context encoding; contextless (anchored) encoding used
     empty: bool = False  # drafts were made but translated to no target token
     resync_absorbed: bool = False  # re-sync re-encoded drafter tokens because of a boundary merge
+    source: str = ""  # what drafted: "model", "lookup"; "" for a plain target step
 
     @classmethod
     def plain(cls, index: int, verify_ms: float) -> Cycle:
@@ -150,6 +151,25 @@ class Run:
     def drafter_passes(self) -> int:
         return sum(c.drafter_passes for c in self.cycles)
 
+    def position_acceptance(self) -> list[float | None]:
+        """P(proposed position i is accepted | positions before it were), for i = 1..the longest proposal.
+
+        Example: proposals of 2 with 2, 1 and 0 accepted -> position 1: 2/3, position 2: 1/2
+        """
+        longest = max((len(c.proposed_ids) for c in self.cycles), default=0)
+        out: list[float | None] = []
+        for i in range(longest):
+            reached = [c for c in self.cycles if len(c.proposed_ids) > i and c.accepted >= i]
+            out.append(sum(c.accepted > i for c in reached) / len(reached) if reached else None)
+        return out
+
+    def sources(self) -> dict[str, int]:
+        """Cycles per source: "model", "lookup", and "plain" for plain target steps."""
+        out: dict[str, int] = {}
+        for c in self.cycles:
+            out[c.source or "plain"] = out.get(c.source or "plain", 0) + 1
+        return out
+
     def phase_ms(self) -> dict[str, float]:
         """Milliseconds spent per phase over all cycles."""
         return {
@@ -188,6 +208,8 @@ class Run:
             "fallbacks": sum(c.fallback for c in self.cycles),
             "empty_translations": sum(c.empty for c in self.cycles),
             "phase_ms": self.phase_ms(),
+            "position_acceptance": self.position_acceptance(),
+            "sources": self.sources(),
             "notes": list(self.notes),
         }
 

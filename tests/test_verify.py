@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from uag.sampling import IdMap, draft_distribution, rejection_verify
+from uag.verify import IdMap, Verdict, accept_greedy, accept_rejection, draft_distribution
 
 # A 5-token target and a 6-token drafter: drafter ids 0..4 map to target ids 4..0 (reversed), drafter
 # id 5 has no target counterpart and must never be drafted.
@@ -22,7 +22,8 @@ def sample_outputs(trials: int, temperature: float) -> list[int]:
     for _ in range(trials):
         draft = mx.random.categorical(mx.log(q[0])).item()
         assert draft != 5
-        accepted, token = rejection_verify(P_LOGITS, q, [draft], [TO_TARGET[draft]], id_map, temperature)
+        verdict = accept_rejection(P_LOGITS, q, [draft], [TO_TARGET[draft]], id_map, temperature)
+        accepted, token = verdict.accepted, verdict.token
         outputs.append(TO_TARGET[draft] if accepted else token)
     return outputs
 
@@ -51,5 +52,12 @@ def test_a_drafter_that_matches_the_target_is_always_accepted():
     q = draft_distribution(q_logits + id_map.drafter_mask, 1.0)
     mx.random.seed(1)
     for draft in range(5):
-        accepted, _ = rejection_verify(P_LOGITS, q, [draft], [TO_TARGET[draft]], id_map, 1.0)
+        accepted = accept_rejection(P_LOGITS, q, [draft], [TO_TARGET[draft]], id_map, 1.0).accepted
         assert accepted == 1
+
+
+def test_greedy_keeps_the_agreed_prefix_and_takes_the_targets_token():
+    assert accept_greedy([5, 6, 7], [5, 6, 9, 4]).committed([5, 6, 7]) == [5, 6, 9]
+    assert accept_greedy([5, 6], [5, 6, 8]) == Verdict(2, 8)
+    assert accept_greedy([], [3]).committed([]) == [3]
+    assert accept_greedy([1, 2], [0, 2, 2]).accepted == 0

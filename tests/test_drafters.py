@@ -1,0 +1,188 @@
+"""Drafter kinds: prompt lookup (pure n-gram matching) and the hybrid, lossless through the same cycle."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from tests.support.tiny_models import build_tiny, tiny_pair
+from uag.config import DrafterSpec, GenerationConfig
+from uag.drafters import DrafterChoice, load_drafter
+from uag.errors import InputError
+from uag.generate import generate, prompt_ids, stream
+from uag.lookup import NgramIndex
+from uag.translate import make_translator
+
+KS = (1, 2, 4, 8)
+# Repetitive prompts give lookup something to find; the last has no repeated n-gram at all.
+PROMPTS = [
+    "1. jabłko\n2. gruszka\n3. śliwka\n\nTa sama lista:\n1. jabłko\n2.",
+    "Ala ma kota, a kot ma Alę. Ala ma kota, a kot",
+    "Zażółć gęślą jaźń 🙂",
+]
+
+
+# --- the n-gram index (pure) ----------------------------------------------------------------------
+
+
+def test_lookup_proposes_what_followed_the_latest_earlier_occurrence_longest_ngram_first():
+    index = NgramIndex((3, 2))
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
+    assert index.match == (3, 3)  # "1 2 3" (n = 3) beats the more recent "2 3" (n = 2)
+    assert index.propose(2) == [4, 9]
+    index.extend([7])
+    assert index.match is None and index.propose(4) == []
+
+
+def test_lookup_carries_a_repetition_past_the_end_of_the_sequence():
+    index = NgramIndex((2,))
+    index.extend([5, 6, 5, 6])
+    assert index.propose(5) == [5, 6, 5, 6, 5]
+
+
+def test_lookup_uses_the_most_recent_occurrence_and_nothing_on_short_or_empty_input():
+    index = NgramIndex((2,))
+    assert index.propose(3) == []
+    index.extend([1, 2, 7, 1, 2, 8, 1, 2])
+    assert index.propose(1) == [8]
+    assert NgramIndex((2,)).propose(4) == [] and index.propose(0) == []
+    with pytest.raises(ValueError):
+        NgramIndex((0,))
+
+
+def test_drafter_spec_names_every_kind():
+    assert DrafterSpec.parse("lookup").kind == "lookup"
+    assert DrafterSpec.parse(" lookup+demo-drafter ") == DrafterSpec(lookup=True, model="demo-drafter")
+    assert DrafterSpec.parse("org/model").kind == "model" and str(DrafterSpec.parse("lookup+x")) == "lookup+x"
+    for bad in ("", "lookup+", "lookup+lookup"):
+        with pytest.raises(InputError):
+            DrafterSpec.parse(bad)
+
+
+# --- through the engine, on tiny real mlx-lm models -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(store):
+    target, qwen = tiny_pair("qwen2.5", "mistral-v1", tie_embeddings=True)  # tied: the target tends to repeat
+    return store.get(str(target)), store.get(str(qwen))
+
+
+def baseline_ids(target, prompt, max_tokens):
+    return generate(target, None, prompt, GenerationConfig(strategy="baseline", max_tokens=max_tokens)).token_ids
+
+
+@pytest.mark.parametrize("kind", ["lookup", "hybrid"])
+@pytest.mark.parametrize("strategy", ["context", "naive", "auto"])
+def test_every_drafter_kind_is_lossless_greedy_at_every_k(tiny, kind, strategy):
+    target, model = tiny
+    choice = DrafterChoice(lookup=True, model=model if kind == "hybrid" else None)
+    for prompt in PROMPTS:
+        expected = baseline_ids(target, prompt, 24)
+        for k in KS:
+            run = generate(target, choice, prompt, GenerationConfig(strategy=strategy, k=k, max_tokens=24))
+            assert run.token_ids == expected, (prompt, kind, strategy, k)
+            assert run.generated == 24 and all(c.emitted >= 1 for c in run.cycles)
+            assert all(len(c.proposed_ids) <= k for c in run.cycles if c.source == "lookup")
+            assert {c.source for c in run.cycles} <= {"", "lookup", "model"}
+            assert run.drafter == ("lookup" if kind == "lookup" else f"lookup+{model.name}")
+
+
+def test_lookup_drafts_are_used_and_accepted_where_the_output_repeats(tiny):
+    target, _ = tiny
+    expected = baseline_ids(target, PROMPTS[1], 40)
+    run = generate(target, DrafterChoice(lookup=True), PROMPTS[1], GenerationConfig(k=4, max_tokens=40))
+    assert run.token_ids == expected
+    lookups = [c for c in run.cycles if c.source == "lookup"]
+    assert lookups and all(c.drafter_passes == 0 and c.draft_ids == c.proposed_ids for c in lookups)
+    assert run.stats()["sources"]["lookup"] == len(lookups)
+    assert run.accepted >= 10  # this tiny target loops ("ototot…"), which lookup predicts
+    assert sum(run.from_draft) == run.accepted
+
+
+@pytest.mark.parametrize("kind", ["lookup", "hybrid"])
+def test_sampling_every_emitted_token_is_one_the_target_sampled(tiny, kind):
+    target, model = tiny
+    calls: list[list[int]] = []
+    base = make_sampler(0.7)
+
+    def recording(logprobs):
+        y = base(logprobs)
+        calls.append(np.array(y).reshape(-1).tolist())
+        return y
+
+    choice = DrafterChoice(lookup=True, model=model if kind == "hybrid" else None)
+    for k in KS:
+        calls.clear()
+        config = GenerationConfig(strategy="context", k=k, max_tokens=30, temperature=0.7, seed=5)
+        run = list(stream(target, choice, prompt_ids(target, PROMPTS[0]), config, sampler=recording))[-1].run
+        assert run.token_ids[0] == calls[0][0]
+        position = 1
+        for cycle, sampled in zip(run.cycles, calls[1:]):
+            assert run.token_ids[position : position + cycle.emitted] == sampled[: cycle.emitted], k
+            position += cycle.emitted
+        assert position == run.generated == 30
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_a_lookup_proposal_never_runs_past_the_token_budget(tiny, max_tokens):
+    target, model = tiny
+    for choice in (DrafterChoice(lookup=True), DrafterChoice(lookup=True, model=model)):
+        run = generate(target, choice, PROMPTS[1], GenerationConfig(k=8, max_tokens=max_tokens))
+        assert run.generated == max_tokens and run.token_ids == baseline_ids(target, PROMPTS[1], max_tokens)
+
+
+def test_a_lookup_proposal_that_runs_past_eos_stops_at_the_first_eos(tiny):
+    target, _ = tiny
+    eos = next(iter(target.eos_ids))
+    calls = []
+
+    def greedy_then_eos(logprobs):
+        calls.append(1)
+        y = mx.argmax(logprobs, axis=-1)
+        return mx.full(y.shape, eos, y.dtype) if len(calls) == 6 else y
+
+    config = GenerationConfig(k=8, max_tokens=60)
+    ids = prompt_ids(target, PROMPTS[1])
+    run = list(stream(target, DrafterChoice(lookup=True), ids, config, sampler=greedy_then_eos))[-1].run
+    assert run.finish_reason == "eos" and run.token_ids[-1] == eos and run.token_ids.count(eos) == 1
+
+
+def test_lookup_with_nothing_to_find_runs_plain_target_steps(tiny):
+    target, _ = tiny
+    ids = prompt_ids(target, "x")[:1] or prompt_ids(target, "x")  # the shortest context there is
+    expected = generate(target, None, ids, GenerationConfig(strategy="baseline", max_tokens=6)).token_ids
+    run = generate(target, DrafterChoice(lookup=True), ids, GenerationConfig(k=4, max_tokens=6))
+    assert run.token_ids == expected
+
+
+@pytest.mark.parametrize("stop_after", [None, 4])
+def test_hybrid_leaves_both_caches_exact_after_a_run_and_an_early_stop(tiny, stop_after):
+    target, model = tiny
+    config = GenerationConfig(strategy="context", k=4, max_tokens=24)
+    translator = make_translator("context", target.vocab, model.vocab, window=config.window, shared=False)
+    caches = (target.make_cache(), model.make_cache())
+    choice = DrafterChoice(lookup=True, model=model)
+    events = stream(target, choice, prompt_ids(target, PROMPTS[0]), config, translator=translator, caches=caches)
+    for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
+        if stop_after is not None and n == stop_after:
+            break
+    events.close()
+    run = event.run
+    committed = run.prompt_ids + run.token_ids
+    assert caches[0][0].offset == len(committed) - 1
+    assert translator.target_ids == committed
+    for model_, cache, ids in ((target, caches[0], committed), (model, caches[1], translator.drafter_ids)):
+        offset = cache[0].offset
+        from_cache = model_.model(mx.array(ids[offset:])[None], cache=cache)[0, -1]
+        fresh = model_.model(mx.array(ids)[None], cache=model_.make_cache())[0, -1]
+        np.testing.assert_allclose(np.array(from_cache), np.array(fresh), atol=1e-3, rtol=1e-3)
+
+
+def test_load_drafter_loads_no_model_for_lookup(store):
+    assert load_drafter(store, "lookup") == DrafterChoice(lookup=True)
+    llama = build_tiny("llama", "llama-3.2", seed=3, tie_embeddings=False)
+    choice = load_drafter(store, f"lookup+{llama}")
+    assert choice.lookup and choice.model is store.get(str(llama)) and choice.kind == "hybrid"

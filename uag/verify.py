@@ -1,0 +1,99 @@
+"""Verification: which proposed tokens the target keeps, and the token it adds. Every acceptance rule
+uag uses is here.
+
+- Greedy and exact-match sampling (`accept_greedy`): the target chooses a token at every proposed
+  position (argmax, or a sample at temperature > 0); the proposal is kept up to the first position where
+  the target chose otherwise, and the target's own choice there is the next token. Pure.
+- Rejection sampling over a token-level intersection (`accept_rejection`, TLI at temperature > 0): the
+  drafter samples x_i from q_i (its distribution restricted to tokens the target also has); the target
+  accepts x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection it samples from the
+  residual max(0, p_i − q_i) renormalised; if every draft is accepted it samples a bonus token from p_n.
+  Each emitted token is then distributed exactly as the target alone would sample it (Leviathan et al.
+  2023; Chen et al. 2023), with q carried into the target's vocabulary through the id mapping.
+
+Either way a cycle commits `accepted` proposed tokens plus one token of the target's own: the output is
+the target's, token for token (greedy) or in distribution (sampling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The outcome of one verification pass."""
+
+    accepted: int  # leading proposed tokens the target kept
+    token: int  # the target's own next token (the correction, or the bonus when all were kept)
+
+    def committed(self, proposed: Sequence[int]) -> list[int]:
+        """The tokens this verification commits. Example: proposed [5, 6, 7], accepted 2, token 9 -> [5, 6, 9]"""
+        return [*proposed[: self.accepted], self.token]
+
+
+def accept_greedy(proposed: Sequence[int], choices: Sequence[int]) -> Verdict:
+    """Keep the proposal up to the first position where the target chose otherwise.
+
+    `choices[i]` is the target's token after the committed text and proposed[:i] (len(proposed) + 1 of them).
+    Example: proposed [5, 6, 7], choices [5, 6, 9, 4] -> Verdict(accepted=2, token=9)
+             proposed [5, 6],    choices [5, 6, 8]    -> Verdict(accepted=2, token=8)   (all kept, bonus 8)
+    """
+    n = 0
+    for x, y in zip(proposed, choices):
+        if x != y:
+            break
+        n += 1
+    return Verdict(n, int(choices[n]))
+
+
+class IdMap:
+    """Drafter id → target id mapping as index arrays, for scattering drafter probabilities."""
+
+    def __init__(self, to_target: dict[int, int], drafter_size: int):
+        drafter_ids = sorted(to_target)
+        self.drafter_ids = mx.array(drafter_ids)
+        self.target_ids = mx.array([to_target[d] for d in drafter_ids])
+        allowed = mx.zeros((drafter_size,), dtype=mx.bool_)
+        allowed[self.drafter_ids] = True
+        # Added to the drafter's logits: tokens the target lacks can never be drafted.
+        self.drafter_mask = mx.where(allowed, 0.0, -mx.inf)
+
+    def to_target_space(self, q: mx.array, target_size: int) -> mx.array:
+        """A drafter distribution as a distribution over target ids (several drafter ids may share one)."""
+        return mx.zeros((target_size,), dtype=q.dtype).at[self.target_ids].add(q[self.drafter_ids])
+
+
+def draft_distribution(masked_logits: mx.array, temperature: float) -> mx.array:
+    """q: the drafter's distribution over the intersection (logits already masked) at the temperature."""
+    return mx.softmax(masked_logits.astype(mx.float32) / temperature, axis=-1)
+
+
+def accept_rejection(
+    target_logits: mx.array,
+    q: mx.array,
+    drafts: Sequence[int],
+    proposed: Sequence[int],
+    id_map: IdMap,
+    temperature: float,
+) -> Verdict:
+    """Rejection sampling for one cycle. target_logits: (n + 1, V_target); q: (n, V_drafter)."""
+    p = mx.softmax(target_logits.astype(mx.float32) / temperature, axis=-1)
+    n = len(proposed)
+    accepted = 0
+    if n:
+        rows = mx.arange(n)
+        p_x = p[rows, mx.array(list(proposed))]
+        q_x = q[rows, mx.array(list(drafts[:n]))]
+        u = mx.random.uniform(shape=(n,))
+        keep = (u * q_x < p_x).tolist()  # u < p/q, without dividing by q
+        accepted = next((i for i, ok in enumerate(keep) if not ok), n)
+    if accepted == n:
+        return Verdict(accepted, mx.random.categorical(mx.log(p[n])).item())
+    residual = mx.maximum(p[accepted] - id_map.to_target_space(q[accepted], p.shape[-1]), 0.0)
+    if residual.sum().item() <= 0:  # p ≤ q everywhere happens only through rounding
+        residual = p[accepted]
+    return Verdict(accepted, mx.random.categorical(mx.log(residual)).item())
