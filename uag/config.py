@@ -112,7 +112,9 @@ def _whole(value: Any, field: Field, problems: list[str]) -> Any:
     except (TypeError, ValueError, OverflowError):
         number = math.nan
     if isinstance(value, bool) or not number.is_integer() or not field.lo <= number <= field.hi:
-        problems.append(f"{field.label} must be a whole number from {_bound(field.lo)} to {_bound(field.hi)} (got {value!r})")
+        problems.append(
+            f"{field.label} must be a whole number from {_bound(field.lo)} to {_bound(field.hi)} (got {value!r})"
+        )
         return value
     return int(number)
 
