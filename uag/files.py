@@ -24,7 +24,7 @@ from uag.history import history_frame
 
 log = logging.getLogger(__name__)
 
-MAX_UPLOAD_MB = 50  # a sweep's results file is a few MB at most
+MAX_UPLOAD_MB = 50  # MiB, as gradio counts them; a sweep's results file is a few MB at most
 EXPORT_TTL_S = 3600
 SQLITE_MAGIC = b"SQLite format 3\x00"
 NEEDED_COLUMNS = {"alpha", "speedup", "k", "group"}
@@ -52,9 +52,9 @@ def load_results(path: str | Path | None, *, max_mb: float = MAX_UPLOAD_MB) -> t
             head = file.read(len(SQLITE_MAGIC))
     except OSError:
         return None, f"Could not read {name}: the upload did not arrive whole. Try again."
-    if size > max_mb * 1e6:
+    if size > max_mb * 2**20:
         path.unlink(missing_ok=True)  # not kept on the server
-        return None, f"{name} is {size / 1e6:.0f} MB; this app takes results files of at most {max_mb:.0f} MB."
+        return None, f"{name} is {size / 2**20:.0f} MB; this app takes results files of at most {max_mb:.0f} MB."
     if head != SQLITE_MAGIC:
         return None, f"{name} is not a results file: the Plot tab reads the SQLite file a benchmark sweep writes."
     try:

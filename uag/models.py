@@ -25,7 +25,8 @@ from uag import _blas
 from uag.errors import ModelError
 from uag.vocab import HFVocab, same_vocabulary
 
-DEMO_NAMES = ("demo-target", "demo-drafter")
+# The offline models uag.demo converts on first use (its MODELS); they load in default_dtype().
+DEMO_NAMES = ("demo-target", "demo-drafter", "coder-target", "coder-drafter")
 # Architectures whose sliding-window layers build the window into the attention mask, so those layers
 # can use a plain (always trimmable) KVCache instead of a RotatingKVCache, which stops being trimmable
 # once it wraps around (checked against the rotating cache in tests/test_engine.py).
@@ -251,10 +252,10 @@ def _load(name: str, *, dtype: str | None, progress: Callable[[str], None] | Non
         progress(f"loading {name}")
     try:
         model, tokenizer, config = mlx_lm.load(str(source), return_config=True)
-    except (LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError) as err:
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError):
         raise ModelError(
             f"cannot load {name!r}: it is not a local directory, not in the Hugging Face cache, and the "
-            f"hub could not provide it ({type(err).__name__}). Check the id, or the network."
+            "hub could not provide it. Check the id, or the network."
         ) from None
     except (FileNotFoundError, ValueError) as err:
         raise ModelError(f"cannot load {name!r}: {err}") from None
