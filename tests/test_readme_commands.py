@@ -4,8 +4,9 @@ Code blocks whose info string carries the word ``runnable`` (```` ```sh runnable
 can run right after ``make app`` / ``make test``, offline. Each ``python -m uag…`` command there is run in a
 fresh folder (no ``results/`` in it) with the venv's ``bin`` first on PATH (what "activate the venv" does),
 in order, so the sweep → analyze pair reads what the sweep wrote. Sizes are made small (``--n 1``,
-``--max-tokens 4``, a sweep's ``--k`` list cut to its first value, a short calibration); nothing else changes. A calibration goes to a private cache,
-so that it never reseeds ``auto`` in the user's (or the other tests') profile store.
+``--max-tokens 4``, a sweep's ``--k`` list cut to its first value, a short calibration); nothing else
+changes. A calibration goes to a private cache, so that it never reseeds ``auto`` in the user's (or the
+other tests') profile store.
 """
 
 from __future__ import annotations
