@@ -66,8 +66,12 @@ CASES = [
     ("remote: /etc", ["Hej", *_with(target="/etc")], REMOTE, "model folders on the server can be chosen only"),
     ("remote: ../x", ["Hej", *_with(drafter="../x")], REMOTE, "model folders on the server can be chosen only"),
     ("remote: ~", ["Hej", *_with(drafter="lookup+~/models")], REMOTE, "model folders on the server can be chosen"),
-    ("remote: big preset", ["Hej", *_with(target="speakleash/Bielik-11B-v3.0-Instruct-MLX-8bit")], REMOTE,
-     "not available to remote users"),  # fmt: skip
+    (
+        "remote: big preset",
+        ["Hej", *_with(target="speakleash/Bielik-11B-v3.0-Instruct-MLX-8bit")],
+        REMOTE,
+        "not available to remote users",
+    ),  # fmt: skip
     ("remote: any hub id", ["Hej", *_with(target="org/anything")], REMOTE, "not available to remote users"),
 ]
 
@@ -96,7 +100,9 @@ def assert_user_message(message: str, expected: str, sent: str = "") -> None:
 def good_request_succeeds(app_url: str) -> None:
     from gradio_client import Client
 
-    baseline, speculative, _, stats = Client(app_url, verbose=False).predict("Stolica Polski to", **GOOD, api_name="/compare")
+    baseline, speculative, _, stats = Client(app_url, verbose=False).predict(
+        "Stolica Polski to", **GOOD, api_name="/compare"
+    )
     assert stats["identical"] is True and baseline == speculative
 
 

@@ -154,7 +154,6 @@ def test_cancelling_an_api_job_frees_the_worker_for_the_next_caller(app_url, app
 @pytest.mark.slow
 def test_a_client_that_goes_away_cancels_its_job(app_url, app_session):  # finding 1: disconnect, raw HTTP
     import json
-    import time
 
     import httpx
 
