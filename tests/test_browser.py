@@ -50,7 +50,7 @@ def page(tmp_path):
 def test_a_comparison_in_the_browser(app_url, page):
     page.goto(app_url)
     page.get_by_label("Prompt").fill("The capital of France is")
-    page.locator("input[aria-label='number input for Max tokens']").fill("12")
+    page.locator("input[aria-label='number input for Max tokens']").fill("12")  # labels from uag.config.FIELDS
     page.locator("#run").click()
     page.wait_for_function(
         "() => /Done|Cannot run|error/i.test(document.querySelector('#status')?.innerText ?? '')",

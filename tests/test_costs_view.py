@@ -10,7 +10,9 @@ from uag.profiles import Calibration, find_profile, profile_key, profile_path, s
 from uag.costmodel import CostProfile
 from uag.models import ModelStore, Pair
 from uag.plots import verify_cost
-from uag.session import Access, Session
+from uag.access import Access
+from uag.drafters import DrafterChoice
+from uag.session import Loaded, Session
 from uag.worker import MLXWorker
 
 # w = 9 is far too slow for k = 8 to pay at any acceptance. k = 1: cycle 1 + 0.5 + 11.5 = 13 ms, plain step
@@ -33,6 +35,10 @@ class _NoWorker:
 
     def submit(self, *args, **kwargs):
         raise AssertionError("this must not reach the worker")
+
+
+def _as_loaded(pair: Pair) -> Loaded:
+    return Loaded(pair.target, DrafterChoice(model=pair.drafter), pair)
 
 
 def _fake_pair(target: str = "org/target", drafter: str = "org/drafter") -> Pair:
@@ -73,12 +79,12 @@ def test_cost_view_does_not_load_a_pair_to_look():
 def test_cost_view_without_then_with_a_saved_profile(cache):
     session = Session(worker=_NoWorker())
     pair = _fake_pair()
-    session._pairs[("org/target", "org/drafter")] = pair  # as if a comparison had loaded it
+    session._loaded[("org/target", "org/drafter")] = _as_loaded(pair)  # as if a comparison had loaded it
 
     missing = session.cost_view("org/target", "org/drafter")
     assert missing.figure is None
     assert "No cost profile for org/target ← org/drafter on this machine" in missing.caption
-    assert "`python -m uag.calibrate --target org/target --drafter org/drafter`" in missing.caption
+    assert "Calibrate this pair" in missing.caption and "--" not in missing.caption  # the app's words, no flags
 
     path = save(Calibration(profile_key(pair), PROFILE, MEASURED_AT, 256))
     assert path.is_relative_to(cache)
@@ -94,12 +100,12 @@ def test_cost_view_without_then_with_a_saved_profile(cache):
 def test_a_damaged_profile_is_reported_not_raised(cache):
     session = Session(worker=_NoWorker())
     pair = _fake_pair()
-    session._pairs[("org/target", "org/drafter")] = pair
+    session._loaded[("org/target", "org/drafter")] = _as_loaded(pair)
     path = profile_path(profile_key(pair))
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     view = session.cost_view("org/target", "org/drafter")
-    assert view.figure is None and "could not be read (JSONDecodeError" in view.caption
+    assert view.figure is None and "damaged and could not be read" in view.caption and "Error" not in view.caption
 
 
 # --- calibrating from the app ----------------------------------------------------------------------------------
@@ -108,8 +114,8 @@ def test_a_damaged_profile_is_reported_not_raised(cache):
 def test_calibrate_follows_the_remote_rules_before_reaching_the_worker():
     session = Session(worker=_NoWorker())
     (update,) = session.calibrate_pair("org/unknown", "demo-drafter", access=Access(remote=True))
-    assert update.state == "error" and "--allow-any-model" in update.status and update.view is None
-    (update,) = session.calibrate_pair("demo-target", "/tmp/drafter", access=Access(remote=True, allow_any_model=True))
+    assert update.state == "error" and "not available to remote users" in update.status and update.view is None
+    (update,) = session.calibrate_pair("demo-target", "/tmp/drafter", access=Access(remote=True, remote_models="any"))
     assert update.state == "error" and "not a hub id" in update.status
 
 
@@ -137,7 +143,7 @@ def test_calibrate_pair_measures_saves_and_shows_the_profile(cache, tiny_session
     assert str(saved) in final.status
     again = session.cost_view(target, drafter)
     assert again.calibration == final.view.calibration and again.figure is not None
-    assert find_profile(session._pairs[(target, drafter)]) == profile
+    assert find_profile(session._loaded[(target, drafter)].pair) == profile
 
 
 def test_a_stopped_calibration_saves_nothing(cache, tiny_session):
