@@ -191,7 +191,7 @@ def execute(sweep: Sweep, pending: list[Job], db: ResultsDB, *, done: int, name:
     file has taken. Returns (runs stored here, runs left to another sweep)."""
     from tqdm import tqdm
 
-    from uag.generate import generate
+    from uag.api import generate  # strategy auto: seeded with the pair's saved cost profile
 
     target, choices, ids = _load(sweep, pending)
     machines = {None: machine(target, None), **{d: machine(target, c.model) for d, c in choices.items()}}
