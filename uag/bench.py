@@ -2,14 +2,16 @@
 
 Per prompt: the baseline once, then every drafter × strategy × k condition. Each run goes into a results file
 (uag.results) the moment it finishes, with its cycles, in one transaction. Running the same command again
-skips the runs already there, so a killed sweep continues where it stopped and never duplicates a run.
+skips the runs already there, so a killed sweep continues where it stopped and never duplicates a run; two
+sweeps on one file at once share the work (each run is claimed before it is computed, see ResultsDB.claim).
+A drafter is a model, `lookup` (prompt lookup, no model) or `lookup+<model>`.
 
     python -m uag.bench --target demo-target --drafters demo-drafter --strategies none naive context \\
         --k 1 2 4 --datasets wiki alpaca synthetic --n 4 --max-tokens 48 --out results.db
     python -m uag.analyze results.db
 
 Everything that can be checked is checked before the first run: settings, datasets, the results file, then
-the models (loaded once each) and every prompt's tokens.
+the models (loaded once each) and every prompt's tokens, against the target's context and each drafter's.
 """
 
 from __future__ import annotations
