@@ -2,7 +2,7 @@
 
 import sys
 
-from uag.ui import main
+from uag.serve import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -96,7 +96,7 @@ def test_bad_input_is_a_clear_error(app_url, prompt, options, message):
 
 
 def test_share_without_a_login_is_refused(capsys, monkeypatch):
-    from uag.ui import main
+    from uag.serve import main
 
     monkeypatch.delenv("UAG_AUTH", raising=False)
     assert main(["--share"]) == 2
@@ -106,7 +106,7 @@ def test_share_without_a_login_is_refused(capsys, monkeypatch):
 
 
 def test_the_login_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):  # finding 14: not only argv
-    from uag.ui import _auth, parse_args
+    from uag.serve import _auth, parse_args
 
     monkeypatch.setenv("UAG_AUTH", "ala:kot")
     assert _auth(parse_args([])) == ("ala", "kot")
@@ -120,7 +120,7 @@ def test_the_login_comes_from_the_environment_or_a_file(tmp_path, monkeypatch): 
 def test_a_taken_port_says_which_option_to_use(capsys):  # finding 14
     import socket
 
-    from uag.ui import main
+    from uag.serve import main
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

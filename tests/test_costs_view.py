@@ -6,13 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from uag.profiles import Calibration, find_profile, profile_key, profile_path, save
+from uag.access import Access
 from uag.costmodel import CostProfile
+from uag.drafters import DrafterChoice
+from uag.loaded import Loaded
 from uag.models import ModelStore, Pair
 from uag.plots import verify_cost
-from uag.access import Access
-from uag.drafters import DrafterChoice
-from uag.session import Loaded, Session
+from uag.profiles import Calibration, find_profile, profile_key, profile_path, save
+from uag.session import Session
 from uag.worker import MLXWorker
 
 # w = 9 is far too slow for k = 8 to pay at any acceptance. k = 1: cycle 1 + 0.5 + 11.5 = 13 ms, plain step

@@ -516,7 +516,8 @@ def test_compare_streams_target_alone_then_speculative(app_session):
     # The target alone streams and finishes before the speculative run shows anything.
     first_speculative = next(i for i, u in enumerate(updates) if u.spans)
     assert any(u.baseline_text and u.baseline is None for u in updates[:first_speculative])
-    assert all(u.baseline is not None for u in updates[first_speculative:])
+    rendered = [u for u in updates[first_speculative:] if u.spans is not None]  # the rest only refresh the status
+    assert rendered and all(u.baseline is not None for u in rendered)
     # Greedy: the same token ids, the same text; the spans carry both origins.
     assert final.baseline.token_ids == final.speculative.token_ids
     assert final.baseline_text == final.speculative_text and final.warning == ""
@@ -560,3 +561,12 @@ def test_worker_cancel_takes_effect_before_the_next_cycle(app_session):
 
     (run,) = app_session.worker.submit(job_fn)
     assert run.finish_reason == "stopped" and len(run.cycles) == 3
+
+
+@pytest.mark.slow
+def test_the_time_budget_stops_a_long_comparison_and_says_why(store):  # finding 1: a per-request budget
+    session = Session(store=store, worker=MLXWorker(name="test-budget"), budget_s=1.0)
+    final = list(session.compare(PROMPT, Settings.parse(max_tokens=4000)))[-1]
+    assert final.state == "stopped" and "gives each request 1 s of generation" in final.status
+    assert final.row is None and final.baseline.finish_reason == "stopped" and final.baseline.generated < 4000
+    session.worker.close(timeout=30)

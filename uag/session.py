@@ -12,7 +12,6 @@ passed in and handed back, so the UI can keep it per browser tab.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -23,18 +22,18 @@ from typing import Any
 
 import pandas as pd
 
-import uag.generate
 from uag import demo
 from uag.access import LOCAL, Access, check_drafter, check_model, client_of, is_remote, names_for_remote, note_for
 from uag.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
 from uag.config import DrafterSpec, GenerationConfig
 from uag.costs_view import CalibrationUpdate, CostView, cost_caption
-from uag.drafters import DrafterChoice, load_drafter
+from uag.drafters import load_drafter
 from uag.errors import InputError, ModelError, UserError
 from uag.files import Exports, load_results
 from uag.generate import generate, prompt_ids, stream
 from uag.history import C_FITTED, PlotView, plot_view
 from uag.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT, JobRunner, OutOfTime, Status, Tick, Waiting, failure, say
+from uag.loaded import ENGINE_TAKES_PROFILE, Loaded, saved_profile
 from uag.models import DEMO_NAMES, LoadedModel, ModelStore, Pair, check_pair
 from uag.plots import verify_cost
 from uag.presets import DEFAULT, PRESETS
@@ -49,10 +48,6 @@ log = logging.getLogger(__name__)
 CALIBRATION_REPEATS = 5  # timed passes per width (after a warm-up), as `python -m uag.calibrate`
 RENDER_EVERY_S = 0.25  # full re-renders at most this often: rendering competes with MLX for the CPU
 WARM_UP_PROMPT = "Hello"
-# Whether the engine takes a DrafterChoice (lookup, hybrid) as its drafter yet; until then a model only.
-ENGINE_TAKES_CHOICE = "DrafterChoice" in str(inspect.signature(uag.generate.stream).parameters["drafter"].annotation)
-# Whether the engine takes the pair's cost profile from its caller (else it looks the profile up itself).
-ENGINE_TAKES_PROFILE = "profile" in inspect.signature(uag.generate.stream).parameters
 
 
 class _Cancelled(Exception):
@@ -63,33 +58,6 @@ class _Cancelled(Exception):
 class _Calibrated:
     calibration: Calibration
     path: Path
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """A target and a drafter choice, loaded and checked; `pair` when the drafter has a model."""
-
-    target: LoadedModel
-    choice: DrafterChoice
-    pair: Pair | None
-
-    @property
-    def r(self) -> float | None:
-        return self.pair.r if self.pair is not None else None
-
-    @property
-    def drafter(self) -> DrafterChoice | LoadedModel:
-        """What the engine takes as its drafter."""
-        if self.choice.lookup:
-            if not ENGINE_TAKES_CHOICE:
-                raise InputError(
-                    "drafting by prompt lookup is not available in this version yet: choose a drafter model"
-                )
-            return self.choice
-        return self.choice.model
-
-    def uses(self, model: LoadedModel) -> bool:
-        return model is self.target or model is self.choice.model
 
 
 class Session:
@@ -231,7 +199,7 @@ class Session:
             raise ModelError(f"the target {settings.target!r} has no chat template: turn the chat template off")
         ids = prompt_ids(loaded.target, prompt, chat=settings.generation.chat)
         yield Ready(loaded.r)
-        extra = {"profile": self._profile(loaded)} if ENGINE_TAKES_PROFILE and settings.strategy == "auto" else {}
+        extra = {"profile": saved_profile(loaded)} if ENGINE_TAKES_PROFILE and settings.strategy == "auto" else {}
         job.limit(self.runner.budget_s)  # generation time only: loading the models is not the user's doing
         # Never concurrently: the target alone first, then with the drafter, each timed on its own.
         for mode in ("baseline", settings.strategy):
@@ -248,18 +216,6 @@ class Session:
             yield Finished(mode, run)
         if job.out_of_time:
             yield OutOfTime(self.runner.budget_s)
-
-    @staticmethod
-    def _profile(loaded: Loaded):
-        """The pair's saved cost profile on this machine, for `auto` (None without one, or a damaged one)."""
-        if loaded.pair is None:
-            return None
-        try:
-            calibration = find_calibration(loaded.pair)
-        except Exception:  # a damaged or foreign file in the cache: auto learns the costs during the run instead
-            log.warning("reading the cost profile of %s failed", loaded.pair.target.name, exc_info=True)
-            return None
-        return calibration.profile if calibration is not None else None
 
     def _calibrate_job(self, job: Job, settings: Settings, options: dict[str, Any]) -> Iterator[Any]:
         loaded = self._prepare(job, settings)
