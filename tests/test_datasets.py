@@ -545,6 +545,7 @@ def test_hf_records_become_prompts(monkeypatch):
         {"instruction": "Napisz wiersz o Wiśle. " * 10, "input": "", "output": "…"},
         {"instruction": "Nie dotarliśmy tutaj.", "input": "", "output": "…"},
     ]
+    records[2] |= {"chat": [{"role": "user"}], "tags": [1, 2], "id": 3.5}  # hub columns of other meanings
     fake = fake_datasets(records)
     monkeypatch.setitem(sys.modules, "datasets", fake)
     with pytest.warns(UserWarning, match="skipped 1 record"):

@@ -268,8 +268,9 @@ def load_hf(
     """Up to `n` prompts from a Hugging Face dataset, streamed (no full download).
 
     `text_field` defaults to the first of HF_TEXT_FIELDS the records have; an "input" column is
-    joined as in `alpaca_text` (pl_alpaca-style sets). Texts are clipped to `max_chars`; records
-    without usable text are skipped with a warning.
+    joined as in `alpaca_text` (pl_alpaca-style sets), and a string or integer "id" column gives the ids;
+    other columns are ignored. Texts are clipped to `max_chars`; records without usable text are skipped
+    with a warning.
     """
     if n <= 0:
         raise InputError(f"n must be a positive number of prompts (got {n})")
@@ -284,8 +285,13 @@ def load_hf(
                     f"Hugging Face dataset '{name}': none of {', '.join(HF_TEXT_FIELDS)} found "
                     f"(columns: {', '.join(record)}); pass text_field="
                 )
+        # Only the text, an "input" and a usable "id": a hub dataset's other columns ("chat", "tags", ...) may
+        # mean something else there, and must not cost the record.
+        usable = {k: v for k, v in record.items() if k in (text_field, "input")}
+        if isinstance(record.get("id"), (str, int)) and not isinstance(record.get("id"), bool):
+            usable["id"] = record["id"]
         try:
-            p = record_to_prompt(record, dataset=dataset, text_field=text_field, default_id=f"{dataset}-{i:03d}")
+            p = record_to_prompt(usable, dataset=dataset, text_field=text_field, default_id=f"{dataset}-{i:03d}")
         except InputError:
             skipped += 1
             continue
@@ -293,7 +299,7 @@ def load_hf(
         if len(prompts) == n:
             break
     if skipped:
-        warnings.warn(f"Hugging Face dataset '{name}': skipped {skipped} record(s) without text", stacklevel=2)
+        warnings.warn(f"Hugging Face dataset '{name}': skipped {skipped} record(s) without usable text", stacklevel=2)
     if not prompts:
         raise InputError(f"Hugging Face dataset '{name}' (split '{split}') gave no prompt")
     return prompts

@@ -129,7 +129,7 @@ def _csv_record(row: list[str], columns: list[str]) -> dict[str, str] | InputErr
     extra = row[len(columns) :]
     if any(cell.strip() for cell in extra):
         return InputError(
-            f"{len(row)} cells, but the header has {len(columns)} columns "
+            f"{len(row)} cells, but the header has {len(columns)} column{'s' if len(columns) > 1 else ''} "
             "(a cell that holds the separator must be quoted)"
         )
     return {name: cell for name, cell in zip(columns, row) if name}
