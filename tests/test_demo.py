@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 import uag  # noqa: F401  (loads OpenBLAS before mlx)
-from uag import demo
+from uag import convert, demo
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "demo_reference.json").read_text())
 CASES = [(name, i) for name, ref in REFERENCE["models"].items() for i in range(len(ref["runs"]))]
 
-_MISSING = [s.package for s in demo.DEMO_MODELS.values() if importlib.util.find_spec(s.module) is None]
+_MISSING = [s.package for s in demo.DEMO_MODELS.values() if importlib.util.find_spec(s.source.module) is None]
 if importlib.util.find_spec("gguf") is None:
     _MISSING.append("gguf")
 
@@ -147,17 +147,17 @@ def test_unpermute_rope_rows_inverts_llama_cpp():
         return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     w = np.arange(3 * 8 * 5).reshape(3 * 8, 5)
-    assert (demo.unpermute_rope_rows(llama_cpp_permute(w, 3), 3) == w).all()
-    assert demo.unpermute_rope_rows(np.array([0, 2, 1, 3]), 1).tolist() == [0, 1, 2, 3]
+    assert (convert.unpermute_rope_rows(llama_cpp_permute(w, 3), 3) == w).all()
+    assert convert.unpermute_rope_rows(np.array([0, 2, 1, 3]), 1).tolist() == [0, 1, 2, 3]
 
 
 def test_mlx_names():
-    assert demo.mlx_name("token_embd.weight", "llama") == "model.embed_tokens.weight"
-    assert demo.mlx_name("blk.29.ffn_norm.weight", "llama") == "model.layers.29.post_attention_layernorm.weight"
-    assert demo.mlx_name("blk.3.ffn_norm.weight", "gemma3") == "model.layers.3.pre_feedforward_layernorm.weight"
-    assert demo.mlx_name("blk.0.attn_k_norm.weight", "gemma3") == "model.layers.0.self_attn.k_norm.weight"
+    assert convert.mlx_name("token_embd.weight", "llama") == "model.embed_tokens.weight"
+    assert convert.mlx_name("blk.29.ffn_norm.weight", "llama") == "model.layers.29.post_attention_layernorm.weight"
+    assert convert.mlx_name("blk.3.ffn_norm.weight", "gemma3") == "model.layers.3.pre_feedforward_layernorm.weight"
+    assert convert.mlx_name("blk.0.attn_k_norm.weight", "gemma3") == "model.layers.0.self_attn.k_norm.weight"
     with pytest.raises(ValueError, match="rope_freqs"):
-        demo.mlx_name("rope_freqs.weight", "llama")
+        convert.mlx_name("rope_freqs.weight", "llama")
 
 
 @needs_demo_pair
