@@ -300,12 +300,14 @@ def stream(
     translator: Translator | None = None,
     caches: tuple[list, list | None] | None = None,
     sampler: Sampler | None = None,
+    drafting: Drafter | None = None,
 ) -> Iterator[Event]:
     """Baseline or speculative generation for a text prompt (or ready token ids), one `Event` per step.
 
     `drafter`: a loaded model, a `DrafterChoice` (lookup, or lookup+model), or None for the baseline.
     `profile`: the pair's measured costs (uag.profiles.find_profile), which seed strategy "auto".
-    `policy`, `translator`, `caches`, `sampler` replace the defaults (tests, benchmarks).
+    `policy`, `translator`, `caches`, `sampler` replace the defaults (tests, benchmarks); `drafting`, a
+    ready `Drafter`, replaces the one built from `drafter` (uag.distributed: ranks that only relay drafts).
     """
     config.validate()
     ids = prompt_ids(target, prompt, chat=config.chat) if isinstance(prompt, str) else list(prompt)
@@ -317,23 +319,21 @@ def stream(
         cache = target.make_cache() if t_cache is None else t_cache
         steps = baseline_steps(target, ids, config, cache, budget)
     else:
-        if drafter is None:
+        if drafter is None and drafting is None:
             raise InputError(f"strategy {config.strategy!r} needs a drafter")
-        choice = DrafterChoice.of(drafter)
-        notes, shared = (), False
-        if choice.model is not None:
+        choice = None if drafter is None else DrafterChoice.of(drafter)
+        notes, shared, r = (), False, 0.0
+        if choice is not None and choice.model is not None:
             pair = check_pair(target, choice.model)
-            notes, shared = pair.notes, pair.shared_vocabulary
-            r = pair.r
-        else:
-            r = 0.0
-        drafting = make_drafter(choice, target, config, translator=translator, cache=d_cache, shared=shared)
+            notes, shared, r = pair.notes, pair.shared_vocabulary, pair.r
+        if drafting is None:
+            drafting = make_drafter(choice, target, config, translator=translator, cache=d_cache, shared=shared)
         policy = policy or make_policy(config, profile, r)
         spec = Speculation(target, ids, config, drafting, cache=t_cache, sampler=sampler)
         run = Run(
             drafting.translation,
             target.name,
-            choice.name,
+            drafting.translation if choice is None else choice.name,
             k=config.k,
             window=config.window,
             notes=list(notes),
