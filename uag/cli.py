@@ -63,7 +63,7 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--temp", default="0", help=f"sampling temperature, 0..{limits['temperature'].hi:g}; 0 = greedy"
     )
-    parser.add_argument("--seed", default=None, help=f"random seed for temperature > 0, 0..{limits['seed'].hi:g}")
+    parser.add_argument("--seed", default=None, help=f"random seed for temperature > 0, 0..{int(limits['seed'].hi)}")
     parser.add_argument("--chat", action="store_true", help="apply the target's chat template to the prompt")
 
 
