@@ -6,9 +6,9 @@
     run = uag.generate(target, drafter, "Stolica Polski to", uag.GenerationConfig(strategy="context", k=2))
     run.text, run.acceptance_rate, run.tokens_per_second
 
-Models load once per process (a shared `ModelStore`). Strategy "auto" is seeded with the pair's saved
-cost profile on this machine (`python -m uag.calibrate`) when there is one; the engine itself reads no
-files.
+Models load once per process (a shared `ModelStore`). Strategy "auto" decides by the pair's measured
+costs on this machine: the profile `python -m uag.calibrate` (or the app) saved, or on first use a quick
+calibration that is saved for next time. The engine itself reads and writes no files.
 """
 
 from __future__ import annotations
@@ -55,17 +55,44 @@ def saved_profile(target: LoadedModel, drafter: DrafterChoice | LoadedModel | No
     return None if model is None else find_profile(check_pair(target, model))
 
 
+def profile_for(
+    target: LoadedModel, drafter: DrafterChoice | LoadedModel | None, *, progress: Progress | None = None
+) -> CostProfile | None:
+    """The saved profile, or on a pair's first use a quick calibration (seconds), saved for next time.
+
+    auto decides by measured costs: a drafter's cost relative to the target by time, not by bytes (on a
+    GPU a tiny model can cost more than a bigger one; on a CPU bf16 is slower than float32). Lookup alone
+    has no drafter model to time: auto learns the target's costs from the run itself.
+    """
+    if drafter is None or DrafterChoice.of(drafter).model is None:
+        return None
+    profile = saved_profile(target, drafter)
+    if profile is None:
+        from uag.calibrate import QUICK, calibrate
+        from uag.profiles import save
+
+        say = progress or (lambda _: None)
+        say("measuring this pair's costs once (auto decides by them; saved for next time)")
+        calibration = calibrate(check_pair(target, DrafterChoice.of(drafter).model), progress=say, **QUICK)
+        save(calibration)
+        profile = calibration.profile
+    return profile
+
+
 def stream(
     target: LoadedModel,
     drafter: DrafterChoice | LoadedModel | None,
     prompt: str | Sequence[int],
     config: GenerationConfig | None = None,
+    *,
+    progress: Progress | None = None,
     **kw,
 ) -> Iterator[Event]:
-    """`uag.generate.stream`, with strategy "auto" seeded by the saved profile unless `profile=` is given."""
+    """`uag.generate.stream`; strategy "auto" gets the pair's measured costs (`profile_for`) unless
+    `profile=` is given. `progress` hears about a first-use calibration."""
     config = config or GenerationConfig()
     if config.strategy == "auto" and "profile" not in kw:
-        kw["profile"] = saved_profile(target, drafter)
+        kw["profile"] = profile_for(target, drafter, progress=progress)
     return _stream(target, drafter, prompt, config, **kw)
 
 
@@ -74,10 +101,12 @@ def generate(
     drafter: DrafterChoice | LoadedModel | None,
     prompt: str | Sequence[int],
     config: GenerationConfig | None = None,
+    *,
+    progress: Progress | None = None,
     **kw,
 ) -> Run:
     """One whole run (see `stream`)."""
     config = config or GenerationConfig()
     if config.strategy == "auto" and "profile" not in kw:
-        kw["profile"] = saved_profile(target, drafter)
+        kw["profile"] = profile_for(target, drafter, progress=progress)
     return _generate(target, drafter, prompt, config, **kw)

@@ -23,9 +23,11 @@ from uag.costmodel import CostProfile
 from uag.errors import UserError
 from uag.models import LoadedModel, ModelStore, Pair, check_pair
 from uag.profiles import Calibration, profile_key, save
+from uag.translate import DEFAULT_WINDOW, make_translator, text_after
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
 DEFAULT_WIDTHS = tuple(range(1, 17))
+QUICK = {"widths": tuple(range(1, 10)), "repeats": 2}  # on first use of auto: verifying up to k = 8 drafts
 CALIBRATION_TEXT = (
     "Kraków – miasto na prawach powiatu w południowej Polsce, położone nad Wisłą. W latach 1038–1596 "
     "był stolicą Polski, a do 1734 roku miejscem koronacji królów. The city lies on the Vistula river. "
@@ -55,6 +57,25 @@ def time_forward(model: LoadedModel, cache: list, ids: list[int], width: int, re
     return statistics.median(times[1:])
 
 
+def time_translation(pair: Pair, window: int = DEFAULT_WINDOW, cycles: int = 24, k: int = 2) -> float:
+    """Median milliseconds of one cycle's translation and re-sync (context strategy), on the calibration
+    text with drafts that are the drafter's encoding of what the target then commits. No model passes."""
+    target, drafter = pair.target.vocab, pair.drafter.vocab
+    translator = make_translator("context", target, drafter, window=window, shared=pair.shared_vocabulary)
+    ids = target.encode(CALIBRATION_TEXT * 2)[0]
+    start = min(32, len(ids) // 2)
+    translator.start(ids[:start])
+    times = []
+    for i in range(start, min(len(ids) - k, start + k * cycles), k):
+        drafts = drafter.encode(text_after(target, ids[:i], ids[i : i + k]))[0][:k]
+        tic = time.perf_counter()
+        usable = translator.usable(drafts)
+        translator.propose(usable)
+        translator.commit(usable, ids[i : i + k])
+        times.append((time.perf_counter() - tic) * 1000)
+    return statistics.median(times) if times else 0.0
+
+
 def calibrate(
     pair: Pair,
     *,
@@ -63,9 +84,7 @@ def calibrate(
     repeats: int = 5,
     progress=None,
 ) -> Calibration:
-    """Measure the pair's costs on this machine (a few seconds to a minute)."""
-    from uag.generate import GenerationConfig, generate
-
+    """Measure the pair's costs on this machine (a few seconds to a minute; `QUICK` settings: seconds)."""
     say = progress or (lambda _: None)
     cache, ids = filled_cache(pair.target, context)
     target_ms = {}
@@ -75,11 +94,7 @@ def calibrate(
     d_cache, d_ids = filled_cache(pair.drafter, context)
     drafter_ms = time_forward(pair.drafter, d_cache, d_ids, 1, repeats)
     say(f"drafter step: {drafter_ms:.2f} ms")
-    run = generate(
-        pair.target, pair.drafter, CALIBRATION_TEXT, GenerationConfig(strategy="context", k=2, max_tokens=24)
-    )
-    spent = [c.translate_ms + c.resync_ms for c in run.cycles if c.k]
-    translate_ms = statistics.median(spent) if spent else 0.0
+    translate_ms = time_translation(pair)
     say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
     profile = CostProfile(target_ms=target_ms, drafter_ms=drafter_ms, translate_ms=translate_ms, form="study")
     return Calibration(profile_key(pair), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)

@@ -1,0 +1,74 @@
+"""Shared by the comparison benchmarks: run conditions side by side on one prompt, interleaved.
+
+Each condition runs `repeats` times in an order that rotates every repetition, so drift on a shared
+machine hits all alike; tokens/s is the median per condition. Greedy runs must reproduce the
+baseline's tokens exactly (lossless), or the benchmark stops.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
+
+# isort: split
+from uag.api import generate
+from uag.config import GenerationConfig
+from uag.drafters import DrafterChoice
+from uag.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One way to generate: a name for the tables, the drafter (None: the target alone) and the config."""
+
+    name: str
+    drafter: DrafterChoice | None
+    config: GenerationConfig
+
+
+def run_prompt(
+    target: LoadedModel, conditions: Sequence[Condition], text: str | list[int], repeats: int, *, profile=None
+) -> dict:
+    """{condition: median tokens/s, "alpha <c>": α, "draft share <c>": share of output from drafts,
+    "ks <c>": the k of each cycle (auto)}; asserts every greedy run equals the first condition's tokens."""
+    rates: dict[str, list[float]] = {c.name: [] for c in conditions}
+    runs = {}
+    for rep in range(repeats):
+        shift = rep % len(conditions)
+        for c in [*conditions[shift:], *conditions[:shift]]:
+            kw = {"profile": profile} if profile is not None and c.config.strategy == "auto" else {}
+            runs[c.name] = generate(target, c.drafter, text, c.config, **kw)
+            rates[c.name].append(runs[c.name].tokens_per_second or 0.0)
+    reference = runs[conditions[0].name].token_ids
+    for c in conditions:
+        if c.config.temperature == 0:
+            assert runs[c.name].token_ids == reference, f"{c.name} changed the output (not lossless)"
+    row: dict = {name: statistics.median(r) for name, r in rates.items()}
+    for c in conditions[1:]:
+        run = runs[c.name]
+        row[f"alpha {c.name}"] = run.acceptance_rate
+        row[f"draft share {c.name}"] = run.draft_fraction
+        row[f"ks {c.name}"] = [cy.k for cy in run.cycles]
+        row[f"sources {c.name}"] = run.sources()
+    row["tokens"] = runs[conditions[0].name].generated
+    return row
+
+
+def speedups(rows: Sequence[dict], names: Sequence[str], base: str = "baseline") -> dict[str, float]:
+    """Mean over prompts of each condition's tokens/s ÷ the baseline's on the same prompt."""
+    return {n: statistics.fmean(r[n] / r[base] for r in rows) for n in names}
+
+
+def pooled(rows: Sequence[dict], name: str, base: str = "baseline") -> float:
+    """Pooled speedup: total tokens over total time, condition vs baseline (long prompts weigh more)."""
+    t_cond = sum(r["tokens"] / r[name] for r in rows if r[name])
+    t_base = sum(r["tokens"] / r[base] for r in rows if r[base])
+    return t_base / t_cond
+
+
+def mean_alpha(rows: Sequence[dict], name: str) -> float | None:
+    values = [r[f"alpha {name}"] for r in rows if r.get(f"alpha {name}") is not None]
+    return statistics.fmean(values) if values else None
