@@ -1,0 +1,80 @@
+"""Speculation on the Qwen2.5-Coder-1.5B target is lossless with every drafter the app offers for it:
+SmolLM2-135M and Gemma-3-270M across tokenizer families, Qwen2.5-Coder-0.5B with the same tokenizer, and
+lookup + SmolLM2. Greedy output equals the target alone; at temperature 0.7 every emitted token is one the
+target sampled. Runs where the coder pair is converted (make models-coder) or UAG_TEST_CODER=1 fetches it.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from tests.support.coder import needs_coder_pair
+from uag.config import GenerationConfig
+from uag.drafters import DrafterChoice
+from uag.generate import generate, prompt_ids, stream
+
+pytestmark = needs_coder_pair
+PROMPTS = ["def quicksort(arr):", "# Zwraca silnię liczby n\ndef silnia(n):"]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def coder():
+    """The 1.5B target and its same-tokenizer drafter, in a store of their own, dropped after the module."""
+    from uag.models import ModelStore
+
+    store = ModelStore()
+    target = store.get("coder-target")
+    expected = {
+        p: generate(target, None, p, GenerationConfig(strategy="baseline", max_tokens=MAX_TOKENS)).token_ids
+        for p in PROMPTS
+    }
+    yield store, target, expected
+    del store, target
+    gc.collect()
+
+
+@pytest.mark.parametrize("drafter", ["coder-drafter", "demo-drafter", "demo-target", "lookup+demo-drafter"])
+def test_greedy_output_equals_the_target_alone(coder, store, drafter):
+    from uag.models import ModelStore
+
+    _, target, expected = coder
+    lookup, _, name = drafter.rpartition("+")
+    scratch = ModelStore()  # the 0.5B is dropped with it; the demo models stay in the session's store
+    model = (scratch if name.startswith("coder-") else store).get(name)
+    choice = DrafterChoice(lookup=bool(lookup), model=model)
+    for prompt in PROMPTS:
+        for k in (1, 3):
+            run = generate(target, choice, prompt, GenerationConfig(strategy="context", k=k, max_tokens=MAX_TOKENS))
+            assert run.token_ids == expected[prompt], (drafter, prompt, k)
+            assert run.proposed > 0 and len(run.cycles) < MAX_TOKENS  # it drafted, and in fewer target passes
+    if name == "coder-drafter":
+        run = generate(target, model, PROMPTS[0], GenerationConfig(strategy="context", k=3, max_tokens=MAX_TOKENS))
+        assert run.strategy == "identity"  # same tokenizer: drafts pass untranslated
+    del scratch, model, choice
+    gc.collect()
+
+
+def test_sampling_every_emitted_token_is_one_the_target_sampled(coder, store):
+    _, target, _ = coder
+    calls: list[list[int]] = []
+    base = make_sampler(0.7)
+
+    def recording(logprobs):
+        y = base(logprobs)
+        calls.append(np.array(y).reshape(-1).tolist())
+        return y
+
+    config = GenerationConfig(strategy="context", k=3, max_tokens=MAX_TOKENS, temperature=0.7, seed=7)
+    ids = prompt_ids(target, PROMPTS[0])
+    run = list(stream(target, store.get("demo-drafter"), ids, config, sampler=recording))[-1].run
+    assert run.token_ids[0] == calls[0][0]
+    position = 1
+    for cycle, sampled in zip(run.cycles, calls[1:]):
+        assert run.token_ids[position : position + cycle.emitted] == sampled[: cycle.emitted]
+        position += cycle.emitted
+    assert position == run.generated == MAX_TOKENS
