@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and records")
     gen.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
     gen.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from stdin")
+    from uag.shard_options import add_shard_options
+
+    add_shard_options(gen)
     return parser
 
 
@@ -145,6 +148,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from uag.loading_errors import load_drafter_choice, load_model
     from uag.models import ModelStore
 
+    if getattr(args, "shard", None):  # a target split over the ranks of mlx.launch
+        from uag.distributed import run_generate_sharded
+
+        return run_generate_sharded(args)
     config = decoding_config(args, strategy=args.strategy, k=literal(args.k))
     prompt = read_prompt(args.prompt, args.prompt_file, sys.stdin.buffer)
     if not prompt.strip():

@@ -25,9 +25,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from uag.errors import UserError
-
-DEFAULT_TIMEOUT_S = 120.0  # no progress for this long: a rank is gone (a long prompt on a 70B target fits)
-DEFAULT_CONNECT_TIMEOUT_S = 60.0
+from uag.shard_options import DEFAULT_CONNECT_TIMEOUT_S
 
 # The watchdog: a bare Python child that reads re-arm lines from the rank on stdin. "<seconds> <message>"
 # sets the limit and the message, "+" re-arms with the last ones, EOF (the rank exited) ends it quietly.

@@ -31,8 +31,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from uag.collective import (
-    DEFAULT_CONNECT_TIMEOUT_S,
-    DEFAULT_TIMEOUT_S,
     Link,
     RankLost,
     RanksDisagree,
@@ -49,9 +47,14 @@ from uag.generate import _token_budget, make_policy, prompt_ids, stream
 from uag.models import DEMO_NAMES, LoadedModel, ModelStore, _resolve, check_pair, default_dtype
 from uag.policy import AdaptiveK
 from uag.records import Event, Run
+from uag.shard_options import (  # noqa: F401  add_shard_options: uag.cli's flags, re-exported
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    SHARD_WAYS,
+    add_shard_options,
+)
 from uag.shared_decisions import FollowerDrafter, LeaderDrafter, RankPolicy, Stopped, message_width
 
-SHARD_WAYS = ("pipeline", "tensor")
 LOAD_TIMEOUT_S = 900.0  # reading a 70B shard from disk takes minutes; a hang beyond this is a lost rank
 
 
@@ -265,30 +268,6 @@ def _drive(events, link: Link, policy: RankPolicy | None, on_event, ranks: Ranks
 
 
 # --- the command line (uag.cli delegates here) -------------------------------------------------------
-
-
-def add_shard_options(parser) -> None:
-    """`--shard` and its companions for `python -m uag generate` (run every rank through mlx.launch)."""
-    parser.add_argument(
-        "--shard",
-        choices=SHARD_WAYS,
-        help="the target split over the ranks of mlx.launch (pipeline: layers; tensor: every layer); the drafter "
-        "runs on rank 0 only",
-    )
-    parser.add_argument(
-        "--shard-timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        metavar="S",
-        help=f"with --shard: give up when no rank makes progress for S seconds (default {DEFAULT_TIMEOUT_S:g})",
-    )
-    parser.add_argument(
-        "--shard-check",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with --shard, debugging: every N cycles check that all ranks hold the same tokens (0: never)",
-    )
 
 
 def run_generate_sharded(args) -> int:
