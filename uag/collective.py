@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from uag.errors import UserError
 from uag.shard_options import DEFAULT_CONNECT_TIMEOUT_S
@@ -149,6 +150,9 @@ class Link:
     def collect(self, op) -> list[int]:
         """Run one collective to the end; a lost peer becomes `RankLost` naming it."""
         try:
+            # Work still queued on another stream (mlx-lm's generate_step computes one step past its last
+            # token, on its own stream) would run its collectives in a different order on each rank.
+            mx.synchronize(generation_stream)
             out = op()
             mx.eval(out)
             result = out.tolist()

@@ -392,3 +392,67 @@ class CostProfile:
             translate_ms=float(data.get("translate_ms", 0.0)),
             form=data.get("form", "leviathan"),
         )
+
+
+# --- a target sharded over a link ---------------------------------------------------------------------------
+def collectives_per_pass(shard: str, layers: int, ranks: int) -> int:
+    """Collectives one target forward pass waits on, sharded over `ranks` (mlx-lm 0.32): tensor parallel,
+    two all_sum per layer (attention and MLP outputs); pipeline, a hand-over between each pair of stages
+    and the final all_gather of the hidden state.
+
+    Example: collectives_per_pass("tensor", 80, 2) -> 160;  collectives_per_pass("pipeline", 80, 2) -> 2
+    >>> collectives_per_pass("tensor", 80, 2), collectives_per_pass("pipeline", 80, 4)
+    (160, 4)
+    """
+    if shard == "tensor":
+        return 2 * layers
+    if shard == "pipeline":
+        return ranks
+    raise ValueError(f"shard must be 'tensor' or 'pipeline' (got {shard!r})")
+
+
+def link_ms(passes: float, hops: float, latency_ms: float) -> float:
+    """The link term: what `passes` target passes of `hops` collectives each spend waiting on a link of
+    `latency_ms` per collective. Example: 48 passes × 4 hops × 0.3 ms -> 57.6 ms
+    >>> round(link_ms(48, 4, 0.3), 6)
+    57.6
+    """
+    return float(passes) * float(hops) * float(latency_ms)
+
+
+def over_link(profile: CostProfile, hops: int, latency_ms: float, exchanges: int = 1) -> CostProfile:
+    """The same pair with the target sharded over a link: every target pass pays hops × latency, and
+    every drafting cycle `exchanges` more collectives (rank 0 sharing its proposal). A verification over
+    k + 1 tokens pays the same round trips as one token, so the link favours speculation.
+
+    Example: target 10 ms, link 0.3 ms × 160 hops = 48 ms per pass -> a step costs 58 ms
+    >>> p = over_link(CostProfile({1: 10.0, 5: 11.0}, drafter_ms=1.0), hops=160, latency_ms=0.3)
+    >>> round(p.target_ms[1], 6), round(p.target_ms[5], 6), round(p.translate_ms, 6)
+    (58.0, 59.0, 0.3)
+    """
+    if hops < 0 or exchanges < 0 or not math.isfinite(latency_ms) or latency_ms < 0:
+        raise ValueError(f"hops, exchanges and latency_ms must be >= 0 (got {hops}, {exchanges}, {latency_ms})")
+    extra = hops * latency_ms
+    return CostProfile(
+        target_ms={w: ms + extra for w, ms in profile.target_ms.items()},
+        drafter_ms=profile.drafter_ms,
+        translate_ms=profile.translate_ms + exchanges * latency_ms,
+        form=profile.form,
+    )
+
+
+def sharded_speedup(
+    baseline_ms: float, baseline_passes: float, speculative_ms: float, speculative_passes: float,
+    exchanges: float, hops: float, latency_ms: float,
+) -> float:  # fmt: skip
+    """Speedup over a slower link predicted from two runs measured over a fast one: each run's time grows
+    by its link term (speculation also pays one exchange per decision).
+
+    Example: baseline 1000 ms in 48 passes, speculative 800 ms in 20 passes + 20 exchanges, 4 hops, 1 ms
+    -> (1000 + 192) / (800 + 80 + 20) = 1.324…
+    >>> round(sharded_speedup(1000, 48, 800, 20, 20, 4, 1.0), 3)
+    1.324
+    """
+    slow_baseline = baseline_ms + link_ms(baseline_passes, hops, latency_ms)
+    slow_speculative = speculative_ms + link_ms(speculative_passes, hops, latency_ms) + exchanges * latency_ms
+    return slow_baseline / slow_speculative
