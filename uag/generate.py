@@ -369,6 +369,8 @@ def _drive(
             elif cancel is not None and cancel.is_set():
                 reason = "stopped"
             yield Event(tokens, step.cycle, run)
+            if reason == "length" and cancel is not None and cancel.is_set():  # set while the consumer held it
+                reason = "stopped"
             if reason != "length":
                 break
     except GeneratorExit:
