@@ -11,7 +11,7 @@ from scipy.stats import norm
 
 from tests.support.synthetic_runs import add_prompt
 from uag import analyze as analysis_module
-from uag.analyze import analyze, leviathan_alpha_star, main
+from uag.analyze import analyze, main
 from uag.costmodel import break_even_leviathan, speedup
 from uag.results import ResultsDB, load_runs
 
@@ -139,12 +139,14 @@ def test_table7_fits_c_back_from_speedups_the_model_generated(tmp_path):
 
 @pytest.mark.parametrize("k", range(1, 9))
 @pytest.mark.parametrize("r, c", [(0.07, 0.185), (0.2, 0.05), (0.0, 0.01)])
-def test_leviathan_alpha_star_extends_costmodel_past_one(k, r, c):
-    exact = break_even_leviathan(k, r, c)
-    if exact is None:
-        assert leviathan_alpha_star(k, r, c) > 1
+def test_leviathan_alpha_star_uncapped_extends_the_capped_one_past_one(k, r, c):
+    capped, uncapped = break_even_leviathan(k, r, c), break_even_leviathan(k, r, c, cap=False)
+    cost = 1 + k * r + c * k * k
+    assert sum(uncapped**j for j in range(k + 1)) == pytest.approx(cost, rel=1e-9)  # E(α*, k) = cycle cost
+    if capped is None:
+        assert uncapped > 1
     else:
-        assert leviathan_alpha_star(k, r, c) == pytest.approx(exact, abs=1e-9)
+        assert capped == pytest.approx(uncapped, abs=1e-12) and capped <= 1
 
 
 def test_model_only_reproduces_table7_of_the_paper(capsys):

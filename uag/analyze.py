@@ -31,11 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from uag.command import CommandParser, number, run
-from uag.costmodel import FORMS, cycle_cost, fit_c_from_speedups
+from uag.costmodel import FORMS, break_even_leviathan, fit_c_from_speedups
 from uag.errors import InputError
 from uag.plots import STUDY_C, STUDY_R
 from uag.report import break_even_records, markdown, to_json, to_markdown, write
@@ -134,25 +133,6 @@ def bucket_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)[["drafter", "bucket", "lo", "hi", "n", "mean_speedup", "sem"]]
 
 
-def leviathan_alpha_star(k: int, r: float, c: float) -> float:
-    """Leviathan's break-even, not capped: the α ≥ 0 where 1 + α + … + α^k = 1 + k·r + c·k².
-
-    costmodel.break_even_leviathan stops at α = 1 (None beyond); E keeps rising past 1, so this root exists
-    for any cycle cost above 1 and, like the study's α* = r + c·k, a value above 1 says that no acceptance
-    pays. α^k + … + α + (1 − cost) has one sign change, hence exactly one positive root. A cycle cost
-    below 1 pays at any α: 0.
-
-    Example: k = 2, r = 0.07, c = 0.185: α² + α − 0.88 = 0 -> α = (−1 + √4.52) / 2 = 0.5630
-    >>> round(leviathan_alpha_star(2, 0.07, 0.185), 4)
-    0.563
-    """
-    cost = float(cycle_cost(k, r, c))
-    if cost <= 1:
-        return 0.0
-    roots = np.roots([1.0] * int(k) + [1.0 - cost])
-    return float(max(x.real for x in roots if abs(x.imag) < 1e-9 and x.real > 0))
-
-
 def parametric(r: float, c: float, ks: Sequence[int], *, source: str) -> pd.DataFrame:
     """α* per k for given r and c in both forms: the study's r + c·k and Leviathan's (uncapped; > 1 = never).
 
@@ -163,7 +143,7 @@ def parametric(r: float, c: float, ks: Sequence[int], *, source: str) -> pd.Data
     """
     rows = []
     for form in FORMS:
-        star = (lambda k: r + c * k) if form == "study" else (lambda k: leviathan_alpha_star(k, r, c))
+        star = (lambda k: r + c * k) if form == "study" else (lambda k: break_even_leviathan(k, r, c, cap=False))
         rows.append({"source": source, "form": form, "r": r, "c": c, **{_k_column(k): star(k) for k in ks}})
     return pd.DataFrame(rows)
 

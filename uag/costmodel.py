@@ -146,19 +146,25 @@ def _bisect_increasing(f, lo: float = 0.0, hi: float = 1.0) -> float | None:
     return hi
 
 
-def break_even_leviathan(k: int, r: float, c: float) -> float | None:
-    """The α in [0, 1] where E(α, k) = 1 + k·r + c·k² (speedup 1 under Leviathan's form).
+def break_even_leviathan(k: int, r: float, c: float, *, cap: bool = True) -> float | None:
+    """Leviathan's break-even: the α ≥ 0 where E(α, k) = 1 + α + … + α^k equals the cycle cost 1 + k·r + c·k².
 
-    None when even α = 1 (k + 1 tokens per cycle) does not pay for the cycle.
-    Example: k = 2 solves 1 + α + α² = 1.88 -> α = (−1 + √4.52) / 2 = 0.5630...; k = 8 -> None
+    α^k + … + α + (1 − cost) has one sign change, hence exactly one positive root when the cost is above 1
+    (a cost at or below 1 pays at any α: 0). With `cap` (default) a root above 1 — no acceptance rate pays —
+    is None; without it the root is returned as is, comparable to the study's uncapped α* = r + c·k.
+    Example: k = 2 solves 1 + α + α² = 1.88 -> α = (−1 + √4.52) / 2 = 0.5630...; k = 8 -> None (root 1.05…)
     >>> round(break_even_leviathan(2, 0.07, 0.185), 4)
     0.563
-    >>> break_even_leviathan(8, 0.07, 0.185) is None
-    True
+    >>> break_even_leviathan(8, 0.07, 0.185) is None, round(break_even_leviathan(6, 0.07, 0.185, cap=False), 3)
+    (True, 1.047)
     """
     k = int(_check_k(k))
     cost = 1.0 + k * r + c * k * k
-    return _bisect_increasing(lambda a: expected_tokens(a, k) - cost)
+    if cost <= 1:
+        return 0.0
+    roots = np.roots([1.0] * k + [1.0 - cost])
+    alpha = float(max(x.real for x in roots if abs(x.imag) < 1e-9 and x.real > 0))
+    return None if cap and alpha > 1 else alpha
 
 
 # --- fitting c (and r) --------------------------------------------------------------------------------------
