@@ -10,7 +10,7 @@ Then a paper prediction for a 70B 4-bit target over two Macs (every assumption p
 
 Usage (starts both ranks itself, one core each):
     python benchmarks/sharded.py [--target DIR] [--shard tensor|pipeline] [--prompts 6] [--max-tokens 48]
-        [-k 4] [--reps 3] [--latencies 0 0.05 0.3 1] [--json FILE]
+        [-k 4] [--reps 3] [--curve-reps 1] [--latencies 0 0.05 0.3 1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -81,12 +81,16 @@ def rank_main(args) -> int:
         shift = rep % len(args.latencies)
         for latency in args.latencies[shift:] + args.latencies[:shift]:
             with emulated_link(latency):
-                curves[str(latency)].append(verify_curve(target, encoded[0], range(1, 17), 3))
+                if rep < args.curve_reps:
+                    curves[str(latency)].append(verify_curve(target, encoded[0], range(1, 17), 2))
                 for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
                     modes = ["baseline", "lookup"] if (rep + i) % 2 == 0 else ["lookup", "baseline"]
                     for mode in modes:
                         drafter = lookup if mode == "lookup" else None
                         run = generate_sharded(target, drafter, ids, configs[mode], ranks)
+                        if ranks.rank == 0:
+                            print(f"rep {rep} link {latency} ms {prompt.id} {mode}: {run.tokens_per_second:.2f} tok/s",
+                                  file=sys.stderr, flush=True)  # fmt: skip
                         runs.append(
                             {
                                 "rep": rep, "latency_ms": latency, "prompt": prompt.id, "mode": mode,
@@ -120,7 +124,7 @@ def launch(args, out: Path) -> None:
     hostfile = out.parent / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
     argv = ["--target", args.target, "--shard", args.shard, "--prompts", str(args.prompts), "--max-tokens",
-            str(args.max_tokens), "-k", str(args.k), "--reps", str(args.reps),
+            str(args.max_tokens), "-k", str(args.k), "--reps", str(args.reps), "--curve-reps", str(args.curve_reps),
             "--latencies", *map(str, args.latencies)]  # fmt: skip
     procs = []
     for r in range(2):
@@ -239,6 +243,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--curve-reps", type=int, default=1, help="repetitions that also measure the verify curve")
     parser.add_argument("--latencies", type=float, nargs="+", default=[0.0, 0.05, 0.3, 1.0])
     parser.add_argument("--json", help="where the raw results go (default: a temporary file)")
     args = parser.parse_args()

@@ -123,7 +123,7 @@ def check_run(results: list[dict], reference: list[int]) -> None:
 
 @pytest.mark.parametrize("shard", ["pipeline", "tensor"])
 def test_speculation_over_a_sharded_target_is_lossless_and_saves_passes(tmp_path, models, shard):
-    runs = ["context:" + models["drafter"], "context:lookup", "baseline:"]
+    runs = ["baseline:", "context:" + models["drafter"], "context:lookup"]  # a baseline first: its extra queued step
     rank0, rank1 = launch(
         tmp_path, ["--target", models["tied"], "--shard", shard, "-k", "4", *sum((["--run", r] for r in runs), [])]
     )
@@ -207,3 +207,16 @@ def test_qwen2_shards_both_ways():
 
     for shard in ("pipeline", "tensor"):
         check_shardable("m", {**ARCH_CONFIGS["qwen2"], "vocab_size": 64}, shard, 2)
+
+
+def test_the_link_term_favours_speculation_more_the_slower_the_link():
+    from uag.costmodel import CostProfile, collectives_per_pass, link_ms, over_link, sharded_speedup
+
+    assert collectives_per_pass("tensor", 80, 2) == 160 and collectives_per_pass("pipeline", 80, 2) == 2
+    assert link_ms(10, 4, 0.5) == 20.0
+    profile = CostProfile({1: 10.0, 5: 11.0}, drafter_ms=1.0, translate_ms=0.5)
+    alpha_star = [over_link(profile, 160, latency).break_even(4) for latency in (0.0, 0.3, 1.0)]
+    assert alpha_star[0] == profile.break_even(4) and alpha_star[0] > alpha_star[1] > alpha_star[2]
+    # 48 tokens: the baseline pays 47 passes, speculation 12 passes and 12 exchanges.
+    speedups = [sharded_speedup(470.0, 47, 400.0, 12, 12, 4, latency) for latency in (0.0, 0.3, 1.0)]
+    assert speedups[0] == 470.0 / 400.0 and speedups[0] < speedups[1] < speedups[2]
