@@ -23,7 +23,14 @@ import json
 from datetime import date
 from pathlib import Path
 
-from side_by_side import Condition, mean_alpha, pooled, run_prompt, speedups  # (this folder; loads uag first)
+from side_by_side import (
+    Condition,
+    differing,
+    mean_alpha,
+    pooled,
+    run_prompt,
+    speedups,
+)  # (this folder; loads uag first)
 
 # isort: split
 import mlx.core as mx
@@ -98,6 +105,10 @@ def main() -> None:
             a = mean_alpha(rows, n)
             print(f"{dataset:<11} {n:<22} mean {mean[n]:.2f}×  pooled {results[dataset]['pooled'][n]:.2f}×  "
                   f"α {'–' if a is None else f'{a:.0%}'}", flush=True)  # fmt: skip
+    everything = [r for d in results.values() for r in d["rows"]]
+    wrong = differing(everything, names)
+    print(f"lossless: {len(everything) * len(names) - len(wrong)}/{len(everything) * len(names)} runs equal the baseline"
+          + (f"; differing: {', '.join(wrong)}" if wrong else ""))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1, default=str))
 

@@ -21,7 +21,14 @@ import json
 from datetime import date
 from pathlib import Path
 
-from side_by_side import Condition, mean_alpha, pooled, run_prompt, speedups  # (this folder; loads uag first)
+from side_by_side import (
+    Condition,
+    differing,
+    mean_alpha,
+    pooled,
+    run_prompt,
+    speedups,
+)  # (this folder; loads uag first)
 
 # isort: split
 import mlx.core as mx
@@ -88,6 +95,10 @@ def main() -> None:
         print(f"{dataset}: pooled       " + "  ".join(f"{n} {results[dataset]['pooled'][n]:.2f}×" for n in names))
         alphas = {n: mean_alpha(rows, n) for n in names}
         print(f"{dataset}: α            " + "  ".join(f"{n} {_pct(alphas[n])}" for n in names), flush=True)
+    everything = [r for d in results.values() for r in d["rows"]]
+    wrong = differing(everything, names)
+    print(f"lossless: {len(everything) * len(names) - len(wrong)}/{len(everything) * len(names)} runs equal the baseline"
+          + (f"; differing: {', '.join(wrong)}" if wrong else ""))  # fmt: skip
     others = [d for d in args.datasets if d != "structured"]
     if "structured" in results:
         print(f"target: structured auto lookup {results['structured']['mean']['auto lookup']:.2f}× (>= 1.5)")
