@@ -107,7 +107,7 @@ def build(session: Session) -> gr.Blocks:
                     drafter = gr.Textbox(
                         defaults.drafter,
                         label="Drafter",
-                        info="the small model that drafts; lookup copies spans already in the context; lookup+<model> both",
+                        info="the model that drafts; lookup copies spans from the context; lookup+<model> both",
                     )
                     decoding = {}
                     for field in FIELDS:
@@ -335,10 +335,3 @@ def launch(
         app_kwargs={"middleware": middleware},
     )
     return local_url, share_url
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (`uag.serve.main`), for the `uag-app` entry point."""
-    from uag.serve import main as serve
-
-    return serve(argv)
