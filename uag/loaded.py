@@ -1,28 +1,19 @@
-"""A target and a drafter choice as the app holds them once loaded, and what the engine is given of them.
-
-The engine grows with the drafter kinds (lookup, hybrid) and with the cost profile passed in by its caller;
-the flags below read its signature, so the app works with either form of `uag.generate.stream`.
-"""
+"""A target and a drafter choice as the app holds them once loaded, and what the engine is given of them:
+the drafter (a model, or a `DrafterChoice` for lookup and the hybrid) and, for `auto`, the pair's costs."""
 
 from __future__ import annotations
 
-import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import uag.generate
+from uag.api import profile_for as api_profile_for
 from uag.costmodel import CostProfile
 from uag.drafters import DrafterChoice
-from uag.errors import InputError
 from uag.models import LoadedModel, Pair
 from uag.profiles import find_calibration
 
 log = logging.getLogger(__name__)
-
-# Whether the engine takes a DrafterChoice (lookup, hybrid) as its drafter yet; until then a model only.
-ENGINE_TAKES_CHOICE = "DrafterChoice" in str(inspect.signature(uag.generate.stream).parameters["drafter"].annotation)
-# Whether the engine takes the pair's cost profile from its caller (else it looks the profile up itself).
-ENGINE_TAKES_PROFILE = "profile" in inspect.signature(uag.generate.stream).parameters
 
 
 @dataclass(frozen=True)
@@ -40,13 +31,7 @@ class Loaded:
     @property
     def drafter(self) -> DrafterChoice | LoadedModel:
         """What the engine takes as its drafter."""
-        if self.choice.lookup:
-            if not ENGINE_TAKES_CHOICE:
-                raise InputError(
-                    "drafting by prompt lookup is not available in this version yet: choose a drafter model"
-                )
-            return self.choice
-        return self.choice.model
+        return self.choice if self.choice.lookup else self.choice.model
 
     def uses(self, model: LoadedModel) -> bool:
         return model is self.target or model is self.choice.model
@@ -62,3 +47,11 @@ def saved_profile(loaded: Loaded) -> CostProfile | None:
         log.warning("reading the cost profile of %s failed", loaded.pair.target.name, exc_info=True)
         return None
     return calibration.profile if calibration is not None else None
+
+
+def profile_for(loaded: Loaded, progress: Callable[[str], None] | None = None) -> CostProfile | None:
+    """The saved profile, or on the pair's first `auto` run a quick calibration, saved (uag.api.profile_for)."""
+    if loaded.pair is None:
+        return None
+    profile = saved_profile(loaded)
+    return profile if profile is not None else api_profile_for(loaded.target, loaded.choice, progress=progress)

@@ -33,7 +33,7 @@ from uag.files import Exports, load_results
 from uag.generate import generate, prompt_ids, stream
 from uag.history import C_FITTED, PlotView, plot_view
 from uag.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT, JobRunner, OutOfTime, Status, Tick, Waiting, failure, say
-from uag.loaded import ENGINE_TAKES_PROFILE, Loaded, saved_profile
+from uag.loaded import Loaded, profile_for, saved_profile
 from uag.models import DEMO_NAMES, LoadedModel, ModelStore, Pair, check_pair
 from uag.plots import verify_cost
 from uag.presets import DEFAULT, PRESETS
@@ -199,7 +199,11 @@ class Session:
             raise ModelError(f"the target {settings.target!r} has no chat template: turn the chat template off")
         ids = prompt_ids(loaded.target, prompt, chat=settings.generation.chat)
         yield Ready(loaded.r)
-        extra = {"profile": saved_profile(loaded)} if ENGINE_TAKES_PROFILE and settings.strategy == "auto" else {}
+        extra = {}
+        if settings.strategy == "auto":
+            if loaded.pair is not None and saved_profile(loaded) is None:
+                yield Status("Measuring this pair's costs once (auto decides by them; saved for next time) …")
+            extra = {"profile": profile_for(loaded)}
         job.limit(self.runner.budget_s)  # generation time only: loading the models is not the user's doing
         # Never concurrently: the target alone first, then with the drafter, each timed on its own.
         for mode in ("baseline", settings.strategy):
