@@ -24,11 +24,11 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 import mlx.core as mx
 
 from uag.calibrate import calibrate
-from uag.machine import backend, blas, device_name
-from uag.profiles import save
 from uag.datasets import load_bundled
-from uag.generate import GenerationConfig, generate
+from uag.engine import GenerationConfig, generate
+from uag.machine import backend, blas, device_name
 from uag.models import ModelStore, check_pair
+from uag.profiles import save
 
 
 def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int, repeats: int) -> dict:

@@ -38,7 +38,7 @@ import mlx.core as mx
 from uag.api import load, load_drafter, profile_for
 from uag.config import GenerationConfig
 from uag.datasets import chat_for, load_bundled
-from uag.generate import prompt_ids
+from uag.engine import prompt_ids
 from uag.machine import backend, blas, device_name
 
 SHORT = {"demo-drafter": "SmolLM2", "demo-target": "Gemma", "coder-drafter": "Qwen0.5B"}
@@ -107,8 +107,10 @@ def main() -> None:
                   f"α {'–' if a is None else f'{a:.0%}'}", flush=True)  # fmt: skip
     everything = [r for d in results.values() for r in d["rows"]]
     wrong = differing(everything, names)
-    print(f"lossless: {len(everything) * len(names) - len(wrong)}/{len(everything) * len(names)} runs equal the baseline"
-          + (f"; differing: {', '.join(wrong)}" if wrong else ""))  # fmt: skip
+    total = len(everything) * len(names)
+    print(
+        f"lossless: {total - len(wrong)}/{total} runs equal the baseline" + (f"; differing: {wrong}" if wrong else "")
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1, default=str))
 

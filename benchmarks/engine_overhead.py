@@ -28,8 +28,8 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from uag.datasets import load_bundled
+from uag.engine import GenerationConfig, generate, prompt_ids
 from uag.machine import blas
-from uag.generate import GenerationConfig, generate, prompt_ids
 from uag.models import ModelStore
 
 PROMPTS = ["Stolica Polski to", "Warszawa jest", "The capital of France is"]

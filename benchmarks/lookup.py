@@ -97,8 +97,10 @@ def main() -> None:
         print(f"{dataset}: α            " + "  ".join(f"{n} {_pct(alphas[n])}" for n in names), flush=True)
     everything = [r for d in results.values() for r in d["rows"]]
     wrong = differing(everything, names)
-    print(f"lossless: {len(everything) * len(names) - len(wrong)}/{len(everything) * len(names)} runs equal the baseline"
-          + (f"; differing: {', '.join(wrong)}" if wrong else ""))  # fmt: skip
+    total = len(everything) * len(names)
+    print(
+        f"lossless: {total - len(wrong)}/{total} runs equal the baseline" + (f"; differing: {wrong}" if wrong else "")
+    )
     others = [d for d in args.datasets if d != "structured"]
     if "structured" in results:
         print(f"target: structured auto lookup {results['structured']['mean']['auto lookup']:.2f}× (>= 1.5)")

@@ -26,8 +26,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
 
-from uag.machine import backend, blas, device_name
 from uag.costmodel import CostProfile, break_even
+from uag.machine import backend, blas, device_name
 
 SHAPES = {
     # speakleash/Bielik-11B-v3.0-Instruct: Mistral architecture, 8-bit (the study's target)

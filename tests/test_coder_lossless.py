@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.coder import needs_coder_pair
 from uag.config import GenerationConfig
 from uag.drafters import DrafterChoice
-from uag.generate import generate, prompt_ids, stream
+from uag.engine import generate, prompt_ids, stream
 
 pytestmark = needs_coder_pair
 PROMPTS = ["def quicksort(arr):", "# Zwraca silnię liczby n\ndef silnia(n):"]

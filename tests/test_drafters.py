@@ -10,8 +10,8 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.config import DrafterSpec, GenerationConfig
 from uag.drafters import DrafterChoice, load_drafter
+from uag.engine import generate, prompt_ids, stream
 from uag.errors import InputError
-from uag.generate import generate, prompt_ids, stream
 from uag.lookup import NgramIndex
 from uag.translate import make_translator
 

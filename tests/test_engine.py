@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.cli import main
 from uag.costmodel import CostProfile
-from uag.generate import GenerationConfig, generate, prompt_ids, stream
+from uag.engine import GenerationConfig, generate, prompt_ids, stream
 from uag.models import ModelError
 from uag.policy import AdaptiveK
 from uag.translate import make_translator

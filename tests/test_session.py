@@ -546,7 +546,7 @@ def test_stop_ends_a_comparison_within_a_cycle_and_the_app_keeps_serving(app_ses
 
 @pytest.mark.slow
 def test_worker_cancel_takes_effect_before_the_next_cycle(app_session):
-    from uag.generate import stream
+    from uag.engine import stream
 
     target, drafter = app_session.store.get("demo-target"), app_session.store.get("demo-drafter")
     config = Settings.parse(max_tokens=100).config()

@@ -103,7 +103,7 @@ def models():
 
 def unsharded_greedy(target: str, max_tokens: int) -> list[int]:
     from uag.config import GenerationConfig
-    from uag.generate import generate
+    from uag.engine import generate
     from uag.models import ModelStore
 
     model = ModelStore().get(target)

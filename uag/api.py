@@ -3,7 +3,7 @@
     import uag
     target = uag.load("demo-target")
     drafter = uag.load_drafter("lookup+demo-drafter")        # or "demo-drafter", or "lookup"
-    run = uag.generate(target, drafter, "Stolica Polski to", uag.GenerationConfig(strategy="context", k=2))
+    run = uag.engine(target, drafter, "Stolica Polski to", uag.GenerationConfig(strategy="context", k=2))
     run.text, run.acceptance_rate, run.tokens_per_second
 
 Models load once per process (a shared `ModelStore`). Strategy "auto" decides by the pair's measured
@@ -19,8 +19,8 @@ from uag.config import GenerationConfig
 from uag.costmodel import CostProfile
 from uag.drafters import DrafterChoice
 from uag.drafters import load_drafter as _load_drafter
-from uag.generate import generate as _generate
-from uag.generate import stream as _stream
+from uag.engine import generate as _generate
+from uag.engine import stream as _stream
 from uag.models import LoadedModel, ModelStore, check_pair
 from uag.profiles import find_profile
 from uag.records import Event, Run
@@ -88,7 +88,7 @@ def stream(
     progress: Progress | None = None,
     **kw,
 ) -> Iterator[Event]:
-    """`uag.generate.stream`; strategy "auto" gets the pair's measured costs (`profile_for`) unless
+    """`uag.engine.stream`; strategy "auto" gets the pair's measured costs (`profile_for`) unless
     `profile=` is given. `progress` hears about a first-use calibration."""
     config = config or GenerationConfig()
     if config.strategy == "auto" and "profile" not in kw:

@@ -162,7 +162,7 @@ def _say(message: str) -> None:
 def _load(sweep: Sweep, pending: list[Job]):
     """Load the models and check the pairs and every pending prompt against both contexts, before any run."""
     from uag.cli import drafter_prompt_length
-    from uag.generate import prompt_ids
+    from uag.engine import prompt_ids
     from uag.loading_errors import load_drafter_choice, load_model
     from uag.models import ModelStore, check_pair
     from uag.prompt_input import check_context

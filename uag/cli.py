@@ -143,7 +143,7 @@ def _stats_line(stats: dict) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     from uag.api import generate  # strategy auto: seeded with the pair's saved cost profile
-    from uag.generate import prompt_ids
+    from uag.engine import prompt_ids
     from uag.highlight import ansi
     from uag.loading_errors import load_drafter_choice, load_model
     from uag.models import ModelStore

@@ -3,7 +3,7 @@
     mlx.launch --hostfile hosts.json -- python -m uag generate --shard pipeline --target T --drafter D "…"
 
 Every rank loads its shard of the target with mlx-lm's `sharded_load` (pipeline: a stage of the layers;
-tensor: a slice of every layer) and runs the same engine (uag.generate: `Speculation`, `speculative_steps`,
+tensor: a slice of every layer) and runs the same engine (uag.engine: `Speculation`, `speculative_steps`,
 `stream`). Only rank 0 holds the drafter. Each decision — a cycle's source, k and proposal, a plain
 stretch's length, or the prompt pass — is rank 0's, and reaches every rank in one integer `all_sum`
 (uag.shared_decisions: `RankPolicy` on the policy seam, `LeaderDrafter` / `FollowerDrafter` on the
@@ -42,8 +42,8 @@ from uag.collective import (
 from uag.config import MAX_SEED, DrafterSpec, GenerationConfig
 from uag.costmodel import CostProfile
 from uag.drafters import DrafterChoice, make_drafter
+from uag.engine import _token_budget, make_policy, prompt_ids, stream
 from uag.errors import InputError, ModelError
-from uag.generate import _token_budget, make_policy, prompt_ids, stream
 from uag.models import DEMO_NAMES, LoadedModel, ModelStore, _resolve, check_pair, default_dtype
 from uag.policy import AdaptiveK
 from uag.records import Event, Run

@@ -28,9 +28,9 @@ from uag.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
 from uag.config import DrafterSpec, GenerationConfig
 from uag.costs_view import CalibrationUpdate, CostView, cost_caption
 from uag.drafters import load_drafter
+from uag.engine import generate, prompt_ids, stream
 from uag.errors import InputError, ModelError, UserError
 from uag.files import Exports, load_results
-from uag.generate import generate, prompt_ids, stream
 from uag.history import C_FITTED, PlotView, plot_view
 from uag.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT, JobRunner, OutOfTime, Status, Tick, Waiting, failure, say
 from uag.loaded import Loaded, profile_for, saved_profile

@@ -1,6 +1,6 @@
 """One decision per cycle, shared: rank 0 decides and drafts, every rank acts on the same decision.
 
-The engine (uag.generate.speculative_steps) asks its policy for (source, k) and its drafter for a
+The engine (uag.engine.speculative_steps) asks its policy for (source, k) and its drafter for a
 proposal. On a sharded target these two seams carry rank 0's choices to every rank:
 
 - `RankPolicy.choose` on rank 0 asks rank 0's own policy (fixed or auto), and for a cycle has rank 0's

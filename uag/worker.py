@@ -11,7 +11,7 @@ no run's timing is disturbed by another's.
     list(job)                            # -> [0, 1, 2]
 
 A job function is called as ``fn(job, *args)``. It polls ``job.cancelled`` (a `threading.Event`; pass it
-as ``cancel=`` to `uag.generate.stream`, which checks it between cycles) and may hand items back from
+as ``cancel=`` to `uag.engine.stream`, which checks it between cycles) and may hand items back from
 callbacks with ``job.emit(item)`` (model-loading progress). An exception it raises is re-raised in the
 consumer. A consumer that stops reading (breaks out, or is closed by the web server) cancels the job.
 """

@@ -93,17 +93,17 @@ def _generate(args, ranks, target, drafter, ids, config, progress: Path) -> dict
 
 def _tamper(at: int) -> None:
     """Make this rank's verification pick a different token once (the debug check must notice)."""
-    import uag.generate
+    import uag.engine
     from uag.verify import Verdict
 
-    real, calls = uag.generate.accept_greedy, [0]
+    real, calls = uag.engine.accept_greedy, [0]
 
     def wrong(proposed, choices):
         calls[0] += 1
         verdict = real(proposed, choices)
         return Verdict(verdict.accepted, verdict.token + 1) if calls[0] == at else verdict
 
-    uag.generate.accept_greedy = wrong
+    uag.engine.accept_greedy = wrong
 
 
 if __name__ == "__main__":
