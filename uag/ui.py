@@ -126,7 +126,7 @@ def build(session: Session) -> gr.Blocks:
                     gr.Examples(
                         [[text] for texts in examples(2).values() for text in texts],
                         inputs=[prompt],
-                        label="Example prompts (the bundled Polish sets: wiki, alpaca, synthetic)",
+                        label="Example prompts (the bundled sets: wiki, alpaca, synthetic, structured)",
                         api_visibility="private",
                     )
                     status = gr.Markdown(elem_id="status")
