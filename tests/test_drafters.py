@@ -186,3 +186,14 @@ def test_load_drafter_loads_no_model_for_lookup(store):
     llama = build_tiny("llama", "llama-3.2", seed=3, tie_embeddings=False)
     choice = load_drafter(store, f"lookup+{llama}")
     assert choice.lookup and choice.model is store.get(str(llama)) and choice.kind == "hybrid"
+
+
+def test_a_prompt_longer_than_the_drafters_context_is_refused_with_one_line(tiny):
+    import dataclasses
+
+    target, model = tiny
+    short = dataclasses.replace(model, config={**model.config, "max_position_embeddings": 4})
+    with pytest.raises(InputError, match=r"for the drafter .* whose context is 4 tokens: .*prompt lookup"):
+        generate(target, short, PROMPTS[0], GenerationConfig(k=2, max_tokens=4))
+    run = generate(target, DrafterChoice(lookup=True), PROMPTS[0], GenerationConfig(k=2, max_tokens=4))
+    assert run.generated == 4  # lookup has no context of its own to outgrow

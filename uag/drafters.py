@@ -22,6 +22,7 @@ from uag.config import LOOKUP, DrafterSpec, GenerationConfig
 from uag.lookup import NGRAMS, NgramIndex
 from uag.models import LoadedModel, ModelStore
 from uag.passes import PREFILL_STEP, prefill, settle_allocator, trim_to
+from uag.prompt_input import check_context
 from uag.translate import IntersectionTranslator, Resync, Translator, make_translator
 from uag.verify import IdMap, draft_distribution
 
@@ -148,7 +149,9 @@ class ModelDrafter:
         self.translation = translator.name
 
     def start(self, prompt: Sequence[int]) -> int:
-        return len(self.translator.start(prompt))
+        ids = self.translator.start(prompt)
+        check_context(len(ids), self.model.context_length, "drafter", self.model.name)
+        return len(ids)
 
     def offer(self, k_max: int) -> dict[str, int]:
         return {"model": k_max}

@@ -84,7 +84,7 @@ def check_context(n_prompt_tokens: int, context_length: int | None, role: str, n
         return
     fix = "shorten the prompt"
     if role == "drafter":
-        fix += ", pick a drafter with a longer context, or draft with prompt lookup (--drafter lookup)"
+        fix += ", pick a drafter with a longer context, or draft with prompt lookup (drafter: lookup)"
     raise InputError(
         f"the prompt is {n_prompt_tokens} tokens for the {role} {name!r}, whose context is {context_length} "
         f"tokens: {fix}"
