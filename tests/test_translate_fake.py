@@ -183,3 +183,28 @@ def test_encode_after_always_extends_the_prefix_exactly(text, cut):
     enc = encode_after(vocab, prefix, rest)
     committed = vocab.encode(prefix)[0]
     assert vocab.decode(committed + enc.ids) == text
+
+
+def test_a_proposal_says_what_it_was_made_of():
+    tr = TextTranslator(T, D, window=4)
+    tr.start(T.encode_prompt("Ala ma"))
+    proposal = tr.propose(D.tokens("▁kot", "a", "▁w"))
+    assert (proposal.text, proposal.anchored, proposal.dropped, proposal.held_drafts) == (" kota w", 0, [], 0)
+    # absorption: the remainder "ino" of the merged "▁wino" is encoded on its own
+    tr.start(T.encode_prompt("Ala w"))
+    proposal = tr.propose(D.tokens("in", "o", "▁jest"))
+    assert proposal.ids == T.tokens("ino", "▁jest") and proposal.anchored == 1
+    assert encode_after(T, "Ala w", "ino jest").anchored == 1
+
+
+def test_a_proposal_counts_the_drafts_it_holds_back_and_the_ids_it_drops():
+    tr = TextTranslator(T, D, window=4)
+    tr.start(T.encode_prompt("Ala"))
+    emoji = D.encode("🙂")[0]  # four byte tokens in the drafter
+    proposal = tr.propose(D.tokens("▁ma") + emoji[:2])
+    assert proposal.ids == T.tokens("▁ma") and proposal.held_drafts == 2
+    # a target control token spelled out in the drafts' text ends the proposal; what follows is dropped
+    spelled = [D.ids[f"<0x{b:02X}>"] for b in b"</s>"]  # plain bytes to the drafter
+    proposal = tr.propose(D.tokens("▁ma") + spelled + D.tokens("▁ma"))
+    assert proposal.ids == T.tokens("▁ma")
+    assert proposal.dropped == [T.special_id("</s>"), *T.tokens("▁ma")]

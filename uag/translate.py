@@ -22,7 +22,7 @@ on its own (anchored), so the proposal always extends the committed sequence exa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from uag.vocab import Vocab
 
@@ -78,6 +78,7 @@ class Encoding:
     ids: list[int]
     absorbed: bool = False  # a token crossed the boundary; its remainder was re-encoded on its own
     fallback: bool = False  # the whole text had to be encoded on its own
+    anchored: int = 0  # leading ids encoded on their own (the absorbed remainder, or all on a fallback)
 
 
 def _split_at(offsets: Sequence[tuple[int, int]], boundary: int) -> tuple[int, int | None]:
@@ -128,9 +129,9 @@ def encode_after(vocab: Vocab, prefix: str, text: str) -> Encoding:
         rest += 1
     head = encode_anchored(vocab, text[: end - boundary])
     if head is not None:
-        return Encoding(head + ids[rest:], absorbed=True)
-    whole = encode_anchored(vocab, text)
-    return Encoding(whole or [], absorbed=True, fallback=True)
+        return Encoding(head + ids[rest:], absorbed=True, anchored=len(head))
+    whole = encode_anchored(vocab, text) or []
+    return Encoding(whole, absorbed=True, fallback=True, anchored=len(whole))
 
 
 # --- translators ---------------------------------------------------------------------------------
@@ -144,6 +145,10 @@ class Proposal:
     absorbed: bool = False
     fallback: bool = False
     empty: bool = False  # there were drafts, but no target token came out of them
+    text: str = ""  # the drafts' text after the committed boundary, as translated (uag.anatomy reads it)
+    anchored: int = 0  # leading ids encoded on their own (absorption or fallback)
+    dropped: list[int] = field(default_factory=list)  # target ids left out: a control token and what follows
+    held_drafts: int = 0  # trailing drafts held back: they end inside a UTF-8 character
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,9 +274,9 @@ class TextTranslator(Translator):
             self._head(self.target, self._target_context())
             self._head(self.drafter, self._drafter_context())
 
-    def _draft_text(self, draft_ids: Sequence[int]) -> str:
+    def _draft_text(self, draft_ids: Sequence[int]) -> tuple[str, int]:
         context = self._drafter_context()
-        return stable_text(self.drafter, context, draft_ids, self._head(self.drafter, context))[0]
+        return stable_text(self.drafter, context, draft_ids, self._head(self.drafter, context))
 
     def _to_target(self, text: str) -> Encoding:
         if not self.window:
@@ -279,20 +284,29 @@ class TextTranslator(Translator):
         return encode_after(self.target, self._head(self.target, self._target_context()), text)
 
     def propose(self, draft_ids: Sequence[int]) -> Proposal:
-        text = self._draft_text(draft_ids)
+        text, n = self._draft_text(draft_ids)
         if not text:
-            return Proposal([], empty=bool(draft_ids))
+            return Proposal([], empty=bool(draft_ids), held_drafts=len(draft_ids) - n)
         enc = self._to_target(text)
-        ids = enc.ids
+        ids, anchored = enc.ids, enc.anchored
         # Target tokens already committed but still waiting for the rest of a character: the
         # re-encoded text must reproduce them before it can propose anything new.
         held = self.target_ids[self.target_stable :]
         if held:
             if ids[: len(held)] != held:
-                return Proposal([], absorbed=enc.absorbed, fallback=True, empty=True)
-            ids = ids[len(held) :]
-        ids = _until_special(ids, self.target.special_ids)
-        return Proposal(ids, absorbed=enc.absorbed, fallback=enc.fallback, empty=not ids)
+                return Proposal([], absorbed=enc.absorbed, fallback=True, empty=True, text=text)
+            ids, anchored = ids[len(held) :], max(0, anchored - len(held))
+        kept = _until_special(ids, self.target.special_ids)
+        return Proposal(
+            kept,
+            absorbed=enc.absorbed,
+            fallback=enc.fallback,
+            empty=not kept,
+            text=text,
+            anchored=min(anchored, len(kept)),
+            dropped=ids[len(kept) :],
+            held_drafts=len(draft_ids) - n,
+        )
 
     def commit(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:
         self.target_ids.extend(new_ids)
