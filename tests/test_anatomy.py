@@ -188,3 +188,12 @@ def test_the_anatomy_sees_what_naive_translation_loses(vocabs, names):
     loss, proposed, _ = run_oracle(NaiveTranslator, target, drafter, 2)
     assert loss.split > 0.05 * proposed, (loss, proposed)  # word boundaries lost without context
     assert loss.split > 10 * loss.disagree, loss  # (a few drafts start a word the naive re-sync glued on)
+
+
+def test_of_ids_reads_a_proposal_that_is_target_tokens_already():
+    """Prompt lookup and TLI propose target tokens: their own text is the draft."""
+    t = target_vocab()
+    context = t.encode_prompt("Ala ma")
+    # "▁w" "ino" spell " wino", which the target writes as one token: a split, not a disagreement
+    assert anatomy.of_ids(t, context, t.tokens("▁w", "ino"), 0, t.tokens("▁wino", "▁jest")) == Loss(split=2)
+    assert anatomy.of_ids(t, context, t.tokens("▁kota", "▁w"), 1, t.tokens("▁kota", "▁jest")) == Loss(disagree=1)

@@ -144,26 +144,48 @@ def token_texts(vocab: Vocab, context: Sequence[int], ids: Sequence[int]) -> lis
     return texts
 
 
+def of_ids(
+    vocab: Vocab,
+    context: Sequence[int],
+    proposed: Sequence[int],
+    accepted: int,
+    written: Sequence[int],
+    *,
+    draft: str | None = None,
+    anchored: int = 0,
+    dropped: Sequence[int] = (),
+) -> Loss:
+    """The loss of one cycle from target ids: `context` (committed ids just before the boundary, for
+    the leading spaces), the `proposed` ids, how many were `accepted`, the ids the target `written` from
+    the boundary on. `draft`: the drafts' text, when the proposal came from text (None: the proposal's
+    own text, as for prompt lookup or TLI, whose drafts are target tokens already)."""
+    texts = token_texts(vocab, context, [*proposed, *dropped])
+    n = len(proposed)
+    text = "".join(texts) if draft is None else draft
+    return classify(
+        text, texts[:n], accepted, token_texts(vocab, context, written), anchored=anchored, dropped=texts[n:]
+    )
+
+
 def of_cycle(translator, proposal, proposed: Sequence[int], accepted: int, written: Sequence[int]) -> Loss:
-    """The loss of one cycle of a text translator (uag.translate.TextTranslator); call it after
-    verification and *before* `translator.commit`.
+    """The loss of one cycle of a text translator (uag.translate.TextTranslator and its subclasses);
+    call it after verification and *before* `translator.commit`.
 
     `proposal`: what `translator.propose` returned; `proposed`: the ids verified (the proposal, cut to
     the token budget; a budget cut is no loss: the run ends there); `written`: the target ids the
     cycle committed from the boundary on (the accepted ones and the correction; later ones too, when
     known, sharpen the verdict).
     """
-    vocab, stable = translator.target, translator.target_stable
+    stable = translator.target_stable
     context = translator.target_ids[max(0, stable - max(translator.window, CONTEXT)) : stable]
-    held = translator.target_ids[translator.target_stable :]  # committed, waiting for a character's end
-    texts = token_texts(vocab, context, [*held, *proposed, *proposal.dropped])
-    n_held, n_prop = len(held), len(proposed)
-    written_texts = token_texts(vocab, context, [*held, *written])
-    return classify(
-        proposal.text,
-        texts[: n_held + n_prop],
-        n_held + accepted,
-        written_texts,
-        anchored=n_held + proposal.anchored,
-        dropped=texts[n_held + n_prop :],
+    held = translator.target_ids[stable:]  # committed, waiting for a character's end: part of the text
+    return of_ids(
+        translator.target,
+        context,
+        [*held, *proposed],
+        len(held) + accepted,
+        [*held, *written],
+        draft=proposal.text or None,
+        anchored=len(held) + proposal.anchored,
+        dropped=proposal.dropped,
     )
