@@ -90,6 +90,8 @@ def test_a_real_absorption_is_recovered(vocabs):
     assert enc.absorbed and not enc.fallback
     assert text_after(vocab, committed, enc.ids) == "inie jest"
     assert [vocab.token_content(i) for i in enc.ids][-1] == "▁jest"
+    # only the crossing token's remainder ("▁win" minus the committed "w") was encoded on its own
+    assert text_after(vocab, committed, enc.ids[: enc.anchored]) == "in"
 
 
 def test_real_vocabularies_are_told_apart(vocabs):
