@@ -123,7 +123,7 @@ def test_there_are_at_least_15_distinct_bad_inputs():
 
 def test_an_internal_error_is_not_blamed_on_the_user(tmp_path, monkeypatch, capsys):
     """A bug (here: the engine raising TypeError) is 'internal error', exit 1, its traceback in the log only."""
-    from uag import api, cli, generate
+    from uag import api, cli, engine
 
     monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path))
 
@@ -131,7 +131,7 @@ def test_an_internal_error_is_not_blamed_on_the_user(tmp_path, monkeypatch, caps
         raise TypeError("unsupported operand")
 
     monkeypatch.setattr(api, "generate", broken)
-    monkeypatch.setattr(generate, "prompt_ids", lambda target, prompt, chat=False: [1, 2, 3])
+    monkeypatch.setattr(engine, "prompt_ids", lambda target, prompt, chat=False: [1, 2, 3])
     monkeypatch.setattr("uag.loading_errors.load_model", lambda store, name, role, progress=None: object())
     assert cli.main(["generate", "--strategy", "baseline", "--json", "Ala"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

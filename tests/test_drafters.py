@@ -197,3 +197,22 @@ def test_a_prompt_longer_than_the_drafters_context_is_refused_with_one_line(tiny
         generate(target, short, PROMPTS[0], GenerationConfig(k=2, max_tokens=4))
     run = generate(target, DrafterChoice(lookup=True), PROMPTS[0], GenerationConfig(k=2, max_tokens=4))
     assert run.generated == 4  # lookup has no context of its own to outgrow
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "hybrid"])
+def test_every_rejected_position_gets_a_cause_in_the_cycle_records_and_the_run(tiny, kind):
+    from uag.views import loss_line
+
+    target, model = tiny
+    choice = DrafterChoice(lookup=kind != "model", model=None if kind == "lookup" else model)
+    run = generate(target, choice, PROMPTS[0], GenerationConfig(k=4, max_tokens=24))
+    rejected = [c for c in run.cycles if c.accepted < len(c.proposed_ids)]
+    for c in rejected:  # every position after the first rejection is lost to that rejection's cause
+        assert sum(c.loss.values()) == len(c.proposed_ids) - c.accepted, c
+    loss = run.stats()["loss"]
+    assert sum(loss[name] for name in ("disagree", "split", "held", "absorbed", "short")) == sum(
+        sum(c.loss.values()) for c in run.cycles
+    )
+    assert loss["translation"] == loss["split"] + loss["held"] + loss["absorbed"]
+    assert run.to_dict()["cycles"][0]["loss"] == run.cycles[0].loss  # per cycle in --json
+    assert (loss_line(run) != "") == any(c.loss for c in run.cycles)

@@ -18,13 +18,16 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from uag import anatomy
+from uag.anatomy import Loss
 from uag.config import LOOKUP, DrafterSpec, GenerationConfig
 from uag.lookup import NGRAMS, NgramIndex
 from uag.models import LoadedModel, ModelStore
 from uag.passes import PREFILL_STEP, prefill, settle_allocator, trim_to
 from uag.prompt_input import check_context
-from uag.translate import IntersectionTranslator, Resync, Translator, make_translator
+from uag.translate import IntersectionTranslator, Proposal, Resync, TextTranslator, Translator, make_translator
 from uag.verify import IdMap, draft_distribution
+from uag.vocab import Vocab
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class Draft:
     fallback: bool = False
     empty: bool = False
     resync_absorbed: bool = False
+    proposal: Proposal | None = None  # the translator's proposal (model drafts), for the loss anatomy
 
 
 class Drafter(Protocol):
@@ -98,6 +102,9 @@ class Drafter(Protocol):
     def propose(self, source: str, k: int, budget: int) -> Draft:
         """Up to k drafts from `source`, translated, never more than `budget` target tokens."""
 
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        """Where the draft's lost positions went (uag.anatomy), before `commit` hears of `written`."""
+
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         """The target committed `new` (after a draft, or plain steps); return whether re-sync absorbed."""
 
@@ -110,7 +117,8 @@ class LookupDrafter:
 
     translation = LOOKUP
 
-    def __init__(self, ngrams: Sequence[int] = NGRAMS):
+    def __init__(self, vocab: Vocab, ngrams: Sequence[int] = NGRAMS):
+        self.vocab = vocab  # the target's: lookup's proposals are target tokens
         self.index = NgramIndex(ngrams)
 
     def start(self, prompt: Sequence[int]) -> int:
@@ -125,6 +133,12 @@ class LookupDrafter:
         tic = time.perf_counter()
         ids = self.index.propose(min(k, budget))
         return Draft(LOOKUP, ids, draft_ids=list(ids), usable=list(ids), draft_ms=(time.perf_counter() - tic) * 1000)
+
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        if accepted >= len(draft.proposed):
+            return Loss()
+        context = self.index.ids[-anatomy.CONTEXT :]
+        return anatomy.of_ids(self.vocab, context, draft.proposed, accepted, written)
 
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         self.index.extend(new)
@@ -189,6 +203,7 @@ class ModelDrafter:
             fallback=proposal.fallback,
             empty=proposal.empty,
             resync_absorbed=bool(catch_up and catch_up.absorbed),
+            proposal=proposal,
         )
 
     def _draft(self, k: int) -> tuple[list[int], mx.array | None, int]:
@@ -221,6 +236,15 @@ class ModelDrafter:
         settle_allocator()
         return drafts, (mx.concatenate(qs) if qs else None), base - seen + k - 1
 
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        proposal = draft.proposal
+        if proposal is None or (accepted >= len(draft.proposed) and not proposal.dropped):
+            return Loss()
+        if isinstance(self.translator, TextTranslator):
+            return anatomy.of_cycle(self.translator, proposal, draft.proposed, accepted, written)
+        context = self.translator.target_ids[-anatomy.CONTEXT :]  # identity: drafts are target tokens
+        return anatomy.of_ids(self.translator.target, context, draft.proposed, accepted, written)
+
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         self.unsynced += new
         if draft is None or draft.source != "model":
@@ -251,6 +275,9 @@ class HybridDrafter:
     def propose(self, source: str, k: int, budget: int) -> Draft:
         return (self.lookup if source == LOOKUP else self.model).propose(source, k, budget)
 
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        return (self.lookup if draft.source == LOOKUP else self.model).loss(draft, accepted, written)
+
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         self.lookup.commit(draft, new)
         return self.model.commit(draft, new)
@@ -269,7 +296,7 @@ def make_drafter(
     shared: bool = False,
 ) -> Drafter:
     """The stateful drafter of one run for a loaded choice (the translation strategy applies to the model)."""
-    lookup = LookupDrafter() if choice.lookup else None
+    lookup = LookupDrafter(target.vocab) if choice.lookup else None
     if choice.model is None:
         return lookup
     if translator is None:

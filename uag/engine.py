@@ -130,6 +130,7 @@ class Speculation:
             new = new[: stop + 1]
         accepted = min(verdict.accepted, len(new))
         t1 = time.perf_counter()
+        loss = self.drafter.loss(draft, accepted, new)
         resync_absorbed = self._commit(draft, new)
         t2 = time.perf_counter()
         cycle = Cycle(
@@ -150,6 +151,7 @@ class Speculation:
             empty=draft.empty,
             resync_absorbed=resync_absorbed or draft.resync_absorbed,
             source=draft.source,
+            loss={name: n for name, n in loss.as_dict().items() if n},
         )
         return Step(new, accepted, cycle)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+LOSS_CAUSES = ("disagree", "split", "held", "absorbed", "short")  # uag.anatomy.Loss's fields
+
 
 @dataclass(frozen=True, slots=True)
 class Token:
@@ -52,6 +54,7 @@ class Cycle:
     empty: bool = False  # drafts were made but translated to no target token
     resync_absorbed: bool = False  # re-sync re-encoded drafter tokens because of a boundary merge
     source: str = ""  # what drafted: "model", "lookup"; "" for a plain target step
+    loss: dict[str, int] = field(default_factory=dict)  # lost positions by cause (uag.anatomy); {} if none
 
     @classmethod
     def plain(cls, index: int, verify_ms: float) -> Cycle:
@@ -163,6 +166,18 @@ class Run:
             out.append(sum(c.accepted > i for c in reached) / len(reached) if reached else None)
         return out
 
+    def loss(self) -> dict[str, int]:
+        """Proposed (or withheld) positions lost, by cause, over the run (uag.anatomy): the models disagreed
+        (`disagree`), translation split agreed text differently (`split`), tokens were withheld (`held`),
+        absorption or fallback (`absorbed`), or the draft ended before the target's split was decided
+        (`short`); `translation` = split + held + absorbed."""
+        total = {name: 0 for name in LOSS_CAUSES}
+        for c in self.cycles:
+            for name, n in c.loss.items():
+                total[name] = total.get(name, 0) + n
+        total["translation"] = total["split"] + total["held"] + total["absorbed"]
+        return total
+
     def sources(self) -> dict[str, int]:
         """Cycles per source: "model", "lookup", and "plain" for plain target steps."""
         out: dict[str, int] = {}
@@ -209,6 +224,7 @@ class Run:
             "empty_translations": sum(c.empty for c in self.cycles),
             "phase_ms": self.phase_ms(),
             "position_acceptance": self.position_acceptance(),
+            "loss": self.loss(),
             "sources": self.sources(),
             "notes": list(self.notes),
         }

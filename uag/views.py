@@ -204,11 +204,29 @@ def stats_markdown(stats: Mapping[str, Any], baseline: Run | None, speculative: 
         if total:
             parts = [f"{PHASES.get(phase, phase)} {ms / total:.0%} ({ms / 1000:.2f} s)" for phase, ms in split.items()]
             lines += ["", "Time per phase: " + " · ".join(parts)]
+        if line := loss_line(speculative):
+            lines += ["", line]
         if stats.get("verdict"):
             lines += ["", stats["verdict"]]
     for note in stats.get("notes") or []:
         lines += ["", f"*Note: {note}.*"]
     return "\n".join(lines)
+
+
+def loss_line(run: Run) -> str:
+    """Where the drafts the target did not keep went (uag.anatomy), or "" when none was lost.
+
+    Example: {"disagree": 12, "split": 1, "held": 0, "absorbed": 0, "short": 2}
+             -> "Drafts lost: 12 the models disagreed · 1 to translation · 2 ended mid-word"
+    """
+    loss = run.loss()
+    parts = [
+        f"{loss['disagree']} the models disagreed" if loss["disagree"] else "",
+        f"{loss['translation']} to translation" if loss["translation"] else "",
+        f"{loss['short']} ended mid-word" if loss["short"] else "",
+    ]
+    parts = [p for p in parts if p]
+    return "Drafts lost: " + " · ".join(parts) if parts else ""
 
 
 def positions_of(run: Run | None) -> list[float | None] | None:
