@@ -159,6 +159,8 @@ def of_ids(
     the leading spaces), the `proposed` ids, how many were `accepted`, the ids the target `written` from
     the boundary on. `draft`: the drafts' text, when the proposal came from text (None: the proposal's
     own text, as for prompt lookup or TLI, whose drafts are target tokens already)."""
+    if accepted >= len(proposed) and not dropped:  # the common case needs no text
+        return Loss()
     texts = token_texts(vocab, context, [*proposed, *dropped])
     n = len(proposed)
     text = "".join(texts) if draft is None else draft
