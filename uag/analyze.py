@@ -28,7 +28,6 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -37,7 +36,7 @@ from uag.command import CommandParser, number, run
 from uag.costmodel import FORMS, break_even_leviathan, fit_c_from_speedups
 from uag.errors import InputError
 from uag.plots import STUDY_C, STUDY_R
-from uag.report import break_even_records, markdown, to_json, to_markdown, write
+from uag.report import Analysis, break_even_records, markdown, to_json, to_markdown, write
 from uag.results import load_runs
 from uag.stats import break_even_ols, bucket_means
 
@@ -180,19 +179,6 @@ def model_table(runs: pd.DataFrame, ks: Sequence[int] = MODEL_KS) -> pd.DataFram
 
 
 # --- the whole analysis -----------------------------------------------------------------------------------------
-@dataclass
-class Analysis:
-    """Every table of one results file, the runs they came from and what the reader should know."""
-
-    source: str
-    k: int  # the draft length of Tables 2, 3, 5 and 6/8–10
-    runs: pd.DataFrame
-    tables: dict[str, pd.DataFrame]
-    machine: pd.DataFrame  # distinct software/device/BLAS combinations, with their run counts
-    models: pd.DataFrame  # each model's bytes and dtype as loaded
-    notes: list[str] = field(default_factory=list)
-
-
 def choose_k(runs: pd.DataFrame, k: int | None) -> int:
     """The draft length for the per-k tables: `k` if measured, else 2 if measured, else the smallest.
 

@@ -144,18 +144,17 @@ def _stats_line(stats: dict) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     from uag.api import generate  # strategy auto: seeded with the pair's saved cost profile
     from uag.engine import prompt_ids
-    from uag.highlight import ansi
     from uag.loading_errors import load_drafter_choice, load_model
     from uag.models import ModelStore
 
-    if getattr(args, "shard", None):  # a target split over the ranks of mlx.launch
-        from uag.distributed import run_generate_sharded
-
-        return run_generate_sharded(args)
     config = decoding_config(args, strategy=args.strategy, k=literal(args.k))
+    if getattr(args, "shard", None) and args.prompt == "-":
+        raise InputError("--shard: every rank needs the prompt: give it as an argument or with --prompt-file")
     prompt = read_prompt(args.prompt, args.prompt_file, sys.stdin.buffer)
     if not prompt.strip():
         raise InputError("the prompt is empty")
+    if getattr(args, "shard", None):  # a target split over the ranks of mlx.launch
+        return _print_run(args, _generate_sharded(args, config, prompt))
     spec = DrafterSpec.parse(args.drafter) if config.speculative else None
     store = ModelStore()
     progress = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
@@ -165,15 +164,47 @@ def run_generate(args: argparse.Namespace) -> int:
     if choice is not None and choice.model is not None:
         n = drafter_prompt_length(target, choice.model, ids, config)
         check_context(n, choice.model.context_length, "drafter", choice.model.name)
-    result = generate(target, choice, ids, config)
+    return _print_run(args, generate(target, choice, ids, config))
+
+
+def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt: str):
+    """`generate --shard …` on one rank (uag.distributed): the run on rank 0, None on the others."""
+    from uag.distributed import connect, generate_sharded, load_rank0_drafter, load_sharded
+    from uag.engine import prompt_ids
+    from uag.models import ModelStore
+
+    if args.shard_timeout <= 0 or args.shard_check < 0:
+        raise InputError("--shard-timeout must be above 0 and --shard-check at least 0")
+    ranks = connect(timeout_s=args.shard_timeout)
+    try:
+        say = None if args.json or ranks.rank else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
+        target = load_sharded(args.target, args.shard, ranks, progress=say)
+        spec = DrafterSpec.parse(args.drafter) if config.speculative else None
+        choice = None if spec is None else load_rank0_drafter(ModelStore(), spec, ranks, progress=say)
+        ids = prompt_ids(target, prompt, chat=config.chat)
+        if choice is not None and choice.model is not None:  # before any collective: no rank waits on a refusal
+            n = drafter_prompt_length(target, choice.model, ids, config)
+            check_context(n, choice.model.context_length, "drafter", choice.model.name)
+        run = generate_sharded(target, choice, ids, config, ranks, check_every=args.shard_check)
+    finally:
+        ranks.close()
+    return run if ranks.rank == 0 else None
+
+
+def _print_run(args: argparse.Namespace, run) -> int:
+    """The text with accepted drafts in green and a stats line, or one JSON object (nothing for None)."""
+    from uag.highlight import ansi
+
+    if run is None:
+        return 0
     if args.json:
-        json.dump(result.to_dict(), sys.stdout, ensure_ascii=False)
+        json.dump(run.to_dict(), sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
         return 0
-    print(ansi(result.tokens, colour=sys.stdout.isatty()))
-    for note in result.notes:
+    print(ansi(run.tokens, colour=sys.stdout.isatty()))
+    for note in run.notes:
         print(f"note: {note}", file=sys.stderr)
-    print(_stats_line(result.stats()), file=sys.stderr)
+    print(_stats_line(run.stats()), file=sys.stderr)
     return 0
 
 

@@ -9,16 +9,27 @@ import html
 import json
 import math
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from uag.plots import alpha_by_strategy, speedup_vs_alpha
 from uag.results import short_name
 
-if TYPE_CHECKING:
-    from uag.analyze import Analysis
+
+@dataclass
+class Analysis:
+    """Every table of one results file, the runs they came from and what the reader should know."""
+
+    source: str
+    k: int  # the draft length of Tables 2, 3, 5 and 6/8–10
+    runs: pd.DataFrame
+    tables: dict[str, pd.DataFrame]
+    machine: pd.DataFrame  # distinct software/device/BLAS combinations, with their run counts
+    models: pd.DataFrame  # each model's bytes and dtype as loaded
+    notes: list[str] = field(default_factory=list)
+
 
 BREAK_EVEN_PREFIX = "alpha_star_k"  # Table 7's α* columns: alpha_star_k2, alpha_star_k4, …
 

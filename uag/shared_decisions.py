@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from uag.anatomy import Loss
 from uag.collective import Link, Watchdog
 from uag.config import LOOKUP
 from uag.drafters import Draft, Drafter
@@ -65,6 +66,9 @@ class LeaderDrafter:
         assert draft is not None and draft.source == source and len(draft.proposed) <= budget, (draft, source, k)
         return draft
 
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        return self.inner.loss(draft, accepted, written)
+
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         self.committed += new
         self.watchdog.progress()
@@ -100,6 +104,9 @@ class FollowerDrafter:
         draft, self.pending = self.pending, None
         assert draft is not None and draft.source == source, (draft, source)
         return draft
+
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        return Loss()  # only rank 0, which drafted, knows where its drafts went
 
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         self.committed += new
