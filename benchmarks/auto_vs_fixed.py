@@ -23,9 +23,10 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 # isort: split
 import mlx.core as mx
 
+from uag.api import generate  # auto: with the saved profile, as users get it
 from uag.calibrate import calibrate
+from uag.config import GenerationConfig
 from uag.datasets import load_bundled
-from uag.engine import GenerationConfig, generate
 from uag.machine import backend, blas, device_name
 from uag.models import ModelStore, check_pair
 from uag.profiles import save

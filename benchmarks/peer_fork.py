@@ -37,9 +37,9 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 # isort: split
 import mlx.core as mx
 
-from uag import _blas, demo
+from uag import demo
 from uag.datasets import Prompt, load_bundled
-from uag.machine import backend, device_name
+from uag.machine import backend, blas, device_name
 
 RUNNER = Path(__file__).with_name("peer_fork_runner.py")
 DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "uag" / "peer-fork-venv"
@@ -81,10 +81,10 @@ class Fork:
         self.proc = subprocess.Popen(
             [str(python), str(RUNNER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
         )
-        blas = _blas.status.removeprefix("openblas:") if _blas.status.startswith("openblas:") else None
-        self.info = self.ask({"cmd": "load", "target": str(target), "drafter": str(drafter), "openblas": blas})
-        if self.info["blas"] != _blas.status:
-            raise RuntimeError(f"BLAS differs: fork {self.info['blas']}, uag {_blas.status}")
+        library = blas().removeprefix("openblas:") if blas().startswith("openblas:") else None
+        self.info = self.ask({"cmd": "load", "target": str(target), "drafter": str(drafter), "openblas": library})
+        if self.info["blas"] != blas():
+            raise RuntimeError(f"BLAS differs: fork {self.info['blas']}, uag {blas()}")
 
     def ask(self, request: dict) -> dict:
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -308,7 +308,7 @@ def main() -> None:
     header = (
         f"uag vs the study's fork (mlx-lm {fork.info['mlx_lm']}, {args.fork}) — {date.today()}, "
         f"{device_name()} ({backend()}, {os.cpu_count()} cores), MLX {mx.__version__}, "
-        f"BLAS {_blas.status} on both sides; "
+        f"BLAS {blas()} on both sides; "
         f"demo-target (float32) ← demo-drafter, W = {args.window}, {args.max_tokens} tokens, "
         f"{'sampled' if args.temperature else 'greedy'}, "
         f"median of {args.repeats} interleaved; 1-min load average {min(loads):.2f}-{max(loads):.2f}"
