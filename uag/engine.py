@@ -221,7 +221,6 @@ def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int
     stretch = None
     try:
         policy.begin(spec.drafter.start(spec.committed))
-        t0 = time.perf_counter()
         if policy.choose(offer())[1] == 0:  # parked from the start: the prompt pass opens a stretch
             stretch = spec.plain_steps(min(policy.plain_steps(), budget), lookup_pending)
             first = next(stretch)
