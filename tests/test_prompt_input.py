@@ -41,7 +41,7 @@ def test_context_check_for_target_and_drafter():
     check_context(10**6, None, "target", "t")  # no stated limit
     with pytest.raises(InputError, match="9432 tokens for the drafter 'd', whose context is 8192 tokens") as err:
         check_context(9432, 8192, "drafter", "d")
-    assert "--drafter lookup" in str(err.value)
+    assert "prompt lookup (drafter: lookup)" in str(err.value)
     with pytest.raises(InputError) as err:
         check_context(8192, 8192, "target", "t")
     assert "lookup" not in str(err.value)
