@@ -75,16 +75,16 @@ def test_a_probe_that_succeeds_brings_speculation_back():
 
 def test_parked_policy_asks_for_a_stretch_of_plain_steps_until_the_next_probe():
     policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, probe_every=8)
-    for _ in range(30):
-        policy.observe(cycle(2, 2, 0, verify_ms=15.0))
+    for _ in range(30):  # the profile's own costs (faster or slower ones would scale its probe cost)
+        policy.observe(cycle(2, 2, 0, verify_ms=11.0))
     assert policy.next_k() == 0
     assert policy.plain_steps() == 8 - policy.parked_for
 
 
 def test_each_failed_probe_doubles_the_wait_for_the_next_and_speculating_resets_it():
     policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, probe_every=8)
-    for _ in range(30):
-        policy.observe(cycle(2, 2, 0, verify_ms=15.0))
+    for _ in range(30):  # the profile's own costs (faster or slower ones would scale its probe cost)
+        policy.observe(cycle(2, 2, 0, verify_ms=11.0))
     decisions = []
     for _ in range(8 + 1 + 16 + 1 + 32 + 1):
         k = policy.next_k()
@@ -104,7 +104,7 @@ WIDE_IS_CHEAP = CostProfile({1: 10.0, 2: 12.0, 9: 12.8}, drafter_ms=2.0, transla
 def test_a_probe_waits_until_it_costs_at_most_the_budget_of_the_stretch_it_ends():
     policy = AdaptiveK(k_max=4, profile=WIDE_IS_CHEAP, probe_every=4)
     for _ in range(30):
-        policy.observe(cycle(2, 2, 0, verify_ms=12.5, draft_ms=4.0))  # drafts that never pay
+        policy.observe(cycle(2, 2, 0, verify_ms=WIDE_IS_CHEAP.target_at(3), draft_ms=4.0))  # drafts that never pay
     policy.begin(100)  # the drafter has not read its 100-token prompt: the first probe must pay for it
     policy.observe(cycle(0, 0, 0, verify_ms=10.0))
     assert policy.best_k() == 0
@@ -169,6 +169,19 @@ def test_measured_costs_override_the_profile():
     assert policy.target_ms(3) == 11.0
     policy.observe(cycle(2, 2, 1, verify_ms=30.0))
     assert policy.target_ms(3) == 30.0
+
+
+def test_a_profile_measured_on_a_busier_machine_is_scaled_to_the_run_own_speed():
+    busy = CostProfile({w: 10 * ms for w, ms in CHEAP_DRAFTER.target_ms.items()}, drafter_ms=5.0, translate_ms=0.1)
+    policy = AdaptiveK(k_max=8, profile=busy)
+    policy.observe(cycle(0, 0, 0, verify_ms=10.0))  # this run's plain step: ten times faster than the profile's
+    assert policy.target_ms(9) == pytest.approx(14.0) and policy.drafter_step_ms(10.0) == pytest.approx(0.5)
+    for _ in range(30):  # so the choice is the quiet profile's: long drafts, not parking
+        policy.observe(cycle(8, 8, 8, verify_ms=14.0, draft_ms=4.0))
+    assert policy.next_k() == 8
+    pinned = AdaptiveK(k_max=8, profile=busy, learn_costs=False)
+    pinned.observe(cycle(0, 0, 0, verify_ms=10.0))
+    assert pinned.target_ms(9) == pytest.approx(140.0)  # costs pinned by a test stay the profile's
 
 
 def test_fixed_k_never_changes():

@@ -2,7 +2,10 @@
 
 `AdaptiveK` keeps, per target position i of a proposal, a decaying estimate of the chance that the
 target accepts it given that it accepted positions 1..i−1, and the cost of a cycle from a calibrated
-`CostProfile`, refined with the run's own timings. Each cycle it picks
+`CostProfile`, refined with the run's own timings. The profile's costs are scaled by how fast this run's
+target passes actually are (the median ratio over the widths it has timed): a profile measured on a
+quiet machine still ranks the draft lengths right on a busy one, and one measured under load does not
+make a quiet run look expensive. Each cycle it picks
 
     k* = argmax over k in 0..k_max of  E(k) / cost(k),     E(k) = 1 + Σ_{j ≤ n(k)} Π_{i ≤ j} p_i
 
@@ -19,6 +22,7 @@ the target alone costs, plus at most that budget.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -86,6 +90,7 @@ class AdaptiveK:
     lookup_accepted: list[float] = field(default_factory=list)  # the same counts for lookup proposals
     lookup_rejected: list[float] = field(default_factory=list)
     lookup_ms: float = LOOKUP_MS
+    scale: float = 1.0  # this run's target pass times ÷ the profile's (1 without a profile or when pinned)
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -133,7 +138,7 @@ class AdaptiveK:
         if w in self.verify_ms:
             return self.verify_ms[w]
         if self.profile is not None:
-            return self.profile.target_at(w)
+            return self.profile.target_at(w) * self.scale
         if not self.verify_ms:
             return None
         known = sorted(self.verify_ms)
@@ -161,7 +166,7 @@ class AdaptiveK:
         if self.drafter_ms is not None:
             return self.drafter_ms
         if self.profile is not None:
-            return self.profile.drafter_ms
+            return self.profile.drafter_ms * self.scale
         return self.r * (self.target_ms(1) or fallback)
 
     def cycle_overhead_ms(self) -> float:
@@ -285,6 +290,8 @@ class AdaptiveK:
         w = len(cycle.proposed_ids) + 1
         if self.learn_costs or not (self.profile and w in self.profile.target_ms):
             self.verify_ms[w] = _ema(self.verify_ms.get(w), cycle.verify_ms)
+        if self.learn_costs and self.profile is not None:
+            self.scale = statistics.median(ms / self.profile.target_at(v) for v, ms in self.verify_ms.items())
         if cycle.k == 0:
             self.parked_for += 1
             self.unread += 1
