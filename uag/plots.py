@@ -3,6 +3,8 @@
 Runs come as a DataFrame with one row per speculative run and (at least) the columns
 ``alpha`` (0–1), ``speedup`` (speculative tokens/s ÷ baseline tokens/s on the same prompt), ``k`` and
 ``group`` (the series a run belongs to, e.g. "demo-drafter · context"); ``prompt`` is shown on hover.
+A ``drafter_kind`` or ``drafter`` column, where present, says which runs come from prompt lookup or the
+hybrid (else the group's drafter part does: "lookup · context").
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from uag.config import DrafterSpec
 from uag.costmodel import CostProfile, break_even, speedup
 from uag.records import Cycle
 from uag.stats import BreakEven, break_even_ols
@@ -21,6 +24,14 @@ STUDY_R = 0.07  # drafter/target bytes in the study (Qwen2.5-1.5B 4-bit vs Bieli
 STUDY_C = 0.185  # verification-cost coefficient fitted on the study's M2 Pro
 PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4d7c0f", "#be185d")
 CURVE_COLOURS = ("#64748b", "#94a3b8", "#334155", "#cbd5e1")
+LOOKUP_COLOURS = ("#d97706", "#f59e0b", "#b45309", "#fbbf24")  # prompt lookup: amber points and r = 0 curves
+HYBRID_COLOURS = ("#0d9488", "#14b8a6", "#0f766e", "#5eead4")
+LOOKUP_GROUP = "prompt lookup (r = 0)"
+HYBRID_GROUP = "lookup + model (0 < r < the model's)"
+KIND_STYLE = {  # legend group, marker, colours; model runs keep one legend entry per series
+    "lookup": (LOOKUP_GROUP, "star", LOOKUP_COLOURS),
+    "hybrid": (HYBRID_GROUP, "square", HYBRID_COLOURS),
+}
 
 
 def _hover(frame: pd.DataFrame) -> list[str]:
@@ -29,6 +40,23 @@ def _hover(frame: pd.DataFrame) -> list[str]:
         f"{p[:80] + ('…' if len(p) > 80 else '')}<br>α {a:.0%} · speedup {s:.2f}× · k {k}"
         for p, a, s, k in zip(prompts, frame["alpha"], frame["speedup"], frame["k"])
     ]
+
+
+def drafter_kind(drafter: str) -> str:
+    """ "model", "lookup" or "hybrid", as uag.config.DrafterSpec reads the drafter's name.
+
+    Example: "org/d-1B" -> "model";  "lookup" -> "lookup";  "lookup+org/d-1B" -> "hybrid"
+    """
+    return DrafterSpec.parse(drafter).kind
+
+
+def kinds(runs: pd.DataFrame) -> pd.Series:
+    """Each run's drafter kind: its ``drafter_kind`` column, else parsed from ``drafter``, else from the
+    group's drafter part (the app's series are "lookup · context", "demo-drafter · naive", …)."""
+    if "drafter_kind" in runs:
+        return runs["drafter_kind"].astype(str)
+    names = runs["drafter"] if "drafter" in runs else runs["group"].astype(str).str.split(" · ").str[0]
+    return names.map(drafter_kind).rename("drafter_kind")
 
 
 def fit_groups(runs: pd.DataFrame) -> dict[str, BreakEven]:
@@ -46,77 +74,35 @@ def speedup_vs_alpha(
     r: float | None = STUDY_R,
     c: float = STUDY_C,
     title: str = "Speedup vs acceptance",
+    lookup_c: float | None = None,
+    lookup_c_from: str = "",
 ) -> go.Figure:
     """Runs as points; per group the OLS line and break-even α* with its confidence band; the parametric
-    S(α, k) = (1 + kα)/(1 + kr + ck²) for each k with its break-even α* = r + ck marked."""
+    S(α, k) = (1 + kα)/(1 + kr + ck²) for each k with its break-even α* = r + ck marked.
+
+    Prompt lookup runs are stars in the legend group "prompt lookup (r = 0)", hybrid runs squares in a group
+    of their own (no curve: their r lies between 0 and the model's). Where lookup runs are on the plane, or
+    `lookup_c` is given, S(α, k) is drawn at r = 0 too (α* = c·k), with `lookup_c` (`lookup_c_from` says where
+    it comes from) or else the model curves' c.
+    """
     fig = go.Figure()
     fig.add_hline(y=1.0, line=dict(color="#475569", width=1, dash="dot"), annotation_text="break-even")
-    grid = np.linspace(0.0, 1.0, 101)
     runs = runs.dropna(subset=["alpha", "speedup"]) if len(runs) else runs
     fits = fit_groups(runs) if len(runs) else {}
-    for i, (group, frame) in enumerate(runs.groupby("group", sort=False) if len(runs) else []):
-        colour = PALETTE[i % len(PALETTE)]
-        fig.add_trace(
-            go.Scatter(
-                x=frame["alpha"],
-                y=frame["speedup"],
-                mode="markers",
-                name=str(group),
-                legendgroup=str(group),
-                marker=dict(color=colour, size=9, opacity=0.8),
-                hovertext=_hover(frame),
-                hoverinfo="text",
-            )
-        )
-        fit = fits[str(group)]
-        if fit.a is None or fit.b is None:
-            continue
-        fig.add_trace(
-            go.Scatter(
-                x=grid,
-                y=fit.a + fit.b * grid,
-                mode="lines",
-                name=f"{group}: OLS",
-                legendgroup=str(group),
-                showlegend=False,
-                line=dict(color=colour, width=2),
-                hoverinfo="skip",
-            )
-        )
-        if fit.alpha_star is not None and 0 <= fit.alpha_star <= 1:
-            if fit.has_interval:
-                lo, hi = max(fit.ci_low, 0.0), min(fit.ci_high, 1.0)
-                fig.add_vrect(x0=lo, x1=hi, fillcolor=colour, opacity=0.12, line_width=0)
-            fig.add_vline(
-                x=fit.alpha_star,
-                line=dict(color=colour, width=1.5, dash="dash"),
-                annotation_text=f"α* {fit.alpha_star:.0%}",
-                annotation_font_color=colour,
-            )
+    run_kinds = kinds(runs) if len(runs) else pd.Series(dtype=str)
+    seen: dict[str, int] = {}
+    for group, frame in runs.groupby("group", sort=False) if len(runs) else []:
+        kind = run_kinds[frame.index[0]]
+        legend, symbol, colours = KIND_STYLE.get(kind, (str(group), "circle", PALETTE))
+        seen[kind] = seen.get(kind, -1) + 1
+        colour = colours[seen[kind] % len(colours)]
+        _add_series(fig, frame, str(group), fits[str(group)], colour=colour, symbol=symbol, legend=legend)
     if r is not None:
-        for j, k in enumerate(ks):
-            colour = CURVE_COLOURS[j % len(CURVE_COLOURS)]
-            fig.add_trace(
-                go.Scatter(
-                    x=grid,
-                    y=speedup(grid, k, r, c),
-                    mode="lines",
-                    name=f"S(α, k={k}), r={r:.2f}, c={c:.3f}",
-                    line=dict(color=colour, width=1.5, dash="dot"),
-                    hovertemplate=f"k={k}: α %{{x:.0%}} → %{{y:.2f}}×<extra></extra>",
-                )
-            )
-            alpha_star = float(break_even(k, r, c))
-            if alpha_star <= 1:
-                fig.add_trace(
-                    go.Scatter(
-                        x=[alpha_star],
-                        y=[1.0],
-                        mode="markers",
-                        name=f"α*(k={k}) = {alpha_star:.0%}",
-                        marker=dict(symbol="diamond", size=11, color=colour, line=dict(color="#0f172a", width=1)),
-                    )
-                )
+        _add_curves(fig, ks, r, c, source="", colours=CURVE_COLOURS)
+    free_c = lookup_c if lookup_c is not None else c if (run_kinds == "lookup").any() else None
+    if free_c is not None and np.isfinite(free_c):
+        source = lookup_c_from or ("c of the model curves" if r is not None else "c given")
+        _add_curves(fig, ks, 0.0, free_c, source=source, colours=LOOKUP_COLOURS, legend=LOOKUP_GROUP)
     fig.update_layout(
         title=title,
         xaxis=dict(title="acceptance rate α", tickformat=".0%", range=[0, 1]),
@@ -126,6 +112,85 @@ def speedup_vs_alpha(
         margin=dict(l=60, r=20, t=60, b=40),
     )
     return fig
+
+
+def _add_series(
+    fig: go.Figure, frame: pd.DataFrame, group: str, fit: BreakEven, *, colour: str, symbol: str, legend: str
+) -> None:
+    """One series' points, its OLS line and its α* with the interval band, in legend group `legend`."""
+    title = dict(text=legend) if legend != group else None
+    fig.add_trace(
+        go.Scatter(
+            x=frame["alpha"],
+            y=frame["speedup"],
+            mode="markers",
+            name=group,
+            legendgroup=legend,
+            legendgrouptitle=title,
+            marker=dict(color=colour, size=11 if symbol != "circle" else 9, opacity=0.8, symbol=symbol),
+            hovertext=_hover(frame),
+            hoverinfo="text",
+        )
+    )
+    if fit.a is None or fit.b is None:
+        return
+    grid = np.linspace(0.0, 1.0, 101)
+    fig.add_trace(
+        go.Scatter(
+            x=grid,
+            y=fit.a + fit.b * grid,
+            mode="lines",
+            name=f"{group}: OLS",
+            legendgroup=legend,
+            showlegend=False,
+            line=dict(color=colour, width=2),
+            hoverinfo="skip",
+        )
+    )
+    if fit.alpha_star is not None and 0 <= fit.alpha_star <= 1:
+        if fit.has_interval:
+            lo, hi = max(fit.ci_low, 0.0), min(fit.ci_high, 1.0)
+            fig.add_vrect(x0=lo, x1=hi, fillcolor=colour, opacity=0.12, line_width=0)
+        fig.add_vline(
+            x=fit.alpha_star,
+            line=dict(color=colour, width=1.5, dash="dash"),
+            annotation_text=f"α* {fit.alpha_star:.0%}",
+            annotation_font_color=colour,
+        )
+
+
+def _add_curves(
+    fig: go.Figure, ks: Sequence[int], r: float, c: float, *, source: str, colours: Sequence[str], legend: str = ""
+) -> None:
+    """S(α, k) at r and c for each k, with α* = r + c·k marked where it is reachable; `source` says where c
+    came from (in the legend)."""
+    grid = np.linspace(0.0, 1.0, 101)
+    label = f"r={r:.2f}, c={c:.3f}" + (f" ({source})" if source else "")
+    for j, k in enumerate(ks):
+        colour = colours[j % len(colours)]
+        fig.add_trace(
+            go.Scatter(
+                x=grid,
+                y=speedup(grid, k, r, c),
+                mode="lines",
+                name=f"S(α, k={k}), {label}",
+                legendgroup=legend or None,
+                line=dict(color=colour, width=1.5, dash="dot" if r else "dashdot"),
+                hovertemplate=f"k={k}, r={r:.2f}: α %{{x:.0%}} → %{{y:.2f}}×<extra></extra>",
+            )
+        )
+        alpha_star = float(break_even(k, r, c))
+        if alpha_star <= 1:
+            fig.add_trace(
+                go.Scatter(
+                    x=[alpha_star],
+                    y=[1.0],
+                    mode="markers",
+                    name=f"α*(k={k}{', r=0' if not r else ''}) = {alpha_star:.0%}",
+                    legendgroup=legend or None,
+                    marker=dict(symbol="diamond", size=11, color=colour, line=dict(color="#0f172a", width=1)),
+                )
+            )
 
 
 SOURCE_PATTERNS = {"lookup": "/", "model": ""}  # accepted drafts from prompt lookup are hatched
