@@ -6,14 +6,18 @@ import math
 import sqlite3
 
 import numpy as np
+import pandas as pd
 import pytest
 from scipy.stats import norm
 
 from tests.support.synthetic_runs import add_prompt
 from uag import analyze as analysis_module
-from uag.analyze import analyze, main
-from uag.costmodel import break_even_leviathan, speedup
+from uag.analyze import analyze, drafter_r, main
+from uag.costmodel import break_even_leviathan, fit_c_from_speedups, speedup
+from uag.plots import HYBRID_GROUP, LOOKUP_GROUP
+from uag.report import R_IS, figures, planes
 from uag.results import ResultsDB, load_runs
+from uag.stats import break_even_ols
 
 R, C = 0.07, 0.185  # synthetic_runs stores drafter/target bytes with r = 0.07
 
@@ -106,8 +110,8 @@ def test_table6_buckets_per_drafter(tmp_path):
     buckets = analyze(load_runs(path)).tables["table6_buckets"]
     rows = {(r.drafter, r.bucket): (r.n, r.mean_speedup) for r in buckets.itertuples()}
     assert rows == {
-        ("all drafters", "10–20 %"): (2, pytest.approx(0.9)),
-        ("all drafters", "50–60 %"): (1, pytest.approx(1.1)),
+        ("all model drafters", "10–20 %"): (2, pytest.approx(0.9)),
+        ("all model drafters", "50–60 %"): (1, pytest.approx(1.1)),
         ("d1", "10–20 %"): (2, pytest.approx(0.9)),
         ("d2", "50–60 %"): (1, pytest.approx(1.1)),
     }
@@ -123,7 +127,9 @@ def test_table7_fits_c_back_from_speedups_the_model_generated(tmp_path):
             accepted = int(rng.integers(10, 90))
             runs[("org/d", "context", k)] = (accepted, 100, 10.0 * float(speedup(accepted / 100, k, R, C)))
         prompts.append((f"w{i}", 10.0, runs, "wiki"))
-    table = analyze(load_runs(db_with(tmp_path, prompts))).tables["table7_model"].set_index(["source", "form"])
+    table7 = analyze(load_runs(db_with(tmp_path, prompts))).tables["table7_model"]
+    free = table7[table7["r_is"] == R_IS["free"]].set_index(["source", "form"])
+    table = table7[table7["r_is"] != R_IS["free"]].set_index(["source", "form"])
 
     study = table.loc[("org/d", "study")]
     assert (study["r"], study["c"], study["n"]) == (pytest.approx(R), pytest.approx(C, abs=1e-9), 24)
@@ -135,6 +141,9 @@ def test_table7_fits_c_back_from_speedups_the_model_generated(tmp_path):
     assert table.loc[("org/d", "leviathan"), "rmse"] > study["rmse"]  # the other form fits these speedups worse
     paper = table.loc[("paper (M2 Pro)", "study")]
     assert [paper[f"alpha_star_k{k}"] for k in (2, 4, 6)] == pytest.approx([0.44, 0.81, 1.18])
+    # The same c at r = 0, what a free drafter gives: α* = c·k, for the fitted c and the paper's.
+    assert free.loc[("org/d", "study"), "c"] == pytest.approx(C, abs=1e-9)
+    assert [free.loc[(s, "study"), "alpha_star_k4"] for s in ("org/d", "paper (M2 Pro)")] == pytest.approx([4 * C] * 2)
 
 
 @pytest.mark.parametrize("k", range(1, 9))
@@ -151,8 +160,10 @@ def test_leviathan_alpha_star_uncapped_extends_the_capped_one_past_one(k, r, c):
 
 def test_model_only_reproduces_table7_of_the_paper(capsys):
     assert main(["--model-only", "--r", "0.07", "--c", "0.185", "--k", "2,4,6", "--json"]) == 0
-    rows = {row["form"]: row for row in json.loads(capsys.readouterr().out)["table7_model"]}
-    study, leviathan = rows["study"], rows["leviathan"]
+    rows = {(row["source"], row["form"]): row for row in json.loads(capsys.readouterr().out)["table7_model"]}
+    study, leviathan = rows[("model", "study")], rows[("model", "leviathan")]
+    free = rows[("free drafter (r = 0)", "study")]  # a drafter that costs nothing, e.g. prompt lookup: α* = c·k
+    assert (free["r"], free["alpha_star_k2"], free["alpha_star_k4"]) == (0.0, pytest.approx(0.37), pytest.approx(0.74))
     assert [study["alpha_star_k2"], study["alpha_star_k4"]] == pytest.approx([0.44, 0.81])
     # 1.18 and Leviathan's 1.047 at k = 6 are above 100 %: no acceptance reaches them, so no number is given.
     assert study["alpha_star_k6"] is None and study["unreachable_k"] == [6]
@@ -228,3 +239,91 @@ def test_k_that_was_not_measured(tmp_path, capsys):
     assert main([str(path), "--k", "2"]) == 2
     assert capsys.readouterr().err.strip() == "error: no runs with k = 2 (the results have k = 1, 4)"
     assert analyze(load_runs(path)).k == 1  # without --k: 2 if measured, else the smallest
+
+
+# --- prompt lookup and the hybrid beside model drafters ------------------------------------------------------
+C_LOOKUP, R_HYBRID = 0.2, 0.03
+
+
+def mixed_runs(tmp_path):
+    """12 prompts at 10 tok/s: a model drafter (α 10–60 %, S at r = 0.07 plus noise), prompt lookup (α 70–98 %,
+    exactly S at r = 0 with c = 0.2) and the hybrid (α 40–80 %), all at k = 2."""
+    rng = np.random.default_rng(11)
+    prompts = []
+    for i in range(12):
+        model, lookup, hybrid = (int(rng.integers(lo, hi)) for lo, hi in ((10, 60), (70, 98), (40, 80)))
+        runs = {
+            ("org/d", "context", 2): (model, 100, 10 * float(speedup(model / 100, 2, R, C)) + rng.normal(0, 0.2)),
+            ("lookup", "context", 2): (lookup, 100, 10 * float(speedup(lookup / 100, 2, 0.0, C_LOOKUP))),
+            ("lookup+org/d", "context", 2): (hybrid, 100, 10 * float(speedup(hybrid / 100, 2, R_HYBRID, C))),
+        }
+        prompts.append((f"w{i}", 10.0, runs, "wiki"))
+    return load_runs(db_with(tmp_path, prompts))
+
+
+def test_lookup_and_hybrid_runs_share_the_model_drafters_plane_with_curves_at_r_0(tmp_path):
+    runs = mixed_runs(tmp_path)
+    figs = figures(analyze(runs))
+    assert {name for name in figs if name.startswith("speedup_vs_alpha")} == {"speedup_vs_alpha_d_k2"}
+    traces = figs["speedup_vs_alpha_d_k2"].data
+    points = {t.legendgroup: t for t in traces if t.mode == "markers" and t.hovertext is not None}
+    lookup_alpha = runs.loc[runs["drafter"] == "lookup", "alpha"]
+    assert sorted(points[LOOKUP_GROUP].x) == pytest.approx(sorted(lookup_alpha))
+    assert points[LOOKUP_GROUP].marker.symbol == "star" and points[LOOKUP_GROUP].legendgrouptitle.text == LOOKUP_GROUP
+    assert len(points[HYBRID_GROUP].x) == 12 and len(points["d · context"].x) == 12
+    curves = [t.name for t in traces if t.mode == "lines" and t.name.startswith("S(α")]
+    assert curves[0].startswith(f"S(α, k=2), r={R:.2f}, c=")  # the model's, at its r
+    assert curves[1] == f"S(α, k=2), r=0.00, c={C_LOOKUP:.3f} (c fitted to the lookup runs)"
+    marks = [t for t in traces if t.name and t.name.startswith("α*(k=2, r=0)")]
+    assert marks[0].x[0] == pytest.approx(2 * C_LOOKUP)  # α* = c·k at r = 0
+
+
+def test_binned_tables_reach_the_high_alpha_buckets_lookup_fills(tmp_path):
+    runs = mixed_runs(tmp_path)
+    buckets = analyze(runs).tables["table6_buckets"]
+    lookup = buckets[buckets["drafter"] == "lookup"]
+    assert set(lookup["drafter_kind"]) == {"lookup"} and lookup["hi"].max() == 1.0
+    assert {"70–80 %", "80–90 %", "90–100 %"} <= set(lookup["bucket"]) and (lookup["n"] > 0).all()
+    assert lookup["n"].sum() == 12
+    high = buckets[buckets["lo"] >= 0.7]  # nothing in the high buckets pools lookup with a model drafter
+    assert set(high["drafter"]) <= {"lookup", "lookup+org/d"} and not buckets["drafter"].str.startswith("all").any()
+
+
+def test_model_fits_leave_lookup_and_hybrid_runs_out(tmp_path):
+    runs = mixed_runs(tmp_path)
+    result = analyze(runs)
+    model_runs = runs[runs["drafter"] == "org/d"]
+    alone = break_even_ols(model_runs["alpha"], model_runs["tps"], 10.0)
+    pooled = break_even_ols(runs["alpha"], runs["tps"], 10.0)
+    table5 = result.tables["table5_break_even"].set_index("drafter")
+    assert table5.loc["org/d", "alpha_star"] == pytest.approx(alone.alpha_star, rel=1e-9)
+    assert table5.loc["org/d", "alpha_star"] != pytest.approx(pooled.alpha_star, rel=1e-3)
+    assert table5.loc["lookup", "drafter_kind"] == "lookup"
+
+    table7 = result.tables["table7_model"]
+    fitted = table7[(table7["form"] == "study") & (table7["r_is"] != R_IS["free"])].set_index("source")
+    c_alone = fit_c_from_speedups(model_runs["alpha"], model_runs["k"], model_runs["speedup"], R).c
+    assert (fitted.loc["org/d", "r"], fitted.loc["org/d", "c"]) == (pytest.approx(R), pytest.approx(c_alone))
+    assert (fitted.loc["lookup", "r"], fitted.loc["lookup", "c"]) == (0.0, pytest.approx(C_LOOKUP, abs=1e-9))
+    assert fitted.loc["lookup+org/d", "r_is"] == R_IS["hybrid"]
+    assert any("prompt lookup runs" in note and "r = 0" in note for note in result.notes)
+
+
+def test_hybrid_r_is_the_models_r_times_the_share_it_drafted():
+    runs = pd.DataFrame(
+        {"drafter": ["lookup+org/d"] * 2, "drafter_bytes": [700] * 2, "target_bytes": [10_000] * 2,
+         "drafter_passes": [5, 5], "k": [2, 2], "cycles": [10, 10]}
+    )  # fmt: skip
+    assert drafter_r(runs) == pytest.approx(0.07 * 5 / 20)
+    assert drafter_r(runs.assign(drafter="lookup")) == 0.0 and drafter_r(runs.assign(drafter="org/d")) == 0.07
+
+
+@pytest.mark.parametrize(
+    "drafters, expected",
+    [(["org/d", "lookup", "lookup+org/d", "lookup+org/e"],
+      {"org/d": ["org/d", "lookup", "lookup+org/d"], "lookup+org/e": ["lookup+org/e", "lookup"]}),
+     (["lookup"], {"lookup": ["lookup"]}),
+     (["a", "b"], {"a": ["a"], "b": ["b"]})],
+)  # fmt: skip
+def test_planes(drafters, expected):
+    assert planes(drafters) == expected

@@ -9,10 +9,14 @@ nothing is typed in. Tables are numbered as in the paper:
 - Table 4: the effect of the draft length k on α, tokens/s and speedup, per drafter × strategy.
 - Table 5: per drafter × dataset, the OLS fit TPS = a + b·α over prompts and the break-even
   α* = (TPS_base − a) / b with its delta-method interval (uag.stats).
-- Tables 6, 8–10: mean speedup per 10-point α bucket, over all drafters and per drafter.
+- Tables 6, 8–10: mean speedup per 10-point α bucket (up to 90–100 %), per drafter kind and per drafter.
 - Table 7: the parametric model, r = drafter bytes / target bytes and c fitted to the speedups, in the study's
   form S = (1 + kα)/(1 + kr + ck²) and Leviathan's E = (1 − α^(k+1))/(1 − α): α* per k, next to the
-  measured α* and to the paper's r = 0.07, c = 0.185.
+  measured α* and to the paper's r = 0.07, c = 0.185; each c also at r = 0 (a free drafter: α* = c·k).
+
+Drafters come in kinds (uag.config.DrafterSpec): a model, prompt `lookup` (no model, so r = 0) and the hybrid
+`lookup+<model>` (r = the model's times the share of draft positions its model drafted). Every fit is per
+drafter, so lookup and hybrid runs never enter a model drafter's fit; the plane shows them side by side.
 
 Tables 2, 3, 5 and 6/8–10 are at one draft length (``--k``, default 2), as in the paper.
 
@@ -35,8 +39,8 @@ import pandas as pd
 from uag.command import CommandParser, number, run
 from uag.costmodel import FORMS, break_even_leviathan, fit_c_from_speedups
 from uag.errors import InputError
-from uag.plots import STUDY_C, STUDY_R
-from uag.report import Analysis, break_even_records, markdown, to_json, to_markdown, write
+from uag.plots import STUDY_C, STUDY_R, drafter_kind, kinds
+from uag.report import BREAK_EVEN_PREFIX, R_IS, Analysis, break_even_records, markdown, to_json, to_markdown, write
 from uag.results import load_runs
 from uag.stats import break_even_ols, bucket_means
 
@@ -100,6 +104,7 @@ def k_table(runs: pd.DataFrame) -> pd.DataFrame:
 def break_even_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Table 5: per target × drafter × dataset, TPS = a + b·α over prompts (all strategies) and
     α* = (TPS_base − a) / b. TPS_base is the mean over the prompts' baselines; its variance is that of the mean.
+    Each drafter is fitted alone: prompt lookup (r = 0) and hybrid runs never enter a model drafter's line.
     """
     rows = []
     for (target, drafter, dataset), frame in runs.groupby(["target", "drafter", "dataset"], sort=False):
@@ -111,6 +116,7 @@ def break_even_table(runs: pd.DataFrame) -> pd.DataFrame:
             {
                 "target": target,
                 "drafter": drafter,
+                "drafter_kind": drafter_kind(drafter),
                 "dataset": dataset,
                 "n": fit.n,
                 "tps_base": mean,
@@ -125,11 +131,25 @@ def break_even_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def bucket_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Tables 6 and 8–10: mean speedup per 10-point α bucket, over all drafters, then per drafter."""
-    parts = [bucket_means(runs["alpha"], runs["speedup"]).assign(drafter="all drafters")]
-    for drafter, frame in runs.groupby("drafter", sort=False):
-        parts.append(bucket_means(frame["alpha"], frame["speedup"]).assign(drafter=drafter))
-    return pd.concat(parts, ignore_index=True)[["drafter", "bucket", "lo", "hi", "n", "mean_speedup", "sem"]]
+    """Tables 6 and 8–10: mean speedup per 10-point α bucket, 0–10 % up to 90–100 % (α = 100 % included),
+    over each drafter kind that has several drafters ("all model drafters"), then per drafter. Kinds are
+    never pooled: the high-α buckets that prompt lookup fills stay attributable to it.
+
+    Example: model runs at α 12 %, 18 % and lookup at 95 % -> rows (model, d, "10–20 %", n 2) and
+    (lookup, lookup, "90–100 %", n 1); no row pools the two
+    """
+    kind_of = kinds(runs)
+    parts = [
+        bucket_means(frame["alpha"], frame["speedup"]).assign(drafter_kind=kind, drafter=f"all {kind} drafters")
+        for kind, frame in runs.groupby(kind_of, sort=False)
+        if frame["drafter"].nunique() > 1
+    ]
+    parts += [
+        bucket_means(frame["alpha"], frame["speedup"]).assign(drafter_kind=drafter_kind(drafter), drafter=drafter)
+        for drafter, frame in runs.groupby("drafter", sort=False)
+    ]
+    columns = ["drafter_kind", "drafter", "bucket", "lo", "hi", "n", "mean_speedup", "sem"]
+    return pd.concat(parts, ignore_index=True)[columns]
 
 
 def parametric(r: float, c: float, ks: Sequence[int], *, source: str) -> pd.DataFrame:
@@ -151,31 +171,58 @@ def _k_column(k: int) -> str:
     return f"alpha_star_k{k}"
 
 
+def drafter_r(runs: pd.DataFrame) -> float:
+    """r of one drafter's runs: drafter/target bytes for a model; 0 for prompt lookup (no model: its cost is
+    microseconds); for the hybrid, the model's r times the share of draft positions its model drafted,
+    drafter passes ÷ (k · cycles), since a lookup cycle costs no drafter pass. The median over runs.
+
+    Example: hybrid, bytes ratio 0.07, 10 cycles at k = 2 with 5 model passes -> 0.07 · 5 / 20 = 0.0175
+    """
+    kind = drafter_kind(runs["drafter"].iloc[0])
+    if kind == "lookup":
+        return 0.0
+    r = runs["drafter_bytes"] / runs["target_bytes"]
+    if kind == "hybrid":
+        r = r * runs["drafter_passes"] / (runs["k"] * runs["cycles"]).where(runs["cycles"] > 0)
+    return float(r.median())
+
+
 def model_table(runs: pd.DataFrame, ks: Sequence[int] = MODEL_KS) -> pd.DataFrame:
-    """Table 7: per target × drafter, r from the stored model bytes and c fitted to every run's speedup (all k,
-    strategies and datasets) in both forms, with goodness of fit; the measured α* per k (OLS of speedup on α
-    at that k, where it reaches 1); and the paper's r = 0.07, c = 0.185."""
+    """Table 7: per target × drafter, r (drafter_r) and c fitted to every run's speedup (all k, strategies and
+    datasets) in both forms, with goodness of fit; the measured α* per k (OLS of speedup on α at that k,
+    where it reaches 1); each model drafter's c again at r = 0 (what a free drafter gives: α* = c·k); and the
+    paper's r = 0.07, c = 0.185, also at r = 0. `r_is` says where each row's r comes from."""
     ks = sorted({*ks, *runs["k"].astype(int)})
     parts = []
     for (target, drafter), frame in runs.groupby(["target", "drafter"], sort=False):
-        r = float((frame["drafter_bytes"] / frame["target_bytes"]).median())
+        kind, r = drafter_kind(drafter), drafter_r(frame)
+        pair = dict(target=target, drafter_kind=kind)
         for form in FORMS:
             try:
                 fit = fit_c_from_speedups(frame["alpha"], frame["k"], frame["speedup"], r, form=form)
             except ValueError:  # no run with a speedup yet
                 continue
-            rows = parametric(r, fit.c, ks, source=drafter)
-            parts.append(rows[rows["form"] == form].assign(target=target, rmse=fit.rmse, r2=fit.r2, n=fit.n))
+            quality = dict(rmse=fit.rmse, r2=fit.r2, n=fit.n)
+            parts.append(_form(parametric(r, fit.c, ks, source=drafter), form, **pair, r_is=R_IS[kind], **quality))
+            if kind == "model":
+                parts.append(_form(parametric(0.0, fit.c, ks, source=drafter), form, **pair, r_is=R_IS["free"]))
         measured = {
             int(k): break_even_ols(at_k["alpha"], at_k["speedup"], 1.0).alpha_star
             for k, at_k in frame.groupby("k", sort=True)
         }
-        row = {"target": target, "source": drafter, "form": "measured", "r": r, "n": len(frame)}
+        row = {**pair, "source": drafter, "form": "measured", "r": r, "r_is": R_IS[kind], "n": len(frame)}
         parts.append(pd.DataFrame([{**row, **{_k_column(k): measured.get(k) for k in ks}}]))
-    parts.append(parametric(STUDY_R, STUDY_C, ks, source=PAPER).assign(target=""))
+    parts.append(parametric(STUDY_R, STUDY_C, ks, source=PAPER).assign(target="", r_is="the paper's"))
+    parts.append(parametric(0.0, STUDY_C, ks, source=PAPER).assign(target="", r_is=R_IS["free"]))
     table = pd.concat(parts, ignore_index=True)
-    columns = ["target", "source", "form", "r", "c", "rmse", "r2", "n", *map(_k_column, ks)]
-    return table.reindex(columns=columns).astype({"n": "Int64", **{c: float for c in columns[3:] if c != "n"}})
+    columns = ["target", "source", "drafter_kind", "form", "r", "r_is", "c", "rmse", "r2", "n", *map(_k_column, ks)]
+    numbers = {c: float for c in columns if c in ("r", "c", "rmse", "r2") or c.startswith(BREAK_EVEN_PREFIX)}
+    return table.reindex(columns=columns).astype({"n": "Int64", **numbers})
+
+
+def _form(rows: pd.DataFrame, form: str, **columns) -> pd.DataFrame:
+    """The row of `parametric`'s output in `form`, with `columns` added."""
+    return rows[rows["form"] == form].assign(**columns)
 
 
 # --- the whole analysis -----------------------------------------------------------------------------------------
@@ -192,9 +239,32 @@ def choose_k(runs: pd.DataFrame, k: int | None) -> int:
     return k
 
 
+def kind_notes(runs: pd.DataFrame) -> list[str]:
+    """What the analysis did with prompt lookup and hybrid runs, where there are any.
+
+    Example: runs of a model and of lookup -> one note: lookup is fitted alone with r = 0, …
+    """
+    present = set(runs["drafter_kind"])
+    notes = []
+    if "lookup" in present:
+        notes.append(
+            "prompt lookup runs (no drafter model, r = 0) are fitted on their own: they never enter a model "
+            "drafter's OLS line (Table 5) or its c (Table 7); Table 7 fits their c at r = 0, and the figures put "
+            "them on each model drafter's plane with S(α, k) at r = 0 drawn with that c"
+        )
+    if "hybrid" in present:
+        notes.append(
+            "hybrid runs (lookup+<model>) are fitted on their own, with r = the model's × the share of draft "
+            "positions its model drafted (drafter passes ÷ k·cycles); on their model's plane they are points without a "
+            "curve; a hybrid whose model did not run alone gets a plane of its own, with S(α, k) at that r"
+        )
+    return notes
+
+
 def analyze(runs: pd.DataFrame, *, k: int | None = None, source: str = "") -> Analysis:
     """All tables from `load_runs` output; Tables 2, 3, 5 and 6/8–10 at draft length `k` (see choose_k)."""
     k = choose_k(runs, k)
+    runs = runs.assign(drafter_kind=kinds(runs))
     at_k = runs[runs["k"] == k]
     tables = {
         "table2_alpha": alpha_table(at_k),
@@ -204,7 +274,7 @@ def analyze(runs: pd.DataFrame, *, k: int | None = None, source: str = "") -> An
         "table6_buckets": bucket_table(at_k),
         "table7_model": model_table(runs),
     }
-    notes = []
+    notes = kind_notes(runs)
     missing = int(runs["tps_base"].isna().sum())
     if missing:
         notes.append(f"{missing} speculative runs have no baseline on their prompt yet: their speedup is missing")
@@ -265,6 +335,8 @@ def _model_only(args: argparse.Namespace, ks: list[int]) -> int:
     if ks and min(ks) < 1:
         raise InputError(f"draft lengths k must be at least 1 (got {min(ks)})")
     table = parametric(r, c, ks or MODEL_KS, source="model")
+    if r != 0:  # what a free drafter (r = 0, e.g. prompt lookup) gives at the same c: α* = c·k
+        table = pd.concat([table, parametric(0.0, c, ks or MODEL_KS, source="free drafter (r = 0)")], ignore_index=True)
     if args.json:
         print(json.dumps({"r": r, "c": c, "table7_model": break_even_records(table)}, ensure_ascii=False))
     else:

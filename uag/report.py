@@ -9,11 +9,13 @@ import html
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from uag.config import DrafterSpec
 from uag.plots import alpha_by_strategy, speedup_vs_alpha
 from uag.results import short_name
 
@@ -32,6 +34,12 @@ class Analysis:
 
 
 BREAK_EVEN_PREFIX = "alpha_star_k"  # Table 7's α* columns: alpha_star_k2, alpha_star_k4, …
+R_IS = {  # Table 7's r_is: where each row's r comes from, by drafter kind
+    "model": "drafter/target bytes",
+    "lookup": "0: no drafter model",
+    "hybrid": "model's r × share of positions it drafted",
+    "free": "0: a free drafter at this c",
+}
 
 
 DEFINITIONS = (
@@ -44,25 +52,64 @@ TITLES = {
     "table3_speed": "Table 3. Tokens/s and speedup per drafter × strategy × dataset (k = {k})",
     "table4_k": "Table 4. Effect of the draft length k (all datasets)",
     "table5_break_even": "Table 5. Break-even α* from TPS = a + b·α per drafter × dataset (k = {k})",
-    "table6_buckets": "Tables 6, 8–10. Mean speedup per α bucket (k = {k})",
-    "table7_model": "Table 7. Parametric model: r, fitted c and α* per k",
+    "table6_buckets": "Tables 6, 8–10. Mean speedup per α bucket, per drafter kind and drafter (k = {k})",
+    "table7_model": "Table 7. Parametric model: r, fitted c and α* per k (each c also at r = 0: α* = c·k)",
 }
 
 
+def planes(drafters: Sequence[str]) -> dict[str, list[str]]:
+    """Which drafters share a speedup-vs-α plane, keyed by the drafter it is named after: each model drafter
+    with prompt lookup and its own hybrid; a hybrid whose model did not run alone, with lookup; lookup alone
+    only where no other drafter ran.
+
+    Example: ["org/d", "lookup", "lookup+org/d", "lookup+org/e"] ->
+             {"org/d": ["org/d", "lookup", "lookup+org/d"], "lookup+org/e": ["lookup+org/e", "lookup"]};
+             ["lookup"] -> {"lookup": ["lookup"]}
+    """
+    specs = {d: DrafterSpec.parse(d) for d in drafters}
+    lookup = [d for d, spec in specs.items() if spec.kind == "lookup"]
+    models = {spec.model for spec in specs.values() if spec.kind == "model"}
+    out = {}
+    for d, spec in specs.items():
+        if spec.kind == "model":
+            out[d] = [d, *lookup, *(h for h, other in specs.items() if other.kind == "hybrid" and other.model == d)]
+        elif spec.kind == "hybrid" and spec.model not in models:
+            out[d] = [d, *lookup]
+    return out or {d: [d] for d in lookup}
+
+
+def _fitted(study: pd.DataFrame, drafter: str) -> tuple[float | None, float, str]:
+    """(r, c, where r comes from) of a drafter's fitted study-form row of Table 7; (None, NaN, "") if none."""
+    row = study[(study["source"] == drafter) & (study["r_is"] != R_IS["free"])]
+    return (float(row["r"].iloc[0]), float(row["c"].iloc[0]), row["r_is"].iloc[0]) if len(row) else (None, math.nan, "")
+
+
 def figures(analysis: Analysis) -> dict[str, object]:
-    """Plotly figures by file stem: speedup vs α per drafter and k (points, OLS line and α* with its interval
-    per drafter · strategy, the fitted S(α, k) and its α*), and α by strategy at the tables' k."""
+    """Plotly figures by file stem: speedup vs α per model drafter and k, with prompt lookup and the hybrid on
+    the same plane (see `planes`): points, OLS line and α* with its interval per drafter · strategy, the
+    fitted S(α, k) at the drafter's r and at r = 0 (c fitted to the lookup runs, else the drafter's); and α by
+    strategy at the tables' k."""
     runs, model = analysis.runs, analysis.tables["table7_model"]
     out = {}
-    for (target, drafter), pair in runs.groupby(["target", "drafter"], sort=False):
-        name = short_name(drafter)
-        fitted = model[(model["target"] == target) & (model["source"] == drafter) & (model["form"] == "study")]
-        r, c = (float(fitted["r"].iloc[0]), float(fitted["c"].iloc[0])) if len(fitted) else (None, math.nan)
-        curve = f"S(α, k) with r = {r:.3f}, fitted c = {c:.3f}" if r is not None else "no speedups to fit c"
-        for k, at_k in pair.groupby("k", sort=True):
-            out[f"speedup_vs_alpha_{_slug(name)}_k{k}"] = speedup_vs_alpha(
-                at_k, ks=(int(k),), r=r, c=c, title=f"{name} → {short_name(target)}, k = {k}: {curve}"
-            )
+    for target, of_target in runs.groupby("target", sort=False):
+        study = model[(model["target"] == target) & (model["form"] == "study")]
+        _, lookup_c, _ = _fitted(study, "lookup")
+        for anchor, members in planes(list(pd.unique(of_target["drafter"]))).items():
+            name = short_name(anchor)
+            r, c, r_is = _fitted(study, anchor)
+            curve = f"S(α, k) with r = {r:.3f} ({r_is}), fitted c = {c:.3f}" if r is not None else "no c fitted"
+            free = dict(lookup_c=lookup_c, lookup_c_from="c fitted to the lookup runs")
+            if anchor == "lookup":  # its own curves are the r = 0 ones
+                r, free = None, dict(lookup_c=c, lookup_c_from=free["lookup_c_from"])
+            elif not math.isfinite(lookup_c):
+                free = dict(lookup_c=c, lookup_c_from=f"c of {name}'s fit")
+            plane = of_target[of_target["drafter"].isin(members)]
+            free = free if "lookup" in members else {}  # r = 0 curves only beside lookup runs
+            for k, at_k in plane.groupby("k", sort=True):
+                title = f"{name} → {short_name(target)}, k = {k}: {curve}"
+                out[f"speedup_vs_alpha_{_slug(name)}_k{k}"] = speedup_vs_alpha(
+                    at_k, ks=(int(k),), r=r, c=c, title=title, **free
+                )
     at_k = runs[runs["k"] == analysis.k]
     out["alpha_by_strategy"] = alpha_by_strategy(at_k, title=f"Acceptance by strategy, k = {analysis.k}")
     return out
