@@ -24,18 +24,21 @@ def sequential(app_url):
     return {prompt: predict(app_url, prompt, max_tokens=MAX_TOKENS) for prompt in PROMPTS}
 
 
-def test_endpoint_defaults_are_the_demo_pair(app_url):
+def test_endpoint_defaults_are_the_apps(app_url):
     from gradio_client import Client
+
+    from uag.presets import DEFAULT
+    from uag.settings import DEFAULT_GENERATION
 
     info = Client(app_url, verbose=False).view_api(return_format="dict", print_info=False)
     params = info["named_endpoints"]["/compare"]["parameters"]
     defaults = {p["parameter_name"]: p["parameter_default"] for p in params if p["parameter_has_default"]}
     assert [p["parameter_name"] for p in params][0] == "prompt" and not params[0]["parameter_has_default"]
     assert defaults == {
-        "target": "demo-target",
-        "drafter": "demo-drafter",
-        "strategy": "context",
-        "k": 2,
+        "target": DEFAULT.target,
+        "drafter": DEFAULT.drafter,
+        "strategy": DEFAULT_GENERATION.strategy,
+        "k": DEFAULT_GENERATION.k,
         "window": 10,
         "max_tokens": 64,
         "temperature": 0.0,
@@ -51,7 +54,7 @@ def test_compare_returns_both_texts_spans_and_stats(sequential):
     assert baseline and baseline == speculative  # greedy: lossless
     assert "".join(text for text, _ in spans) == speculative
     assert {label for _, label in spans} <= {DRAFT, TARGET}
-    assert stats["identical"] is True and stats["speedup"] > 0 and stats["strategy"] == "context"
+    assert stats["identical"] is True and stats["speedup"] > 0 and stats["strategy"] == "auto"
     assert stats["baseline"]["generated_tokens"] == stats["speculative"]["generated_tokens"] <= MAX_TOKENS
     assert set(stats["time_split_ms"]) == {"draft", "translate", "verify", "resync"}
     assert stats["verdict"].startswith("**Speculation")
@@ -190,4 +193,4 @@ def test_a_raw_rest_call_with_only_the_prompt_gets_the_defaults(app_url):  # fin
         lines = http.get(f"gradio_api/call/compare/{event_id}").text.splitlines()
     assert "event: complete" in lines, lines[-4:]
     baseline, speculative, _, stats = json.loads(lines[lines.index("event: complete") + 1].removeprefix("data: "))
-    assert baseline == speculative and stats["max_tokens"] == 64 and stats["drafter"] == "demo-drafter"
+    assert baseline == speculative and stats["max_tokens"] == 64 and stats["drafter"] == "lookup+demo-drafter"

@@ -72,6 +72,20 @@ def test_presets_fill_both_names(handlers):
     assert handlers.preset("no such preset") == (KEEP, KEEP, "")
 
 
+def test_the_app_opens_on_a_lookup_pair_with_auto_and_a_structured_example():  # issue 12
+    from uag.config import DrafterSpec
+    from uag.datasets import load_bundled
+    from uag.presets import DEFAULT, PRESETS
+    from uag.ui import example_prompts
+
+    defaults = Session(worker=_NoWorker()).defaults
+    assert DEFAULT is PRESETS[0] and (defaults.target, defaults.drafter) == (DEFAULT.target, DEFAULT.drafter)
+    assert DrafterSpec.parse(DEFAULT.drafter).lookup and DEFAULT.offline
+    assert defaults.generation.strategy == "auto" and defaults.generation.k <= 8
+    texts, sets = example_prompts()
+    assert sets[0] == "structured" and texts[0] == load_bundled("structured")[0].text
+
+
 def test_a_finished_update_adds_its_history_row():
     row = {"prompt": "p"}
     outputs = show(Update("Done", state="done", baseline_text="a", spans=[("a", "target")], row=row), [{"prompt": "o"}])

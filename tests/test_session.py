@@ -430,7 +430,7 @@ def test_stats_have_the_numbers_users_ask_for():
 
 
 def _row(alpha, speedup, k=2, prompt="p", drafter="demo-drafter", r=0.5):
-    settings = Settings.parse(drafter=drafter, k=k)
+    settings = Settings.parse(drafter=drafter, k=k, strategy="context")  # the fake cycles have a fixed k
     baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)
     proposed = 10
     accepted = round(alpha * proposed)

@@ -35,10 +35,10 @@ _CODER_FIRST_USE = "first use downloads ~1.1 GB of wheels from PyPI and converts
 
 PRESETS: tuple[Preset, ...] = (
     Preset(
-        "Offline demo: Gemma-3-270M ← SmolLM2-135M",
+        "Offline demo: Gemma-3-270M ← lookup + SmolLM2",
         "demo-target",
-        "demo-drafter",
-        "embedded, no network; SentencePiece 262K target, byte-level BPE 49K drafter",
+        "lookup+demo-drafter",
+        "prompt lookup where the text so far offers a match, the SmolLM2-135M drafter elsewhere",
     ),
     Preset(
         "Offline demo: Gemma-3-270M ← prompt lookup",
@@ -48,10 +48,10 @@ PRESETS: tuple[Preset, ...] = (
         "itself, which lookup exploits: judge it on copy-heavy prompts (lists, tables, rewrites)",
     ),
     Preset(
-        "Offline demo: Gemma-3-270M ← lookup + SmolLM2",
+        "Offline demo: Gemma-3-270M ← SmolLM2-135M",
         "demo-target",
-        "lookup+demo-drafter",
-        "prompt lookup where the text so far offers a match, the SmolLM2-135M drafter elsewhere",
+        "demo-drafter",
+        "embedded, no network; SentencePiece 262K target, byte-level BPE 49K drafter",
     ),
     Preset(
         "Qwen2.5-Coder-1.5B ← SmolLM2-135M (cross-family)",

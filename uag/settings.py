@@ -8,7 +8,7 @@ check to `GenerationConfig.parse`; the prompt through `check_prompt`. Standard l
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from uag.config import SPECULATIVE, GenerationConfig
@@ -16,6 +16,9 @@ from uag.errors import InputError
 from uag.presets import DEFAULT
 
 MAX_PROMPT_CHARS = 20_000  # the app's bound on a prompt; the target's context bounds it again in tokens
+# The app opens on auto with k ≤ 8: with the default preset it wins on structured prompts (README). The
+# library's own defaults (GenerationConfig: context, k = 2) are left as they are.
+DEFAULT_GENERATION = GenerationConfig(strategy="auto", k=8)
 
 
 @dataclass(frozen=True)
@@ -24,19 +27,20 @@ class Settings:
 
     target: str = DEFAULT.target
     drafter: str = DEFAULT.drafter
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    generation: GenerationConfig = DEFAULT_GENERATION
 
     @classmethod
     def parse(cls, target: Any = None, drafter: Any = None, **raw: Any) -> Settings:
         """Settings from loosely typed input; InputError lists every problem. A setting left out (None for
-        the names) takes its default.
+        the names) takes the app's default (DEFAULT, DEFAULT_GENERATION).
 
         Example: Settings.parse(k=40, strategy="baseline") -> InputError("strategy must be one of …; k …")
         """
         problems = []
-        if raw.get("strategy", "context") not in SPECULATIVE:
-            problems.append(f"strategy must be one of {', '.join(SPECULATIVE)} (got {raw.get('strategy')!r})")
-            raw = {**raw, "strategy": "context"}
+        raw = {**asdict(DEFAULT_GENERATION), **raw}
+        if raw["strategy"] not in SPECULATIVE:
+            problems.append(f"strategy must be one of {', '.join(SPECULATIVE)} (got {raw['strategy']!r})")
+            raw["strategy"] = DEFAULT_GENERATION.strategy
         try:
             generation = GenerationConfig.parse(**raw)
         except InputError as err:

@@ -14,7 +14,7 @@ from typing import Any
 import gradio as gr
 from starlette.middleware import Middleware
 
-from uag.config import FIELDS, SPECULATIVE, GenerationConfig
+from uag.config import FIELDS, SPECULATIVE
 from uag.datasets import examples
 from uag.errors import UserError
 from uag.files import MAX_UPLOAD_MB
@@ -43,6 +43,14 @@ INTRO = (
     "target accepted; the rest the target produced itself. At temperature 0 both texts are identical: "
     "speculation changes only the speed."
 )
+
+
+def example_prompts(per_set: int = 2) -> tuple[list[str], list[str]]:
+    """The example prompts the page shows, and their sets' names: the structured set first, where the default
+    preset's drafting pays (prompt lookup copies list items, table rows and fields)."""
+    sets = examples(per_set)
+    names = ["structured", *(name for name in sets if name != "structured")]
+    return [text for name in names for text in sets[name]], names
 
 
 def _header() -> str:
@@ -123,10 +131,11 @@ def build(session: Session) -> gr.Blocks:
                     with gr.Row():
                         run = gr.Button("Run", variant="primary", scale=3, elem_id="run")
                         stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+                    texts, set_names = example_prompts()
                     gr.Examples(
-                        [[text] for texts in examples(2).values() for text in texts],
+                        [[text] for text in texts],
                         inputs=[prompt],
-                        label="Example prompts (the bundled sets: wiki, alpaca, synthetic, structured)",
+                        label=f"Example prompts (the bundled sets: {', '.join(set_names)})",
                         api_visibility="private",
                     )
                     status = gr.Markdown(elem_id="status")
@@ -244,8 +253,8 @@ def build(session: Session) -> gr.Blocks:
 
 
 def _api(handlers: Handlers, session: Session):
-    """The /compare endpoint, with the session's default pair and GenerationConfig's defaults."""
-    d, g = session.defaults, GenerationConfig()
+    """The /compare endpoint, with the session's defaults (the page's: uag.settings)."""
+    d, g = session.defaults, session.defaults.generation
 
     def compare(
         prompt: str,
