@@ -327,3 +327,10 @@ def test_hybrid_r_is_the_models_r_times_the_share_it_drafted():
 )  # fmt: skip
 def test_planes(drafters, expected):
     assert planes(drafters) == expected
+
+
+def test_the_app_history_names_a_hybrid_drafter_as_a_hybrid():
+    from uag.history import group_of
+
+    assert group_of("lookup+org/d-1B", "auto") == "lookup+d-1B · auto"
+    assert group_of("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "context") == "Qwen2.5-1.5B-Instruct-4bit · context"

@@ -16,6 +16,7 @@ import pandas as pd
 from uag.costmodel import fit_c_from_speedups
 from uag.plots import STUDY_C, STUDY_R, speedup_vs_alpha
 from uag.records import Run
+from uag.results import short_name
 from uag.settings import Settings
 
 HISTORY_COLUMNS = (
@@ -39,9 +40,10 @@ def speedup_of(baseline: Run | None, speculative: Run | None) -> float | None:
 def group_of(drafter: str, strategy: str) -> str:
     """A plot series: the drafter's short name and the translation strategy (as results files name it).
 
-    Example: group_of("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "context") -> "Qwen2.5-1.5B-Instruct-4bit · context"
+    Example: group_of("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "context") -> "Qwen2.5-1.5B-Instruct-4bit · context";
+             group_of("lookup+org/d", "auto") -> "lookup+d · auto" (a hybrid stays a hybrid on the plot)
     """
-    return f"{drafter.rstrip('/').rsplit('/', 1)[-1] or drafter} · {strategy}"
+    return f"{short_name(drafter)} · {strategy}"
 
 
 def history_row(prompt: str, settings: Settings, baseline: Run, speculative: Run, *, r: float | None) -> dict:
