@@ -70,3 +70,26 @@ def test_a_comparison_in_the_browser(app_url, page):
         assert expected in stats
     assert page.locator("#ribbon .js-plotly-plot").count() == 1
     assert not page.locator("#mismatch").is_visible()  # no greedy mismatch
+
+
+def test_the_first_example_is_structured_and_runs_on_the_default_pair(app_url, page):  # issue 12
+    from playwright.sync_api import expect
+
+    from uag.datasets import load_bundled
+    from uag.presets import DEFAULT
+    from uag.settings import DEFAULT_GENERATION
+
+    page.goto(app_url)
+    assert page.get_by_label("Drafter").input_value() == DEFAULT.drafter
+    page.locator(".gallery-item").first.click()  # gr.Examples: a newcomer's first click
+    expect(page.get_by_label("Prompt")).to_have_value(load_bundled("structured")[0].text)
+    page.locator("input[aria-label='number input for Max tokens']").fill("16")
+    page.locator("#run").click()
+    page.wait_for_function(
+        "() => /Done|Cannot run|error/i.test(document.querySelector('#status')?.innerText ?? '')",
+        timeout=RUN_TIMEOUT_MS,
+    )
+    assert page.locator("#status").inner_text().startswith("Done"), page.locator("#status").inner_text()
+    stats = page.locator("#stats").inner_text()
+    # auto shows its maximum k; the speedup itself is not asserted: a shared CPU is too noisy for that
+    assert "Speedup" in stats and f"k = {DEFAULT_GENERATION.k}" in stats
