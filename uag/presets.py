@@ -38,7 +38,8 @@ PRESETS: tuple[Preset, ...] = (
         "Offline demo: Gemma-3-270M ← lookup + SmolLM2",
         "demo-target",
         "lookup+demo-drafter",
-        "prompt lookup where the text so far offers a match, the SmolLM2-135M drafter elsewhere",
+        "embedded, no network; prompt lookup where the text so far offers a match, the SmolLM2-135M drafter "
+        "elsewhere: pays on copy-heavy prompts (the structured examples: lists, tables, rewrites)",
     ),
     Preset(
         "Offline demo: Gemma-3-270M ← prompt lookup",
