@@ -219,8 +219,9 @@ def replay(drafter, translator, prompt: list[int], truth: list[int], k: int, eos
         if TRACE:
             show = translator.target.token_content
             text = translator.drafter.backend.decode(list(drafts), skip_special_tokens=False)
-            proposed = [show(i) for i in ids_p]
-            print(f"  {position:>3} {text!r:<24} {proposed} -> {n} + {show(new[-1])!r}", file=sys.stderr)
+            shown = [show(i) for i in ids_p]
+            tail = [translator.drafter.token_content(i) for i in ids[-6:]]  # what the drafter read last
+            print(f"  {position:>3} {tail} {text!r:<24} {shown} -> {n} + {show(new[-1])!r}", file=sys.stderr)
         out += new
         unsynced += new
         sync(usable)

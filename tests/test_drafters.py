@@ -216,3 +216,20 @@ def test_every_rejected_position_gets_a_cause_in_the_cycle_records_and_the_run(t
     assert loss["translation"] == loss["split"] + loss["held"] + loss["absorbed"]
     assert run.to_dict()["cycles"][0]["loss"] == run.cycles[0].loss  # per cycle in --json
     assert (loss_line(run) != "") == any(c.loss for c in run.cycles)
+
+
+def test_auto_with_lookup_alone_gets_the_target_verify_curve_once_and_reuses_it(tiny, tmp_path, monkeypatch):
+    from uag.api import profile_for
+    from uag.profiles import find_calibration, target_key
+
+    monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path))
+    target, _ = tiny
+    said = []
+    profile = profile_for(target, DrafterChoice(lookup=True), progress=said.append)
+    assert said and profile is not None and profile.drafter_ms == 0.0 and set(profile.target_ms) == set(range(1, 10))
+    widths = sorted(profile.target_ms)
+    assert all(profile.target_ms[a] <= profile.target_ms[b] for a, b in zip(widths, widths[1:]))  # never cheaper wider
+    saved = find_calibration(target_key(target))
+    assert saved is not None and saved.key["drafter"] == "lookup" and saved.profile == profile
+    again = []
+    assert profile_for(target, DrafterChoice(lookup=True), progress=again.append) == profile and not again

@@ -184,6 +184,13 @@ def test_a_profile_measured_on_a_busier_machine_is_scaled_to_the_run_own_speed()
     assert pinned.target_ms(9) == pytest.approx(140.0)  # costs pinned by a test stay the profile's
 
 
+def test_with_a_target_curve_lookup_drafts_at_the_first_decision_and_without_one_a_step_is_timed_first():
+    curve = CostProfile({1: 10.0, 2: 10.5, 5: 12.0, 9: 14.0}, drafter_ms=0.0)  # what prompt lookup's profile holds
+    source, k = AdaptiveK(k_max=8, profile=curve).choose({"lookup": 4})
+    assert source == "lookup" and k == 3  # at the 50 % prior, 3 tokens for 11.5 ms beat 4 for 12
+    assert AdaptiveK(k_max=8).choose({"lookup": 4}) == ("", 0)
+
+
 def test_fixed_k_never_changes():
     policy = FixedK(3)
     policy.observe(cycle(3, 3, 0))

@@ -22,7 +22,7 @@ from uag.drafters import load_drafter as _load_drafter
 from uag.engine import generate as _generate
 from uag.engine import stream as _stream
 from uag.models import LoadedModel, ModelStore, check_pair
-from uag.profiles import find_profile
+from uag.profiles import find_profile, save, target_key
 from uag.records import Event, Run
 
 Progress = Callable[[str], None]
@@ -61,19 +61,25 @@ def profile_for(
     """The saved profile, or on a pair's first use a quick calibration (seconds), saved for next time.
 
     auto decides by measured costs: a drafter's cost relative to the target by time, not by bytes (on a
-    GPU a tiny model can cost more than a bigger one; on a CPU bf16 is slower than float32). Lookup alone
-    has no drafter model to time: auto learns the target's costs from the run itself.
+    GPU a tiny model can cost more than a bigger one; on a CPU bf16 is slower than float32). Prompt lookup
+    alone has no drafter model: its profile is the target's verify curve (what a lookup of k tokens costs
+    to check), so auto drafts from the first cycle with the right k instead of learning widths one by one.
     """
-    if drafter is None or DrafterChoice.of(drafter).model is None:
-        return None
-    profile = saved_profile(target, drafter)
-    if profile is None:
-        from uag.calibrate import QUICK, calibrate
-        from uag.profiles import save
+    from uag.calibrate import QUICK, calibrate, calibrate_target
 
+    if drafter is None:
+        return None
+    model = DrafterChoice.of(drafter).model
+    if model is None:
+        profile = find_profile(target_key(target))
+        measure = lambda say: calibrate_target(target, progress=say, **QUICK)  # noqa: E731
+    else:
+        profile = saved_profile(target, drafter)
+        measure = lambda say: calibrate(check_pair(target, model), progress=say, **QUICK)  # noqa: E731
+    if profile is None:
         say = progress or (lambda _: None)
         say("measuring this pair's costs once (auto decides by them; saved for next time)")
-        calibration = calibrate(check_pair(target, DrafterChoice.of(drafter).model), progress=say, **QUICK)
+        calibration = measure(say)
         save(calibration)
         profile = calibration.profile
     return profile

@@ -23,7 +23,7 @@ from uag.command import CommandParser, run, whole
 from uag.costmodel import CostProfile
 from uag.errors import UserError
 from uag.models import LoadedModel, ModelStore, Pair, check_pair
-from uag.profiles import Calibration, profile_key, save
+from uag.profiles import Calibration, profile_key, save, target_key
 from uag.translate import DEFAULT_WINDOW, make_translator, text_after
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
@@ -125,6 +125,17 @@ def calibrate(
     say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
     profile = CostProfile(target_ms=target_ms, drafter_ms=drafter_ms, translate_ms=translate_ms, form="study")
     return Calibration(profile_key(pair), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)
+
+
+def calibrate_target(
+    target: LoadedModel, *, context: int = DEFAULT_CONTEXT, widths=DEFAULT_WIDTHS, repeats: int = 5, progress=None
+) -> Calibration:
+    """The target's costs alone, for prompt lookup (no drafter model to time; a lookup costs microseconds,
+    which the policy measures per cycle): the same verify curve as `calibrate`, drafter and translation 0."""
+    cache, ids = filled_cache(target, context)
+    target_ms = target_curve(target, cache, ids, widths, repeats, progress or (lambda _: None))
+    profile = CostProfile(target_ms=target_ms, drafter_ms=0.0, translate_ms=0.0, form="study")
+    return Calibration(target_key(target), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)
 
 
 def summary(calibration: Calibration, ks=(1, 2, 4, 8)) -> str:

@@ -50,8 +50,7 @@ def saved_profile(loaded: Loaded) -> CostProfile | None:
 
 
 def profile_for(loaded: Loaded, progress: Callable[[str], None] | None = None) -> CostProfile | None:
-    """The saved profile, or on the pair's first `auto` run a quick calibration, saved (uag.api.profile_for)."""
-    if loaded.pair is None:
-        return None
+    """The saved profile, or on the pair's first `auto` run a quick calibration, saved (uag.api.profile_for);
+    for prompt lookup alone, the target's own verify curve."""
     profile = saved_profile(loaded)
     return profile if profile is not None else api_profile_for(loaded.target, loaded.choice, progress=progress)

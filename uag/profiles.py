@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from uag.config import LOOKUP
 from uag.costmodel import CostProfile
 from uag.machine import backend, cache_dir, device_name
 
@@ -41,6 +42,18 @@ def profile_key(pair: _Pair) -> dict:
     }
 
 
+def target_key(target: _Model) -> dict:
+    """What a target-only profile (for prompt lookup, which has no drafter model) is valid for."""
+    return {
+        "device": device_name(),
+        "backend": backend(),
+        "target": target.name,
+        "drafter": LOOKUP,
+        "target_dtype": target.dtype,
+        "drafter_dtype": "",
+    }
+
+
 def profile_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     slug = "-".join(Path(key[role]).name for role in ("target", "drafter"))
@@ -64,15 +77,16 @@ class Calibration:
         return cls(data["key"], CostProfile.from_dict(data), data["measured_at"], int(data["context"]))
 
 
-def find_calibration(pair: _Pair) -> Calibration | None:
-    """The saved calibration for this pair on this machine, if there is one (a damaged file raises)."""
-    path = profile_path(profile_key(pair))
+def find_calibration(pair: _Pair | dict) -> Calibration | None:
+    """The saved calibration for this pair (or profile key) on this machine, if there is one (a damaged
+    file raises)."""
+    path = profile_path(pair if isinstance(pair, dict) else profile_key(pair))
     if not path.exists():
         return None
     return Calibration.from_dict(json.loads(path.read_text()))
 
 
-def find_profile(pair: _Pair) -> CostProfile | None:
+def find_profile(pair: _Pair | dict) -> CostProfile | None:
     """The saved profile for this pair on this machine, if it was calibrated."""
     calibration = find_calibration(pair)
     return calibration.profile if calibration else None
