@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter", default="demo-drafter", help="hub id, local directory or demo-drafter")
     parser.add_argument("--context", type=whole, default=DEFAULT_CONTEXT, help="tokens in the cache while timing")
     parser.add_argument("--max-width", type=whole, default=16, help="largest verification width w to time, 1..64")
-    parser.add_argument("--repeats", type=whole, default=5, help="timed rounds over every width (the least time per width is kept)")
+    parser.add_argument("--repeats", type=whole, default=5, help="timed rounds over all widths (least kept)")
     parser.add_argument("--json", action="store_true")
     return parser
 
