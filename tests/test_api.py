@@ -57,7 +57,8 @@ def test_compare_returns_both_texts_spans_and_stats(sequential):
     assert stats["identical"] is True and stats["speedup"] > 0 and stats["strategy"] == "auto"
     assert stats["baseline"]["generated_tokens"] == stats["speculative"]["generated_tokens"] <= MAX_TOKENS
     assert set(stats["time_split_ms"]) == {"draft", "translate", "verify", "resync"}
-    assert stats["verdict"].startswith("**Speculation")
+    colour = "win" if stats["speedup"] >= 1 else "loss"  # green where it paid, red where it did not
+    assert stats["verdict"].startswith(f'<strong class="speedup {colour}">Speculation')
 
 
 @pytest.mark.slow

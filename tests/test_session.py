@@ -413,6 +413,7 @@ def test_explain_says_why_in_measured_terms():
     assert "α* = 44% for k = 2; this run's α was 50%" in text
     fast = fake_run(list(range(11)), seconds=0.5, cycles=_cycles(5))
     assert "paid off: 2.00×" in explain(baseline, fast)
+    assert 'class="speedup win"' in explain(baseline, fast) and 'class="speedup loss"' in text
 
 
 def test_stats_have_the_numbers_users_ask_for():

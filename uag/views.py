@@ -110,6 +110,16 @@ def fmt(value: float | None, pattern: str, missing: str = "–") -> str:
     return missing if value is None or (isinstance(value, float) and math.isnan(value)) else pattern.format(value)
 
 
+def speedup_badge(speedup: float | None, text: str | None = None) -> str:
+    """The speedup in bold, green where speculation paid and red where it did not (assets/style.css).
+
+    Example: speedup_badge(1.43) -> '<strong class="speedup win">Speedup 1.43×</strong>'
+    """
+    text = text or f"Speedup {fmt(speedup, '{:.2f}×')}"
+    kind = "" if speedup is None else " win" if speedup >= 1 else " loss"
+    return f'<strong class="speedup{kind}">{text}</strong>'
+
+
 def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
     """Why speculation did or did not pay, in measured terms: the cost of a cycle against what it committed.
 
@@ -126,7 +136,7 @@ def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
     needed = cycle_ms / base_ms
     verdict = "paid off" if speedup >= 1 else "did not pay"
     text = (
-        f"**Speculation {verdict}: {speedup:.2f}×** the target alone. A cycle took {cycle_ms:.0f} ms and committed "
+        f"{speedup_badge(speedup, f'Speculation {verdict}: {speedup:.2f}×')} the target alone. A cycle took {cycle_ms:.0f} ms and committed "
         f"{per_cycle:.2f} tokens; the target alone takes {base_ms:.0f} ms per token, so a cycle had to commit "
         f"{needed:.2f} to break even."
     )
@@ -195,7 +205,7 @@ def stats_markdown(stats: Mapping[str, Any], baseline: Run | None, speculative: 
     if speculative is not None:
         lines += [
             "",
-            f"**Speedup {fmt(stats.get('speedup'), '{:.2f}×')}** · α {fmt(speculative.acceptance_rate, '{:.0%}')}"
+            f"{speedup_badge(stats.get('speedup'))} · α {fmt(speculative.acceptance_rate, '{:.0%}')}"
             f" · mean accepted length {fmt(speculative.mean_accepted, '{:.2f}')} · {len(speculative.cycles)} cycles"
             f" · k = {speculative.k} · {speculative.strategy}",
         ]
