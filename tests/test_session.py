@@ -416,6 +416,16 @@ def test_explain_says_why_in_measured_terms():
     assert 'class="speedup win"' in explain(baseline, fast) and 'class="speedup loss"' in text
 
 
+def test_explain_calls_an_alpha_star_above_one_unreachable_and_counts_lookup_cycles():
+    baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)
+    speculative = fake_run(list(range(11)), seconds=2.0, cycles=_cycles(5))
+    assert "unreachable for k = 2" in explain(baseline, speculative, r=0.9)  # α* = 0.9/1 + 0.185·2 > 1
+    for cycle in speculative.cycles:
+        cycle.source = "lookup"
+    text = explain(baseline, speculative, r=0.9)
+    assert "α*" not in text and "Prompt lookup drafted 5 of 5 cycles" in text  # no drafter model: r does not apply
+
+
 def test_stats_have_the_numbers_users_ask_for():
     settings = Settings()
     baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)

@@ -135,8 +135,9 @@ def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
     per_cycle = sum(c.emitted for c in cycles) / len(cycles)
     needed = cycle_ms / base_ms
     verdict = "paid off" if speedup >= 1 else "did not pay"
+    badge = speedup_badge(speedup, f"Speculation {verdict}: {speedup:.2f}×")
     text = (
-        f"{speedup_badge(speedup, f'Speculation {verdict}: {speedup:.2f}×')} the target alone. A cycle took {cycle_ms:.0f} ms and committed "
+        f"{badge} the target alone. A cycle took {cycle_ms:.0f} ms and committed "
         f"{per_cycle:.2f} tokens; the target alone takes {base_ms:.0f} ms per token, so a cycle had to commit "
         f"{needed:.2f} to break even."
     )
@@ -146,13 +147,23 @@ def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
         phase, ms = max(phases.items(), key=lambda kv: kv[1])
         text += f" Most of a cycle went to {PHASES.get(phase, phase)} ({ms / total:.0%})."
     alpha = speculative.acceptance_rate
-    if alpha is not None and r is not None and speculative.k:
+    sources = speculative.sources()
+    if alpha is not None and r is not None and speculative.k and (sources.get("model") or not sources.get("lookup")):
         alpha_star = float(break_even(speculative.k, r, STUDY_C))
+        where = f"α* = {alpha_star:.0%}" if alpha_star <= 1 else f"α* = {alpha_star:.0%}, unreachable"
         text += (
             f" The study's cost model (r = {r:.2f} from the weights' bytes, c = {STUDY_C}) puts break-even at "
-            f"α* = {alpha_star:.0%} for k = {speculative.k}; this run's α was {alpha:.0%}."
+            f"{where} for k = {speculative.k}; this run's α was {alpha:.0%}."
         )
+    if sources.get("lookup"):
+        text += f" Prompt lookup drafted {sources['lookup']} of {sum(sources.values())} cycles at no drafter cost."
     return text
+
+
+def _k_and_strategy(run: Run) -> str:
+    """How k was chosen and how drafts were translated. Example: "auto, k ≤ 8 · context" or "k = 2 · naive"."""
+    k = f"auto, k ≤ {run.k}" if run.policy == "auto" else f"k = {run.k}"
+    return f"{k} · {run.strategy}"
 
 
 def stats_of(
@@ -207,7 +218,7 @@ def stats_markdown(stats: Mapping[str, Any], baseline: Run | None, speculative: 
             "",
             f"{speedup_badge(stats.get('speedup'))} · α {fmt(speculative.acceptance_rate, '{:.0%}')}"
             f" · mean accepted length {fmt(speculative.mean_accepted, '{:.2f}')} · {len(speculative.cycles)} cycles"
-            f" · k = {speculative.k} · {speculative.strategy}",
+            f" · {_k_and_strategy(speculative)}",
         ]
         split = stats.get("time_split_ms") or {}
         total = sum(split.values())
