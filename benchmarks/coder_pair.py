@@ -13,7 +13,7 @@ fixed k on the `code` mean and ≥ 0.97× on every dataset; Qwen2.5-Coder-0.5B a
 
 Usage: python benchmarks/coder_pair.py [--datasets code wiki alpaca synthetic structured] [--n 3]
        [--max-tokens 48] [--repeats 2] [--ks 1 2 3 4] [--identity-ks 2 4 8] [--k-max 8]
-       [--drafters demo-drafter demo-target] [--json FILE]
+       [--drafters demo-drafter demo-target] [--only 'SmolLM2 k=2' 'auto SmolLM2' …] [--json FILE]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def conditions(args, chat: bool) -> list[Condition]:
         Condition("auto lookup", load_drafter("lookup"), auto),
         Condition(f"auto lookup+{label}", load_drafter(f"lookup+{first}"), auto),
     ]
-    return out
+    return [c for c in out if not args.only or c.name == "baseline" or c.name in args.only]
 
 
 def main() -> None:
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--identity-ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--k-max", type=int, default=8)
+    parser.add_argument("--only", nargs="+", help="run only these conditions beside the baseline, e.g. 'auto SmolLM2'")
     parser.add_argument("--json", help="also write every row to this JSON file")
     args = parser.parse_args()
 

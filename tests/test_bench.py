@@ -42,6 +42,19 @@ def test_plan_runs_the_baseline_then_every_condition_per_prompt():
     assert [j.spec.key for j in bench.plan(sweep(), PROMPTS)] == [j.spec.key for j in jobs]  # stable: resumable
 
 
+def test_a_prompt_that_asks_for_the_chat_template_gets_it_where_the_target_has_one():
+    prompts = [Prompt("code-001", "code", "def f(x):", chat=False), Prompt("code-022", "code", "Write f", chat=True),
+               Prompt("wiki-001", "wiki", "Kraków to")]  # fmt: skip
+    with_template, without = bench.plan(sweep(), prompts), bench.plan(sweep(), prompts, chat_template=False)
+    chats = lambda jobs: {j.prompt.id: j.spec.config.chat for j in jobs}  # noqa: E731
+    assert chats(with_template) == {"code-001": False, "code-022": True, "wiki-001": False}
+    assert chats(without) == {"code-001": False, "code-022": False, "wiki-001": False}  # recorded as it ran
+    changed = {a.prompt.id for a, b in zip(with_template, without, strict=True) if a.spec.key != b.spec.key}
+    assert changed == {"code-022"}
+    forced = sweep(config=GenerationConfig(max_tokens=8, chat=True))  # --chat: every prompt
+    assert set(chats(bench.plan(forced, prompts, chat_template=False)).values()) == {True}
+
+
 @pytest.mark.parametrize(
     "change, message",
     [(dict(ks=(0,)), "k (draft length) must be a whole number from 1 to 32 (got 0)"),

@@ -32,7 +32,7 @@ from uag.analyze import k_list, k_table
 from uag.cli import add_decoding_options, decoding_config
 from uag.command import CommandParser, run, whole
 from uag.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig
-from uag.datasets import BUNDLED, Prompt, load
+from uag.datasets import BUNDLED, Prompt, chat_for, load
 from uag.errors import InputError
 from uag.report import markdown
 from uag.results import Machine, ResultsDB, RunSpec, load_runs, short_name
@@ -83,18 +83,22 @@ class Job:
     prompt: Prompt
 
 
-def plan(sweep: Sweep, prompts: Sequence[Prompt]) -> list[Job]:
+def plan(sweep: Sweep, prompts: Sequence[Prompt], *, chat_template: bool = True) -> list[Job]:
     """Every run of the sweep, prompt by prompt: the baseline, then each drafter × strategy × k.
 
+    A prompt that asks for the chat template (the `code` set's instructions) gets it where the target has one
+    (`chat_template`); --chat applies it to every prompt.
     Example: 2 prompts, drafters (d,), strategies (none, context), k (1, 2) -> 2 × (1 + 4) = 10 jobs:
     p1 baseline, p1 d·none·1, p1 d·none·2, p1 d·context·1, p1 d·context·2, p2 baseline, …
     """
     jobs = []
     for prompt in prompts:
         where = dict(dataset=prompt.dataset, prompt_id=prompt.id)
-        jobs.append(Job(RunSpec(sweep.target, None, sweep.config.replace(strategy="baseline"), **where), prompt))
+        chat = sweep.config.chat or (chat_template and chat_for(prompt, False))
+        config = sweep.config.replace(chat=chat)
+        jobs.append(Job(RunSpec(sweep.target, None, config.replace(strategy="baseline"), **where), prompt))
         for drafter, strategy, k in itertools.product(sweep.drafters, sweep.strategies, sweep.ks):
-            spec = RunSpec(sweep.target, drafter, sweep.config.replace(strategy=strategy, k=k), **where)
+            spec = RunSpec(sweep.target, drafter, config.replace(strategy=strategy, k=k), **where)
             jobs.append(Job(spec, prompt))
     return jobs
 
@@ -159,13 +163,10 @@ def _say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr)
 
 
-def _load(sweep: Sweep, pending: list[Job]):
-    """Load the models and check the pairs and every pending prompt against both contexts, before any run."""
-    from uag.cli import drafter_prompt_length
-    from uag.engine import prompt_ids
+def _load(sweep: Sweep):
+    """Load the models and check the pairs."""
     from uag.loading_errors import load_drafter_choice, load_model
     from uag.models import ModelStore, check_pair
-    from uag.prompt_input import check_context
 
     store = ModelStore()
     # Drafters first: usually the smaller models, so a bad name fails fast.
@@ -174,8 +175,20 @@ def _load(sweep: Sweep, pending: list[Job]):
     for choice in choices.values():
         if choice.model is not None:
             check_pair(target, choice.model)
-    texts = {(j.spec.dataset, j.spec.prompt_id): j.prompt.text for j in pending}
-    ids = {where: prompt_ids(target, text, chat=sweep.config.chat) for where, text in texts.items()}
+    return target, choices
+
+
+def _prompt_ids(target, choices, pending: list[Job]) -> dict:
+    """Every pending prompt's ids for the target, checked against both contexts before any run."""
+    from uag.cli import drafter_prompt_length
+    from uag.engine import prompt_ids
+    from uag.prompt_input import check_context
+
+    ids = {}
+    for job in pending:
+        where = (job.spec.dataset, job.spec.prompt_id)
+        if where not in ids:
+            ids[where] = prompt_ids(target, job.prompt.text, chat=job.spec.config.chat)
     for job in pending:
         choice = choices.get(job.spec.drafter)
         if choice is not None and choice.model is not None:
@@ -185,17 +198,26 @@ def _load(sweep: Sweep, pending: list[Job]):
                 check_context(n, choice.model.context_length, "drafter", choice.model.name)
             except InputError as err:
                 raise InputError(f"prompt {where}: {err}") from None
-    return target, choices, ids
+    return ids
 
 
-def execute(sweep: Sweep, pending: list[Job], db: ResultsDB, *, done: int, name: str | None) -> tuple[int, int]:
+def execute(sweep: Sweep, prompts: Sequence[Prompt], db: ResultsDB, *, name: str | None) -> tuple[list[Job], int, int]:
     """Load and check everything, warm up, then run and store each pending job that no other sweep on the same
-    file has taken. Returns (runs stored here, runs left to another sweep)."""
+    file has taken. Returns (the sweep's jobs, runs stored here, runs left to another sweep)."""
     from tqdm import tqdm
 
     from uag.api import generate  # strategy auto: seeded with the pair's saved cost profile
 
-    target, choices, ids = _load(sweep, pending)
+    target, choices = _load(sweep)
+    has_template = target.tokenizer.has_chat_template
+    jobs = plan(sweep, prompts, chat_template=has_template)
+    if not has_template and not sweep.config.chat and any(p.chat for p in prompts):
+        _say(f"{target.name} has no chat template: the prompts that ask for one run as plain text")
+    pending = [job for job in jobs if not db.has(job.spec.key)]
+    done = len(jobs) - len(pending)
+    if not pending:
+        return jobs, 0, 0
+    ids = _prompt_ids(target, choices, pending)
     machines = {None: machine(target, None), **{d: machine(target, c.model) for d, c in choices.items()}}
 
     # Warm-up: one short run per drafter (it runs the target too) on the first prompt, before any timing.
@@ -226,7 +248,7 @@ def execute(sweep: Sweep, pending: list[Job], db: ResultsDB, *, done: int, name:
             else:
                 stored += 1
             bar.update()
-    return stored, elsewhere
+    return jobs, stored, elsewhere
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,12 +304,11 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"warning: {note}", file=sys.stderr)
     try:
         with ResultsDB(args.out) as db:
-            jobs = plan(sweep, prompts)
+            jobs = plan(sweep, prompts)  # as if the target had a chat template; execute() knows
             pending = [job for job in jobs if not db.has(job.spec.key)]
-            done = len(jobs) - len(pending)
-            _say(f"{len(jobs)} runs in this sweep, {done} already in {args.out}")
+            _say(f"{len(jobs)} runs in this sweep, {len(jobs) - len(pending)} already in {args.out}")
             if pending:
-                stored, elsewhere = execute(sweep, pending, db, done=done, name=args.sweep)
+                jobs, stored, elsewhere = execute(sweep, prompts, db, name=args.sweep)
                 _say(f"stored {stored} runs; {elsewhere} were stored or are being run by another sweep on this file")
     except KeyboardInterrupt:
         print(
