@@ -11,7 +11,9 @@ its speculative_generate_step), which checks the replay against the fork's real 
 
 Variants (comma-separated, each `name` or `name:key=value:key=value`):
   uag            uag's TextTranslator as it is       fork        the fork's translation and re-sync
-  keys for uag:  prompt=plain|fork|token=<control token>   resync=own|canonical   backoff=N   window=N
+  keys for uag:  prompt=plain|fork|token=<control token>   resync=own|canonical|pieces|pieces-all   backoff=N   window=N
+                 (pieces: the drafter's history split where the target's is — accepted drafts kept, each
+                 committed target piece after them encoded on its own, in context; pieces-all: drafts dropped too)
   keys for both: first=prefill|draft (uag's prompt pass writes the first token; the fork drafts it)
                  end=bonus|fill (uag leaves room for the target's own token at the budget; the fork does not)
 
@@ -74,12 +76,55 @@ class Variant(TextTranslator):
         return list(self.drafter_ids)
 
     def commit(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:
+        if self.resync_mode.startswith("pieces"):
+            return self._commit_pieces(draft_ids if self.resync_mode == "pieces" else [], new_ids)
         saved, translate.MAX_BACKOFF = translate.MAX_BACKOFF, self.backoff
         try:
             drafts = draft_ids if self.resync_mode == "own" else []  # canonical: re-encode accepted drafts too
             return super().commit(drafts, new_ids)
         finally:
             translate.MAX_BACKOFF = saved
+
+
+    def _commit_pieces(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:
+        """The drafter's history split where the target's is: the accepted drafts kept (none for
+        pieces-all), then every committed target piece after them encoded on its own, in context."""
+        start = self.target_stable
+        self.target_ids.extend(new_ids)
+        context = self._target_context()
+        head = self._head(self.target, context)
+        new_text, n = translate.stable_text(self.target, context, self.target_ids[start:], head)
+        self.target_stable += n
+        base = len(self.drafter_ids)
+        if not new_text:
+            return Resync(base)
+        pieces = self.target_ids[start : start + n]
+        bounds = []
+        for i in range(1, n + 1):
+            text = translate.text_after(self.target, context, pieces[:i], head)
+            if not text.endswith(translate.REPLACEMENT) and new_text.startswith(text) and text:
+                bounds.append(len(text))
+        d_context = self._drafter_context()
+        d_head = self._head(self.drafter, d_context)
+        kept, covered = 0, 0
+        for j in range(1, len(draft_ids) + 1):
+            text = translate.text_after(self.drafter, d_context, draft_ids[:j], d_head)
+            if text.endswith(translate.REPLACEMENT):
+                continue
+            if not new_text.startswith(text):
+                break
+            kept, covered = j, len(text)
+        sequence = [*self.drafter_ids, *draft_ids[:kept]]
+        cut = len(sequence)
+        for lo, hi in zip([covered, *bounds], [*bounds, len(new_text)]):
+            if hi <= covered or hi <= lo:
+                continue
+            lo = max(lo, covered)
+            prefix = self.drafter.decode(sequence[max(0, len(sequence) - self.window) :]) if self.window else ""
+            sequence += translate.encode_after(self.drafter, prefix, new_text[lo:hi]).ids
+        self.drafter_ids = sequence
+        self._decode_contexts()
+        return Resync(cut)
 
 
 class ForkTranslator(Translator):

@@ -161,7 +161,10 @@ def test_a_rank_killed_mid_run_makes_the_other_fail_fast_naming_it(tmp_path, mod
     rank0, _ = finish(procs, killed + 30)
     assert rank0.rc not in (0, None)
     assert time.monotonic() - killed < 30
-    assert "rank 0: lost rank 1" in rank0.last_line and rank0.last_line.startswith("error:"), rank0.stderr[-2000:]
+    # MLX's ring mostly raises in the collective that lost its peer; now and then it blocks instead, and the
+    # watchdog ends the wait: either way one line naming rank 1, within the bound.
+    named = ("rank 0: lost rank 1", "rank 0: no progress for 20 s while generating: rank 1 stopped answering")
+    assert any(n in rank0.last_line for n in named) and rank0.last_line.startswith("error:"), rank0.stderr[-2000:]
 
 
 def test_a_rank_that_never_connects_is_named_within_the_bound(tmp_path, models):

@@ -216,7 +216,7 @@ def generate_sharded(
     ranks.watchdog.arm(
         ranks.timeout_s,
         f"error: rank {ranks.rank}: no progress for {ranks.timeout_s:g} s while generating: "
-        f"{others(ranks.rank, ranks.size)} stopped answering (it hangs, or the link is down)",
+        f"{others(ranks.rank, ranks.size)} stopped answering (it exited, hangs, or the link is down)",
     )
     seed, lookup = _agree(link, ids, config, bool(drafter is not None and drafter.lookup))
     if config.temperature > 0 and config.seed is None:
