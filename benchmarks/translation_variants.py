@@ -3,7 +3,7 @@
 Greedy speculation is lossless, so the target's verdict on any proposal is known in advance: it accepts
 the longest prefix that matches its own baseline continuation and then writes the baseline's next token.
 This script records the target's baseline once per prompt, then replays speculative cycles with the real
-drafter and a translator variant, exactly as uag/generate.py runs them (the drafter reads what it has not
+drafter and a translator variant, exactly as uag/engine.py runs them (the drafter reads what it has not
 seen with its first pass, its cache is rewound to the translator's re-sync cut). Only the drafter runs,
 so a variant costs a third of a real run and the counts are exact and free of timing noise; the winner is
 then checked end to end with benchmarks/peer_fork.py. The fork's own translation is replayed too (as in
@@ -11,6 +11,7 @@ its speculative_generate_step), which checks the replay against the fork's real 
 
 Variants (comma-separated, each `name` or `name:key=value:key=value`):
   uag            uag's TextTranslator as it is       fork        the fork's translation and re-sync
+  fork-commit    uag's translation of drafts with the fork's re-sync (drafts dropped, each cycle's text alone)
   keys for uag:  prompt=plain|fork|token=<control token>   resync=own|canonical|pieces|pieces-all   backoff=N   window=N
                  (pieces: the drafter's history split where the target's is — accepted drafts kept, each
                  committed target piece after them encoded on its own, in context; pieces-all: drafts dropped too)
@@ -84,7 +85,6 @@ class Variant(TextTranslator):
             return super().commit(drafts, new_ids)
         finally:
             translate.MAX_BACKOFF = saved
-
 
     def _commit_pieces(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:
         """The drafter's history split where the target's is: the accepted drafts kept (none for
@@ -163,6 +163,32 @@ class ForkTranslator(Translator):
         return Resync(cut)
 
 
+class MixedTranslator(ForkTranslator):
+    """The fork's re-sync (each cycle's committed text re-encoded alone, drafts dropped) with uag's
+    translation of drafts (`propose`): which half of the fork makes the difference."""
+
+    name = "fork-commit"
+
+    def start(self, prompt_ids: Sequence[int]) -> list[int]:
+        self.uag = TextTranslator(self.target, self.drafter, window=self.window)
+        self.uag.start(prompt_ids)
+        return super().start(prompt_ids)
+
+    def usable(self, draft_ids):
+        return self.uag.usable(draft_ids)
+
+    def propose(self, draft_ids: Sequence[int]) -> Proposal:
+        self.uag.drafter_ids = list(self.drafter_ids)  # uag's propose reads the drafter's context
+        self.uag._heads.clear()
+        return self.uag.propose(draft_ids)
+
+    def commit(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:
+        resync = super().commit(draft_ids, new_ids)
+        self.uag.target_ids.extend(new_ids)
+        self.uag.target_stable = len(self.uag.target_ids)
+        return resync
+
+
 def make(spec: str, target, drafter):
     """(translator, how the first cycle starts) for a variant spec."""
     name, *pairs = spec.split(":")
@@ -172,6 +198,8 @@ def make(spec: str, target, drafter):
     end = opts.pop("end", "fill" if name == "fork" else "bonus")
     if name == "fork":
         return ForkTranslator(target, drafter, window=window), first, end
+    if name == "fork-commit":
+        return MixedTranslator(target, drafter, window=window), first, end
     if name != "uag":
         raise SystemExit(f"unknown variant {spec!r}")
     return (
