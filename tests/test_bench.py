@@ -51,8 +51,8 @@ def test_a_prompt_that_asks_for_the_chat_template_gets_it_where_the_target_has_o
     assert chats(without) == {"code-001": False, "code-022": False, "wiki-001": False}  # recorded as it ran
     changed = {a.prompt.id for a, b in zip(with_template, without, strict=True) if a.spec.key != b.spec.key}
     assert changed == {"code-022"}
-    forced = sweep(config=GenerationConfig(max_tokens=8, chat=True))  # --chat: every prompt
-    assert set(chats(bench.plan(forced, prompts, chat_template=False)).values()) == {True}
+    forced = sweep(config=GenerationConfig(max_tokens=8, chat=True))  # --chat: the prompts that do not say
+    assert chats(bench.plan(forced, prompts)) == {"code-001": False, "code-022": True, "wiki-001": True}
 
 
 @pytest.mark.parametrize(

@@ -86,15 +86,15 @@ class Job:
 def plan(sweep: Sweep, prompts: Sequence[Prompt], *, chat_template: bool = True) -> list[Job]:
     """Every run of the sweep, prompt by prompt: the baseline, then each drafter × strategy × k.
 
-    A prompt that asks for the chat template (the `code` set's instructions) gets it where the target has one
-    (`chat_template`); --chat applies it to every prompt.
+    A prompt that says whether it wants the chat template (the `code` set's records do) gets its way, where the
+    target has a template (`chat_template`); --chat decides for the prompts that do not say.
     Example: 2 prompts, drafters (d,), strategies (none, context), k (1, 2) -> 2 × (1 + 4) = 10 jobs:
     p1 baseline, p1 d·none·1, p1 d·none·2, p1 d·context·1, p1 d·context·2, p2 baseline, …
     """
     jobs = []
     for prompt in prompts:
         where = dict(dataset=prompt.dataset, prompt_id=prompt.id)
-        chat = sweep.config.chat or (chat_template and chat_for(prompt, False))
+        chat = chat_for(prompt, sweep.config.chat) and (chat_template or sweep.config.chat)
         config = sweep.config.replace(chat=chat)
         jobs.append(Job(RunSpec(sweep.target, None, config.replace(strategy="baseline"), **where), prompt))
         for drafter, strategy, k in itertools.product(sweep.drafters, sweep.strategies, sweep.ks):
