@@ -99,21 +99,13 @@ class Variant(TextTranslator):
         if not new_text:
             return Resync(base)
         pieces = self.target_ids[start : start + n]
-        bounds = []
-        for i in range(1, n + 1):
+        bounds = []  # where each committed piece but the last ends (never inside a character)
+        for i in range(1, n):
             text = translate.text_after(self.target, context, pieces[:i], head)
             if not text.endswith(translate.REPLACEMENT) and new_text.startswith(text) and text:
                 bounds.append(len(text))
-        d_context = self._drafter_context()
-        d_head = self._head(self.drafter, d_context)
-        kept, covered = 0, 0
-        for j in range(1, len(draft_ids) + 1):
-            text = translate.text_after(self.drafter, d_context, draft_ids[:j], d_head)
-            if text.endswith(translate.REPLACEMENT):
-                continue
-            if not new_text.startswith(text):
-                break
-            kept, covered = j, len(text)
+        kept, covered_text = self._kept_drafts(draft_ids, new_text)
+        covered = len(covered_text)
         sequence = [*self.drafter_ids, *draft_ids[:kept]]
         cut = len(sequence)
         for lo, hi in zip([covered, *bounds], [*bounds, len(new_text)]):
@@ -179,7 +171,6 @@ class MixedTranslator(ForkTranslator):
 
     def propose(self, draft_ids: Sequence[int]) -> Proposal:
         self.uag.drafter_ids = list(self.drafter_ids)  # uag's propose reads the drafter's context
-        self.uag._heads.clear()
         return self.uag.propose(draft_ids)
 
     def commit(self, draft_ids: Sequence[int], new_ids: Sequence[int]) -> Resync:

@@ -320,16 +320,7 @@ class TextTranslator(Translator):
             return Resync(base)
 
         # 1. Keep the drafts whose text the target committed: they are valid drafter tokens for it.
-        context = self._drafter_context()
-        head = self._head(self.drafter, context)
-        kept, covered = 0, ""
-        for j in range(1, len(draft_ids) + 1):
-            text = text_after(self.drafter, context, draft_ids[:j], head)
-            if text.endswith(REPLACEMENT):  # mid-character; the next draft may complete it
-                continue
-            if not new_text.startswith(text):
-                break
-            kept, covered = j, text
+        kept, covered = self._kept_drafts(draft_ids, new_text)
         sequence = [*self.drafter_ids, *draft_ids[:kept]]
         rest = new_text[len(covered) :]
 
@@ -354,6 +345,20 @@ class TextTranslator(Translator):
         self.drafter_ids = [*sequence[:cut], *ids]
         self._decode_contexts()
         return Resync(cut, absorbed=absorbed)
+
+    def _kept_drafts(self, draft_ids: Sequence[int], new_text: str) -> tuple[int, str]:
+        """(n, text): the first n drafts, whose text `text` the committed `new_text` starts with."""
+        context = self._drafter_context()
+        head = self._head(self.drafter, context)
+        kept, covered = 0, ""
+        for j in range(1, len(draft_ids) + 1):
+            text = text_after(self.drafter, context, draft_ids[:j], head)
+            if text.endswith(REPLACEMENT):  # mid-character; the next draft may complete it
+                continue
+            if not new_text.startswith(text):
+                break
+            kept, covered = j, text
+        return kept, covered
 
     def _step_back(self, sequence: list[int], cut: int, base: int) -> str | None:
         """Text of sequence[cut-1] if the drafter may re-read it; None if it may not."""
