@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -77,12 +79,43 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(tiny):
     ids = prompt_ids(target, PROMPTS[0])
     run = list(stream(target, target, ids, config, sampler=recording))[-1].run
     assert run.accepted > 0 and any(c.accepted < c.proposed for c in run.cycles)
-    assert run.token_ids[0] == calls[0][0]
-    position = 1
-    for cycle, sampled in zip(run.cycles, calls[1:]):
+    assert run.opening == run.cycles[0].emitted and run.cycles[0].proposed  # the prompt pass verified a draft
+    assert len(calls) == len(run.cycles)
+    position = 0
+    for cycle, sampled in zip(run.cycles, calls):
         assert run.token_ids[position : position + cycle.emitted] == sampled[: cycle.emitted]
         position += cycle.emitted
     assert position == run.generated
+
+
+class CountingModel:
+    """A model that records the width of every forward pass it makes."""
+
+    def __init__(self, inner):
+        self.inner, self.widths = inner, []
+
+    def __call__(self, x, cache=None):
+        self.widths.append(x.shape[1])
+        return self.inner(x, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("strategy", ["context", "tli"])
+def test_the_prompt_pass_verifies_the_first_draft(tiny, strategy):
+    target, drafters = tiny
+    counting = replace(target, model=CountingModel(target.model))
+    ids = prompt_ids(target, PROMPTS[1])
+    run = generate(counting, drafters["qwen"], ids, GenerationConfig(strategy=strategy, k=3, max_tokens=12))
+    assert run.token_ids == baseline_ids(target, ids, 12)
+    first = run.cycles[0]
+    assert first.proposed and run.opening == first.emitted
+    widths = counting.model.widths
+    # the prompt but its last token, then one pass per cycle: the first verifies the first draft
+    assert widths[0] == len(ids) - 1 and widths[1] == 1 + first.proposed
+    assert len(widths) == 1 + len(run.cycles)
+    assert run.stats()["prompt_pass_tokens"] == run.opening
 
 
 def test_sampling_is_seedable(tiny):

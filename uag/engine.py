@@ -3,9 +3,9 @@
 Layers, as in mlx-lm's generate.py:
 
 1. Step generators yield plain `Step` records (the committed token ids, how many came from a draft, the
-   `Cycle` or None for the prompt pass): `baseline_steps` (mlx-lm's own `generate_step`, the reference
-   users know) and `speculative_steps`, which runs `Speculation.cycle` (draft → verify → commit) and,
-   where the policy parks, `Speculation.plain_steps` (pipelined target steps).
+   `Cycle` or None, whether the prompt pass made it): `baseline_steps` (mlx-lm's own `generate_step`,
+   the reference users know) and `speculative_steps`, which runs `Speculation.cycle` (draft → verify →
+   commit) and, where the policy parks, `Speculation.plain_steps` (pipelined target steps).
 2. `stream()` owns the run: the `Run` record, text pieces, timing, EOS, the token budget, cancel, and
    the `finally` that leaves both caches holding exactly the committed tokens. It yields `Event`s.
 3. `generate()` drains a stream into its `Run`.
@@ -14,6 +14,10 @@ A speculative cycle: the drafter proposes up to k target tokens (a model's draft
 lookup's); the target scores its pending token plus the proposal in one forward pass; the longest
 prefix it agrees with is kept, plus the target's own next token (uag.verify); both sides are trimmed
 back to what was committed. Lossless: every token is one the target chose.
+
+The first cycle rides on the prompt pass (as in the study's implementation): the drafter drafts from the
+prompt alone, and the target reads the prompt and verifies that draft in the same pass, so a run where
+the policy drafts from the start spends one target pass fewer than reading the prompt first would.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Step:
 
     ids: list[int]
     accepted: int = 0
-    cycle: Cycle | None = None  # None for the prompt pass
+    cycle: Cycle | None = None  # None for a prompt pass that verified no draft
+    opening: bool = False  # the prompt pass made it (its ids are the first ones of the run)
 
 
 def prompt_ids(target: LoadedModel, prompt: str, *, chat: bool = False) -> list[int]:
@@ -86,7 +91,7 @@ def baseline_steps(
         tic = time.perf_counter()
         for token, _ in steps:
             now = time.perf_counter()
-            yield Step([token], 0, Cycle.plain(0, (now - tic) * 1000) if generated else None)
+            yield Step([token], 0, Cycle.plain(0, (now - tic) * 1000) if generated else None, opening=not generated)
             generated += 1
             tic = time.perf_counter()
     finally:
@@ -112,12 +117,13 @@ class Speculation:
         self.seen = 0
         self.eos = target.eos_ids
 
-    def prefill(self) -> int:
-        """The prompt pass: the target reads the prompt and chooses the first token itself."""
-        first = self.sampler(logprobs(prefill(self.target.model, self.cache, self.committed))).item()
-        self.seen = len(self.committed)
-        self._commit(None, [first])
-        return first
+    def open(self, source: str, k: int, budget: int) -> Step:
+        """The prompt pass with a first draft: the target reads the prompt but its last token, then
+        verifies a draft made from the prompt alone together with that token (one pass fewer than
+        reading the whole prompt and drafting after the target's first token)."""
+        prefill(self.target.model, self.cache, self.committed[:-1])
+        self.seen = len(self.committed) - 1
+        return replace(self.cycle(source, k, budget), opening=True)
 
     def cycle(self, source: str, k: int, budget: int) -> Step:
         """Draft → verify → commit: at most `budget` tokens, stopping at EOS."""
@@ -221,13 +227,16 @@ def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int
     stretch = None
     try:
         policy.begin(spec.drafter.start(spec.committed))
-        if policy.choose(offer())[1] == 0:  # parked from the start: the prompt pass opens a stretch
+        source, k = policy.choose(offer())
+        if min(k, budget - 1) == 0:  # parked from the start: the prompt pass opens a stretch
             stretch = spec.plain_steps(min(policy.plain_steps(), budget), lookup_pending)
-            first = next(stretch)
-        else:
-            first = spec.prefill()
-        generated += 1
-        yield Step([first])
+            generated += 1
+            yield Step([next(stretch)], opening=True)
+        else:  # the prompt pass verifies a first draft
+            step = spec.open(source, min(k, budget - 1), budget)
+            policy.observe(step.cycle)
+            generated += len(step.ids)
+            yield step
         while generated < budget and spec.committed[-1] not in spec.eos:
             source, k = ("", 0) if stretch is not None else policy.choose(offer())
             k = min(k, budget - generated - 1)
@@ -357,9 +366,9 @@ def _drive(
     try:
         for step in steps:
             now = time.perf_counter()
-            if step.cycle is None:
-                run.first_token_s, run.prompt_ms = now, (now - tic) * 1000
-            else:
+            if step.opening:
+                run.first_token_s, run.prompt_ms, run.opening = now, (now - tic) * 1000, len(step.ids)
+            if step.cycle is not None:
                 step.cycle.index = len(run.cycles)
                 run.cycles.append(step.cycle)
             run.last_token_s = now

@@ -8,9 +8,10 @@ the same numbers. Definitions (also in the README):
 - acceptance rate α = accepted / proposed (target-token space; None when nothing was proposed).
 - mean accepted length = accepted / cycles (draft tokens kept per verification pass, bonus excluded).
 - draft fraction = accepted / generated tokens (share of the output that came from the drafter).
-- generation tokens/s = (generated − 1) / (t_last − t_first): tokens after the first one, over the time
-  from the first generated token to the last. The first token comes from the prompt pass, so prompt
-  processing is excluded. None for runs of fewer than 2 tokens.
+- generation tokens/s = (generated − opening) / (t_last − t_first): tokens after those of the prompt pass,
+  over the time from the prompt pass's tokens to the last token, so prompt processing is excluded. The
+  prompt pass commits one token, or, where it verified a first draft, that draft's accepted tokens and
+  the target's next one (`opening`). None when nothing came after the prompt pass.
 - prompt tokens/s = prompt tokens / time to first token (the target's prompt pass; a drafter reads its
   prompt with its first draft, which that cycle's draft time includes).
 """
@@ -83,7 +84,8 @@ class Run:
     seed: int | None = None
     max_tokens: int = 0
     prompt_ids: list[int] = field(default_factory=list)
-    prompt_ms: float = 0.0  # start → first generated token
+    prompt_ms: float = 0.0  # start → the prompt pass's tokens
+    opening: int = 1  # tokens the prompt pass committed (more than 1 where it verified a first draft)
     tokens: list[Token] = field(default_factory=list)
     cycles: list[Cycle] = field(default_factory=list)
     first_token_s: float | None = None  # perf_counter() when the first token was committed
@@ -142,9 +144,9 @@ class Run:
     @property
     def tokens_per_second(self) -> float | None:
         seconds = self.generation_s
-        if self.generated < 2 or not seconds:
+        if self.generated <= self.opening or not seconds:
             return None
-        return (self.generated - 1) / seconds
+        return (self.generated - self.opening) / seconds
 
     @property
     def prompt_tps(self) -> float | None:
@@ -215,6 +217,7 @@ class Run:
             "tokens_per_second": self.tokens_per_second,
             "prompt_tps": self.prompt_tps,
             "prompt_ms": self.prompt_ms,
+            "prompt_pass_tokens": self.opening,
             "generation_s": self.generation_s,
             "drafter_passes": self.drafter_passes,
             "stalls": self.stalls,
@@ -246,7 +249,7 @@ class Run:
 class Event:
     """What the streaming layer yields: the tokens a step committed and the run so far.
 
-    ``cycle`` is None for the token produced by the prompt pass. ``run`` is the live record of the
+    ``cycle`` is None for the token produced by a prompt pass that verified no draft. ``run`` is the live record of the
     run; it is complete once the stream is exhausted (``run.finish_reason`` is then set).
     """
 

@@ -10,8 +10,9 @@ proposal. On a sharded target these two seams carry rank 0's choices to every ra
 - `LeaderDrafter` (rank 0) hands that ready draft to the cycle; `FollowerDrafter` (other ranks) hands
   the received one. Both keep the committed tokens for the debug check (`check_every`).
 
-The prompt pass (PREFILL), a plain stretch (PLAIN, its length), a cycle (CYCLE) and rank 0's cancel
-(STOP: every rank raises `Stopped` at the same decision) are the only messages.
+A plain stretch (PLAIN, its length; the first one reads the prompt), a cycle (CYCLE; the first one is
+verified by the prompt pass) and rank 0's cancel (STOP: every rank raises `Stopped` at the same
+decision) are the only messages.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from uag.policy import MODEL, AdaptiveK, FixedK
 PROPOSAL_SPAN = 4  # a proposal travels in at most 4·k target ids (translation can split drafter tokens)
 
 # The decision message: [op, a, b, n, ids…]. PLAIN: a = stretch length. CYCLE: a = source, b = k, n ids.
-PREFILL, PLAIN, CYCLE, STOP = 1, 2, 3, 4
+PLAIN, CYCLE, STOP = 2, 3, 4
 HEADER = 4
 SOURCES = (MODEL, LOOKUP)
 
@@ -154,8 +155,6 @@ class RankPolicy:
             self.link.check_agreement(self.drafter.committed, f"at decision {self.decisions}")
         if op == STOP:
             raise Stopped
-        if op == PREFILL:
-            return MODEL, 1  # any k > 0: the engine reads the prompt and lets the target choose
         if op == PLAIN:
             self._stretch = a
             return "", 0
@@ -172,8 +171,6 @@ class RankPolicy:
         if generated and self.cancel is not None and self.cancel.is_set():
             return [STOP]
         source, k = self.inner.choose(offer)
-        if not generated:  # the first decision: the prompt pass, or a stretch that reads the prompt
-            return [PREFILL] if k else [PLAIN, self.inner.plain_steps()]
         k = min(k, self.budget - generated - 1)  # what speculative_steps does with it
         if k <= 0:
             return [PLAIN, self.inner.plain_steps()]
