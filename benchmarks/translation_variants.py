@@ -15,7 +15,8 @@ Variants (comma-separated, each `name` or `name:key=value:key=value`):
   keys for uag:  prompt=plain|fork|token=<control token>   resync=own|canonical|pieces|pieces-all   backoff=N   window=N
                  (pieces: the drafter's history split where the target's is — accepted drafts kept, each
                  committed target piece after them encoded on its own, in context; pieces-all: drafts dropped too)
-  keys for both: first=prefill|draft (uag's prompt pass writes the first token; the fork drafts it)
+  keys for both: first=draft|prefill (both draft before the prompt pass, which verifies that draft; prefill:
+                 the prompt pass writes the first token and drafting starts after it, as uag did until 2026-11-24)
                  end=bonus|fill (uag leaves room for the target's own token at the budget; the fork does not)
 
 Usage: python benchmarks/translation_variants.py [--datasets wiki alpaca synthetic] [--n 4] [--skip 0]
@@ -185,7 +186,7 @@ def make(spec: str, target, drafter):
     name, *pairs = spec.split(":")
     opts = dict(p.split("=", 1) for p in pairs)
     window = int(opts.pop("window", 10))
-    first = opts.pop("first", "draft" if name == "fork" else "prefill")
+    first = opts.pop("first", "draft")
     end = opts.pop("end", "fill" if name == "fork" else "bonus")
     if name == "fork":
         return ForkTranslator(target, drafter, window=window), first, end
@@ -225,8 +226,8 @@ def rewind(cache: list, length: int) -> None:
 
 def replay(drafter, translator, prompt: list[int], truth: list[int], k: int, eos, first: str, end: str) -> dict:
     """Speculative cycles against a known target continuation `truth`; counts and the loss anatomy.
-    `first`: "prefill" (uag: the prompt pass writes the first token) or "draft" (the fork: the first
-    cycle drafts right after the prompt, and the prompt pass verifies that draft). `end`: "bonus" (uag:
+    `first`: "draft" (uag and the fork: the first cycle drafts right after the prompt, and the prompt
+    pass verifies that draft) or "prefill" (the prompt pass writes the first token). `end`: "bonus" (uag:
     never propose more than the budget can take with the target's own token after it) or "fill" (the
     fork: draft up to the budget; a proposal accepted to the last token leaves no room for that token)."""
     cache = drafter.make_cache()

@@ -1,6 +1,7 @@
 """The adaptive draft length (no models): it speculates when drafts pay, parks when they do not."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -189,6 +190,24 @@ def test_with_a_target_curve_lookup_drafts_at_the_first_decision_and_without_one
     source, k = AdaptiveK(k_max=8, profile=curve).choose({"lookup": 4})
     assert source == "lookup" and k == 3  # at the 50 % prior, 3 tokens for 11.5 ms beat 4 for 12
     assert AdaptiveK(k_max=8).choose({"lookup": 4}) == ("", 0)
+
+
+CODER_CPU = CostProfile({1: 450.0, 2: 574.0, 3: 708.0, 4: 832.0, 5: 845.0, 9: 1000.0}, drafter_ms=65.0)
+
+
+def test_a_prompt_the_drafter_must_read_first_is_charged_to_drafting_over_the_tokens_left():
+    """Reading a 100-token prompt costs the drafter ~1 s here (2 target steps): a 32-token run could never
+    earn that back at a 50 % guess, a 1000-token run easily does."""
+    short, long = AdaptiveK(k_max=4, profile=CODER_CPU), AdaptiveK(k_max=4, profile=CODER_CPU)
+    short.begin(100, budget=32)
+    long.begin(100, budget=1000)
+    assert short.backlog_ms() == pytest.approx(100 * (1000 - 450) / 8 * 65 / 450)
+    assert short.next_k() == 0 and long.next_k() > 0
+    after = AdaptiveK(k_max=4, profile=CODER_CPU)
+    after.begin(100, budget=32)
+    first = replace(cycle(1, 1, 1, verify_ms=574.0, draft_ms=65.0 + 990.0), drafter_read=100)
+    after.observe(first)  # the prompt is read: no backlog left, and what reading it cost is learned
+    assert after.backlog_ms() == 0 and after.remaining == 30 and after.next_k() > 0
 
 
 def test_fixed_k_never_changes():

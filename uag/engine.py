@@ -226,7 +226,7 @@ def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int
     lookup_pending = lambda: LOOKUP in offer()  # noqa: E731  a lookup match turned up: stop the stretch
     stretch = None
     try:
-        policy.begin(spec.drafter.start(spec.committed))
+        policy.begin(spec.drafter.start(spec.committed), budget)
         source, k = policy.choose(offer())
         if min(k, budget - 1) == 0:  # parked from the start: the prompt pass opens a stretch
             stretch = spec.plain_steps(min(policy.plain_steps(), budget), lookup_pending)

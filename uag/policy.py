@@ -10,7 +10,10 @@ make a quiet run look expensive. Each cycle it picks
     k* = argmax over k in 0..k_max of  E(k) / cost(k),     E(k) = 1 + Σ_{j ≤ n(k)} Π_{i ≤ j} p_i
 
 where n(k) is the number of target tokens k drafter tokens translate into (tracked online) and k = 0 is
-a plain target step ("parked"). While parked it drafts one token now and then (a probe), so it notices
+a plain target step ("parked"). Before the drafter can draft it must read what it has not seen (the
+prompt, then each parked stretch); that backlog is charged to drafting, spread over the tokens the run
+has left to write, so a short run parks where reading the prompt would cost more than drafting could
+save (`backlog_ms`). While parked it drafts one token now and then (a probe), so it notices
 when drafts start to pay again. A probe costs more than its drafter pass: the drafter must first read
 everything it missed (the prompt, on the first probe, and every parked token), so probes wait until
 their cost is at most `PROBE_BUDGET` of the parked stretch they end; where the drafter reads a token
@@ -60,7 +63,7 @@ class FixedK:
     def plain_steps(self) -> int:
         return 1
 
-    def begin(self, unread: int) -> None:
+    def begin(self, unread: int, budget: int | None = None) -> None:
         pass
 
     def observe(self, cycle: Cycle) -> None:
@@ -91,6 +94,7 @@ class AdaptiveK:
     lookup_rejected: list[float] = field(default_factory=list)
     lookup_ms: float = LOOKUP_MS
     scale: float = 1.0  # this run's target pass times ÷ the profile's (1 without a profile or when pinned)
+    remaining: int | None = None  # tokens the run has yet to write (None: unknown)
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -211,14 +215,26 @@ class AdaptiveK:
         return max(self.probe_gap, math.ceil((max(0.0, fixed) + read * backlog) / room))
 
     def rates(self) -> dict[int, float]:
-        """Expected tokens per millisecond for each k (empty until a cost is known)."""
+        """Expected tokens per millisecond for each k (empty until a cost is known). Where the drafter
+        has a backlog to read first, drafting's rate includes it, spread over the tokens left to write."""
         acceptances = self.acceptances(self.proposal_length(self.k_max))
         out = {}
         for k in range(self.k_max + 1):
             ms = self.cycle_ms(k)
             if ms:
                 out[k] = self.expected_tokens(self.proposal_length(k), acceptances) / ms
+        backlog = self.backlog_ms()
+        if backlog and self.remaining:
+            out = {k: rate if k == 0 else self.remaining / (backlog + self.remaining / rate) for k, rate in out.items()}
         return out
+
+    def backlog_ms(self) -> float:
+        """What the drafter must spend reading before it can draft: its prompt, then each parked stretch.
+
+        A run that drafts pays it once, so it counts against drafting only where the tokens left to write
+        are too few to earn it back. Example: a 32-token Polish run with an English-only drafter, which
+        reads the prompt as ~100 tokens (2 target steps on our CPU) and would save a few percent at best."""
+        return self.unread * self.read_ms_per_token() if self.unread > 1 else 0.0
 
     # --- decisions -------------------------------------------------------------------------------------
     def best_k(self) -> int | None:
@@ -281,12 +297,15 @@ class AdaptiveK:
             return 1
         return max(1, min(PROBE_GAP_MAX, self.probe_wait() - self.parked_for))
 
-    def begin(self, unread: int) -> None:
-        """A run starts: the drafter has `unread` prompt tokens to read before its first draft."""
-        self.unread = unread
+    def begin(self, unread: int, budget: int | None = None) -> None:
+        """A run starts: the drafter has `unread` prompt tokens to read before its first draft, and the run
+        has `budget` tokens to write (None: unknown)."""
+        self.unread, self.remaining = unread, budget
 
     def observe(self, cycle: Cycle) -> None:
         """Learn from a finished cycle: which positions were accepted, and what each phase cost."""
+        if self.remaining is not None:
+            self.remaining = max(0, self.remaining - cycle.emitted)
         w = len(cycle.proposed_ids) + 1
         if self.learn_costs or not (self.profile and w in self.profile.target_ms):
             self.verify_ms[w] = _ema(self.verify_ms.get(w), cycle.verify_ms)

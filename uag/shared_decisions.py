@@ -135,9 +135,9 @@ class RankPolicy:
         self.decisions = 0
         self._stretch = 1
 
-    def begin(self, unread: int) -> None:
+    def begin(self, unread: int, budget: int | None = None) -> None:
         if self.inner is not None:
-            self.inner.begin(unread)
+            self.inner.begin(unread, budget)
 
     def observe(self, cycle) -> None:
         if self.inner is not None:

@@ -1,0 +1,220 @@
+"""Which draft-length policy wins on a pair? Exact acceptance, the machine's measured costs, no timing noise.
+
+Greedy speculation is lossless, so once the target's baseline continuation of a prompt is known, its
+verdict on any proposal is too: it keeps the longest prefix that matches and writes the next baseline
+token. This script records each prompt's baseline once with the real target (cached in the user cache),
+then runs the real engine (uag.engine.stream: the real drafter, translator and policy) against
+`ReplayModel`, a stand-in target that answers every forward pass with its baseline's next tokens at no
+cost. Each run's cycles are then priced with the pair's calibration profile (uag.profiles: the target's
+pass over w new tokens, a drafter step, translation) and the drafter's own width curve, measured here
+the same way (a cycle's first drafter pass reads its pending token plus any backlog: the prompt, the
+target's corrections, tokens committed while parked), and
+
+    predicted speedup = generated tokens × target pass over 1 token ÷ Σ priced cycles
+
+(the first token included on both sides; the prompt's own reading is the same for both and left out).
+Policies: fixed k and auto (AdaptiveK, deciding by the profile alone: learn_costs=False). A policy
+change is tried here on dozens of prompts in minutes; the winner is then checked end to end with
+benchmarks/coder_pair.py, which also checks this script's predictions against real runs.
+
+Usage: python benchmarks/policy_replay.py [--target coder-target] [--drafter demo-drafter]
+       [--datasets code wiki alpaca synthetic structured] [--n 10] [--max-tokens 48] [--ks 1 2 3 4]
+       [--k-max 8] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import statistics
+from dataclasses import replace
+from datetime import date
+from pathlib import Path
+
+import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
+
+# isort: split
+import mlx.core as mx
+
+from uag.api import load, load_drafter, profile_for, store
+from uag.calibrate import filled_cache, target_curve
+from uag.config import GenerationConfig
+from uag.costmodel import CostProfile
+from uag.datasets import chat_for, load_bundled
+from uag.engine import generate, prompt_ids
+from uag.machine import cache_dir, device_name
+from uag.models import LoadedModel
+from uag.policy import AdaptiveK, FixedK
+from uag.records import Run
+
+
+class ReplayCache:
+    """A KV cache that only counts: the replayed target needs the offset and trimming, nothing else."""
+
+    def __init__(self):
+        self.offset = 0
+        self.state = mx.zeros(1)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+class ReplayModel:
+    """A target that answers each position with the next token of its recorded sequence (prompt +
+    baseline), as one-hot logits: greedy verification then decides exactly as the real target would."""
+
+    def __init__(self, sequence: list[int], vocab_size: int, eos: int):
+        self.sequence, self.vocab_size, self.eos = sequence, vocab_size, eos
+        self.layers = [None]
+
+    def parameters(self) -> dict:
+        return {"none": mx.zeros(1)}  # nothing to weigh: the pair's r is never used here (policies are given)
+
+    def make_cache(self) -> list:
+        return [ReplayCache()]
+
+    def __call__(self, x: mx.array, cache: list) -> mx.array:
+        start, n = cache[0].offset, x.shape[1]
+        cache[0].offset += n
+        nxt = [self.sequence[p + 1] if p + 1 < len(self.sequence) else self.eos for p in range(start, start + n)]
+        return (mx.arange(self.vocab_size)[None] == mx.array(nxt)[:, None])[None] * 30.0
+
+
+def baseline(target: LoadedModel, ids: list[int], max_tokens: int) -> list[int]:
+    """The target's greedy continuation, recorded once per (target, prompt, length) in the user cache."""
+    key = hashlib.sha256(json.dumps([target.name, target.dtype, ids, max_tokens]).encode()).hexdigest()[:20]
+    path = cache_dir() / "replay" / f"{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    run = generate(target, None, ids, GenerationConfig(strategy="baseline", max_tokens=max_tokens))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run.token_ids))
+    return run.token_ids
+
+
+def priced_ms(run: Run, profile: CostProfile, reads: CostProfile) -> float:
+    """What the run's cycles cost on the profile's machine (see the module docstring); `reads.target_at(w)`
+    is the drafter's pass over w tokens."""
+    step = profile.target_at(1)
+    total = 0.0 if run.cycles and run.opening == run.cycles[0].emitted and run.cycles[0].proposed else step
+    for c in run.cycles:
+        if c.k == 0 or c.source != "model":
+            total += profile.target_at(c.proposed + 1)
+            continue
+        first_pass = max(1, c.drafter_read - (c.k - 1))  # tokens the first drafter pass read
+        first = profile.drafter_ms * reads.target_at(first_pass) / reads.target_at(1)
+        total += first + (c.k - 1) * profile.drafter_ms + profile.translate_ms + profile.target_at(c.proposed + 1)
+    return total
+
+
+def position_counts(run: Run) -> dict[str, list[int]]:
+    """Per proposal position i: cycles that reached it (proposed > i, positions before accepted) and
+    those that kept it; and the first position again, split by whether the cycle before was fully accepted."""
+    longest = max((c.proposed for c in run.cycles), default=0)
+    reached = [sum(c.proposed > i and c.accepted >= i for c in run.cycles) for i in range(longest)]
+    kept = [sum(c.proposed > i and c.accepted > i for c in run.cycles) for i in range(longest)]
+    after = {True: [0, 0], False: [0, 0]}
+    drafted = [c for c in run.cycles if c.proposed]
+    for before, c in zip(drafted, drafted[1:]):
+        after[before.accepted == before.proposed][0] += 1
+        after[before.accepted == before.proposed][1] += c.accepted > 0
+    return {"reached": reached, "kept": kept, "after full": after[True], "after miss": after[False]}
+
+
+def policies(args, profile: CostProfile) -> dict[str, object]:
+    out = {f"k={k}": (lambda k=k: FixedK(k)) for k in args.ks}
+    out["auto"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False)
+    for variant in args.auto:  # "optimism=1.0,probe_every=8": AdaptiveK's fields changed
+        fields = {k: float(v) if "." in v else int(v) for k, v in (kv.split("=") for kv in variant.split(","))}
+        out[f"auto[{variant}]"] = lambda f=fields: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False, **f)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="coder-target")
+    parser.add_argument("--drafter", default="demo-drafter")
+    parser.add_argument("--datasets", nargs="+", default=["code", "wiki", "alpaca", "synthetic", "structured"])
+    parser.add_argument("--n", type=int, default=10, help="prompts per dataset")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--k-max", type=int, default=8)
+    parser.add_argument("--auto", nargs="*", default=[], help="auto variants: AdaptiveK fields, e.g. optimism=1.0")
+    parser.add_argument("--trace", nargs="*", default=[], help="print these policies' k per cycle, e.g. auto")
+    parser.add_argument("--json", help="also write every row to this JSON file")
+    args = parser.parse_args()
+
+    target = load(args.target)
+    drafter = load_drafter(args.drafter)
+    profile = profile_for(target, drafter, progress=lambda m: print(f"[calibrate] {m}"))
+    work = []  # (dataset, prompt id, prompt ids, baseline ids)
+    for dataset in args.datasets:
+        for prompt in load_bundled(dataset, args.n):
+            ids = prompt_ids(target, prompt.text, chat=chat_for(prompt, False))
+            work.append((dataset, prompt.id, ids, baseline(target, ids, args.max_tokens)))
+    model = drafter.model
+    cache, text = filled_cache(model, 256)
+    curve = target_curve(model, cache, text, (1, 2, 4, 8, 16, 32, 64, 128), 3, lambda _: None)
+    reads = CostProfile(curve, drafter_ms=curve[1])
+    vocab_size, eos = target.model.args.vocab_size, min(target.eos_ids)
+    template = replace(target, model=None)
+    store()._models.clear()  # the target's weights are not needed any more: free them
+    del target
+    gc.collect()
+    mx.clear_cache()
+
+    names = list(policies(args, profile))
+    print(
+        f"policy replay — {date.today()}, {args.target} ← {args.drafter}, {device_name()}, profile: target "
+        f"{profile.target_at(1):.0f} ms per token, drafter step {profile.drafter_ms:.1f} ms, {args.max_tokens} tokens"
+        f"\ndrafter pass over w tokens (ms, least of 3): " + ", ".join(f"{w}: {ms:.0f}" for w, ms in curve.items())
+    )
+    rows = []
+    for dataset, pid, ids, base in work:
+        replay = replace(template, model=ReplayModel([*ids, *base], vocab_size, eos))
+        row = {"dataset": dataset, "id": pid}
+        for name, make in policies(args, profile).items():
+            strategy = "auto" if name.startswith("auto") else "context"
+            config = GenerationConfig(strategy=strategy, k=args.k_max, max_tokens=args.max_tokens)
+            run = generate(replay, drafter, ids, config, policy=make())
+            assert run.token_ids == base, (pid, name)  # the replay is only as good as this
+            row[name] = run.generated * profile.target_at(1) / priced_ms(run, profile, reads)
+            row[f"alpha {name}"] = run.acceptance_rate
+            row[f"ks {name}"] = [c.k for c in run.cycles]
+            row[f"positions {name}"] = position_counts(run)
+        rows.append(row)
+        print(f"  {pid:<16} " + "  ".join(f"{n} {row[n]:.2f}" for n in names), flush=True)
+        for name in args.trace:
+            print(f"    {name}: k per cycle {row[f'ks {name}']}")
+    for dataset in args.datasets:
+        subset = [r for r in rows if r["dataset"] == dataset]
+        print(f"{dataset:<11} " + "  ".join(f"{n} {statistics.fmean(r[n] for r in subset):.3f}×" for n in names))
+        print(f"{'':<11} α " + "  ".join(
+            f"{n} {statistics.fmean(a) if (a := [r[f'alpha {n}'] for r in subset if r[f'alpha {n}'] is not None]) else 0:.0%}"
+            for n in names
+        ))  # fmt: skip
+        widest = f"k={max(args.ks)}"
+        counts = [r[f"positions {widest}"] for r in subset]
+        depth = max(len(c["reached"]) for c in counts)
+        shares = []
+        for i in range(depth):
+            reached = sum(c["reached"][i] for c in counts if i < len(c["reached"]))
+            kept = sum(c["kept"][i] for c in counts if i < len(c["kept"]))
+            shares.append(f"{kept / reached:.0%} of {reached}" if reached else "–")
+        full = [sum(c[key][j] for c in counts) for key in ("after full", "after miss") for j in (0, 1)]
+        print(f"{'':<11} {widest}: P(position i kept | the ones before kept) " + ", ".join(shares)
+              + f"; first kept after a fully accepted cycle {full[1] / max(full[0], 1):.0%} of {full[0]}, "
+              f"after a miss {full[3] / max(full[2], 1):.0%} of {full[2]}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
