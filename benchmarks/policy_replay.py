@@ -196,10 +196,8 @@ def main() -> None:
     for dataset in args.datasets:
         subset = [r for r in rows if r["dataset"] == dataset]
         print(f"{dataset:<11} " + "  ".join(f"{n} {statistics.fmean(r[n] for r in subset):.3f}×" for n in names))
-        print(f"{'':<11} α " + "  ".join(
-            f"{n} {statistics.fmean(a) if (a := [r[f'alpha {n}'] for r in subset if r[f'alpha {n}'] is not None]) else 0:.0%}"
-            for n in names
-        ))  # fmt: skip
+        alphas = {n: [r[f"alpha {n}"] for r in subset if r[f"alpha {n}"] is not None] for n in names}
+        print(f"{'':<11} α " + "  ".join(f"{n} {statistics.fmean(a) if a else 0:.0%}" for n, a in alphas.items()))
         widest = f"k={max(args.ks)}"
         counts = [r[f"positions {widest}"] for r in subset]
         depth = max(len(c["reached"]) for c in counts)
