@@ -12,8 +12,9 @@ the same numbers. Definitions (also in the README):
   over the time from the prompt pass's tokens to the last token, so prompt processing is excluded. The
   prompt pass commits one token, or, where it verified a first draft, that draft's accepted tokens and
   the target's next one (`opening`). None when nothing came after the prompt pass.
-- prompt tokens/s = prompt tokens / time to first token (the target's prompt pass; a drafter reads its
-  prompt with its first draft, which that cycle's draft time includes).
+- prompt tokens/s = prompt tokens / time to the prompt pass's tokens (the target's prompt pass; a drafter
+  reads its prompt with its first draft, which that cycle's draft time includes, and where the prompt
+  pass verified that draft, its time is in there too).
 """
 
 from __future__ import annotations
@@ -249,8 +250,8 @@ class Run:
 class Event:
     """What the streaming layer yields: the tokens a step committed and the run so far.
 
-    ``cycle`` is None for the token produced by a prompt pass that verified no draft. ``run`` is the live record of the
-    run; it is complete once the stream is exhausted (``run.finish_reason`` is then set).
+    ``cycle`` is None for the token produced by a prompt pass that verified no draft. ``run`` is the live
+    record of the run; it is complete once the stream is exhausted (``run.finish_reason`` is then set).
     """
 
     tokens: tuple[Token, ...]
