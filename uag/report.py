@@ -43,8 +43,8 @@ R_IS = {  # Table 7's r_is: where each row's r comes from, by drafter kind
 
 
 DEFINITIONS = (
-    "α = accepted ÷ proposed draft tokens (in target tokens); tokens/s from the first generated token to the last "
-    "(prompt processing excluded); speedup = a run's tokens/s ÷ the baseline's on the same prompt, averaged over "
+    "α = accepted ÷ proposed draft tokens (in target tokens); tokens/s from the prompt pass's tokens to the last "
+    "token (prompt processing excluded); speedup = a run's tokens/s ÷ the baseline's on the same prompt, averaged over "
     "prompts; α* = the acceptance at which speculation breaks even (speedup 1): above 100 % it cannot pay."
 )
 TITLES = {
