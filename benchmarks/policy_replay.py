@@ -38,14 +38,14 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 # isort: split
 import mlx.core as mx
 
-from uag.api import load, load_drafter, profile_for, store
+from uag.api import load_drafter, profile_for
 from uag.calibrate import filled_cache, target_curve
 from uag.config import GenerationConfig
 from uag.costmodel import CostProfile
 from uag.datasets import chat_for, load_bundled
 from uag.engine import generate, prompt_ids
 from uag.machine import cache_dir, device_name
-from uag.models import LoadedModel
+from uag.models import LoadedModel, ModelStore
 from uag.policy import AdaptiveK, FixedK
 from uag.records import Run
 
@@ -151,7 +151,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write every row to this JSON file")
     args = parser.parse_args()
 
-    target = load(args.target)
+    targets = ModelStore()  # the target's own store: its weights are dropped once its baselines are recorded
+    target = targets.get(args.target)
     drafter = load_drafter(args.drafter)
     profile = profile_for(target, drafter, progress=lambda m: print(f"[calibrate] {m}"))
     work = []  # (dataset, prompt id, prompt ids, baseline ids)
@@ -164,9 +165,8 @@ def main() -> None:
     curve = target_curve(model, cache, text, (1, 2, 4, 8, 16, 32, 64, 128), 3, lambda _: None)
     reads = CostProfile(curve, drafter_ms=curve[1])
     vocab_size, eos = target.model.args.vocab_size, min(target.eos_ids)
-    template = replace(target, model=None)
-    store()._models.clear()  # the target's weights are not needed any more: free them
-    del target
+    template = replace(target, model=None)  # its tokenizer and config, without the weights
+    del targets, target
     gc.collect()
     mx.clear_cache()
 
