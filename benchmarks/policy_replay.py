@@ -103,7 +103,7 @@ def priced_ms(run: Run, profile: CostProfile, reads: CostProfile) -> float:
     """What the run's cycles cost on the profile's machine (see the module docstring); `reads.target_at(w)`
     is the drafter's pass over w tokens."""
     step = profile.target_at(1)
-    total = 0.0 if run.cycles and run.opening == run.cycles[0].emitted and run.cycles[0].proposed else step
+    total = step * (run.generated - sum(c.emitted for c in run.cycles))  # a prompt pass that verified no draft
     for c in run.cycles:
         if c.k == 0 or c.source != "model":
             total += profile.target_at(c.proposed + 1)
@@ -131,7 +131,7 @@ def position_counts(run: Run) -> dict[str, list[int]]:
 def policies(args, profile: CostProfile) -> dict[str, object]:
     out = {f"k={k}": (lambda k=k: FixedK(k)) for k in args.ks}
     out["auto"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False)
-    for variant in args.auto:  # "optimism=1.0,probe_every=8": AdaptiveK's fields changed
+    for variant in args.auto:  # "probe_every=8,k_max=4": AdaptiveK's fields changed
         fields = {k: float(v) if "." in v else int(v) for k, v in (kv.split("=") for kv in variant.split(","))}
         out[f"auto[{variant}]"] = lambda f=fields: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False, **f)
     return out
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--k-max", type=int, default=8)
-    parser.add_argument("--auto", nargs="*", default=[], help="auto variants: AdaptiveK fields, e.g. optimism=1.0")
+    parser.add_argument("--auto", nargs="*", default=[], help="auto variants: AdaptiveK fields, e.g. probe_every=8")
     parser.add_argument("--trace", nargs="*", default=[], help="print these policies' k per cycle, e.g. auto")
     parser.add_argument("--json", help="also write every row to this JSON file")
     args = parser.parse_args()

@@ -228,12 +228,13 @@ def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int
     try:
         policy.begin(spec.drafter.start(spec.committed), budget)
         source, k = policy.choose(offer())
-        if min(k, budget - 1) == 0:  # parked from the start: the prompt pass opens a stretch
+        k = min(k, budget - 1)
+        if k == 0:  # parked from the start: the prompt pass opens a stretch
             stretch = spec.plain_steps(min(policy.plain_steps(), budget), lookup_pending)
             generated += 1
             yield Step([next(stretch)], opening=True)
         else:  # the prompt pass verifies a first draft
-            step = spec.open(source, min(k, budget - 1), budget)
+            step = spec.open(source, k, budget)
             policy.observe(step.cycle)
             generated += len(step.ids)
             yield step
