@@ -8,7 +8,8 @@ then runs the real engine (uag.engine.stream: the real drafter, translator and p
 cost. Each run's cycles are then priced with the pair's calibration profile (uag.profiles: the target's
 pass over w new tokens, a drafter step, translation) and the drafter's own width curve, measured here
 the same way (a cycle's first drafter pass reads its pending token plus any backlog: the prompt, the
-target's corrections, tokens committed while parked), and
+target's corrections, tokens committed while parked; a parked step that ended with a rehearsal
+reads its stretch the same way), and
 
     predicted speedup = generated tokens × target pass over 1 token ÷ Σ priced cycles
 
@@ -104,14 +105,24 @@ def priced_ms(run: Run, profile: CostProfile, reads: CostProfile) -> float:
     is the drafter's pass over w tokens."""
     step = profile.target_at(1)
     total = step * (run.generated - sum(c.emitted for c in run.cycles))  # a prompt pass that verified no draft
+    read = lambda n: profile.drafter_ms * reads.target_at(n) / reads.target_at(1)  # noqa: E731  one pass over n
     for c in run.cycles:
         if c.k == 0 or c.source != "model":
             total += profile.target_at(c.proposed + 1)
+            if c.drafter_read:  # a parked step that ended with a rehearsal
+                total += read(c.drafter_read)
             continue
         first_pass = max(1, c.drafter_read - (c.k - 1))  # tokens the first drafter pass read
-        first = profile.drafter_ms * reads.target_at(first_pass) / reads.target_at(1)
+        first = read(first_pass)
         total += first + (c.k - 1) * profile.drafter_ms + profile.translate_ms + profile.target_at(c.proposed + 1)
     return total
+
+
+def trace(c) -> str:
+    """One cycle in a trace: "4/2" drafted 4, kept 2; "0" a plain step; "0r19" one that ended with a rehearsal."""
+    if c.k:
+        return f"{c.k}/{c.accepted}"
+    return f"0r{c.drafter_read}" if c.drafter_read else "0"
 
 
 def position_counts(run: Run) -> dict[str, list[int]]:
@@ -131,7 +142,7 @@ def position_counts(run: Run) -> dict[str, list[int]]:
 def policies(args, profile: CostProfile) -> dict[str, object]:
     out = {f"k={k}": (lambda k=k: FixedK(k)) for k in args.ks}
     out["auto"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False)
-    for variant in args.auto:  # "probe_every=8,k_max=4": AdaptiveK's fields changed
+    for variant in args.auto:  # "rehearse_every=8,k_max=4": AdaptiveK's fields changed
         fields = {k: float(v) if "." in v else int(v) for k, v in (kv.split("=") for kv in variant.split(","))}
         out[f"auto[{variant}]"] = lambda f=fields: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False, **f)
     return out
@@ -146,7 +157,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--k-max", type=int, default=8)
-    parser.add_argument("--auto", nargs="*", default=[], help="auto variants: AdaptiveK fields, e.g. probe_every=8")
+    parser.add_argument("--auto", nargs="*", default=[], help="auto variants: AdaptiveK fields, e.g. rehearse_every=8")
     parser.add_argument("--trace", nargs="*", default=[], help="print these policies' k per cycle, e.g. auto")
     parser.add_argument("--json", help="also write every row to this JSON file")
     args = parser.parse_args()
@@ -188,11 +199,12 @@ def main() -> None:
             row[name] = run.generated * profile.target_at(1) / priced_ms(run, profile, reads)
             row[f"alpha {name}"] = run.acceptance_rate
             row[f"ks {name}"] = [c.k for c in run.cycles]
+            row[f"trace {name}"] = " ".join(trace(c) for c in run.cycles)
             row[f"positions {name}"] = position_counts(run)
         rows.append(row)
         print(f"  {pid:<16} " + "  ".join(f"{n} {row[n]:.2f}" for n in names), flush=True)
         for name in args.trace:
-            print(f"    {name}: k per cycle {row[f'ks {name}']}")
+            print(f"    {name}: k/accepted per cycle (r: a rehearsal that read n tokens) {row[f'trace {name}']}")
     for dataset in args.datasets:
         subset = [r for r in rows if r["dataset"] == dataset]
         print(f"{dataset:<11} " + "  ".join(f"{n} {statistics.fmean(r[n] for r in subset):.3f}×" for n in names))

@@ -14,6 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.cli import main
 from uag.costmodel import CostProfile
+from uag.drafters import DrafterChoice, make_drafter
 from uag.engine import GenerationConfig, generate, prompt_ids, stream
 from uag.models import ModelError
 from uag.policy import AdaptiveK
@@ -174,22 +175,22 @@ def test_auto_parks_on_a_drafter_that_cannot_pay_and_stays_lossless(tiny):
     target, drafters = tiny  # random drafter: nothing accepted, and it is bigger than the target
     run = generate(target, drafters["qwen"], PROMPTS[1], GenerationConfig(strategy="auto", k=4, max_tokens=40))
     assert run.token_ids == baseline_ids(target, PROMPTS[1], 40)
-    assert sum(c.k == 0 for c in run.cycles) >= 30  # parked, probing now and then
+    assert sum(c.k == 0 for c in run.cycles) >= 30  # parked
 
 
-class ParkedProbingEvery5(AdaptiveK):
-    """Parks always and probes every 5 parked steps, whatever the costs: exercises the engine's
+class ParkedRehearsingEvery5(AdaptiveK):
+    """Parks always and rehearses every 5 parked steps, whatever the costs: exercises the engine's
     parked stretches and the drafter's catch-ups on them."""
 
     def best_k(self):
         return 0
 
-    def probe_wait(self):
+    def rehearsal_wait(self):
         return 5
 
 
 @pytest.mark.parametrize("stop_after", [None, 9])
-def test_parked_stretches_and_probes_are_lossless_and_keep_the_caches_exact(tiny, stop_after):
+def test_parked_stretches_and_rehearsals_are_lossless_and_keep_the_caches_exact(tiny, stop_after):
     target, drafters = tiny
     drafter = drafters["llama"]
     config = GenerationConfig(strategy="auto", k=4, max_tokens=30)
@@ -201,7 +202,7 @@ def test_parked_stretches_and_probes_are_lossless_and_keep_the_caches_exact(tiny
         prompt_ids(target, PROMPTS[2]),
         config,
         translator=translator,
-        policy=ParkedProbingEvery5(k_max=4),
+        policy=ParkedRehearsingEvery5(k_max=4),
         caches=caches,
     )
     for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
@@ -210,11 +211,36 @@ def test_parked_stretches_and_probes_are_lossless_and_keep_the_caches_exact(tiny
     events.close()
     run = event.run
     assert run.token_ids == baseline_ids(target, PROMPTS[2], 30)[: run.generated]
-    probes = [c for c in run.cycles if c.k]
-    assert len(probes) >= (1 if stop_after else 4)
-    assert all(c.k == 1 and c.drafter_read >= 5 for c in probes)  # each probe read the stretch it missed
+    assert all(c.k == 0 for c in run.cycles)
+    rehearsals = [c for c in run.cycles if c.drafter_read]
+    assert len(rehearsals) >= (1 if stop_after else 5)
+    assert all(c.drafter_passes == 1 and c.drafter_read >= 2 and c.draft_ms > 0 for c in rehearsals)
+    assert rehearsals[0].drafter_read > max((c.drafter_read for c in rehearsals[1:]), default=0)  # the prompt too
     assert_cache_holds(target, caches[0], translator.target_ids)
     assert_cache_holds(drafter, caches[1], translator.drafter_ids)
+
+
+@pytest.mark.parametrize("strategy", ["context", "tli"])
+def test_a_rehearsal_checks_the_drafter_guess_at_every_generated_position(tiny, strategy):
+    """The target rehearsing its own greedy output guesses every token; a random drafter few. Either way the
+    drafter's cache then holds everything but the newest token, as after a draft."""
+    target, drafters = tiny
+    ids, written = prompt_ids(target, PROMPTS[0]), baseline_ids(target, PROMPTS[0], 12)
+    config = GenerationConfig(strategy=strategy, max_tokens=12)
+    for model, expected in ((target, [True] * 12), (drafters["qwen"], None)):
+        drafter = make_drafter(DrafterChoice(model=model), target, config, shared=model is target)
+        n_prompt = drafter.start(ids)
+        drafter.commit(None, written)
+        rehearsal = drafter.rehearse()
+        drafter_ids = drafter.translator.drafter_ids
+        assert rehearsal.target_tokens == 12 and rehearsal.read == len(drafter_ids) - 1
+        assert len(rehearsal.hits) == len(drafter_ids) - n_prompt
+        if expected is not None:
+            assert rehearsal.hits == expected
+        else:
+            assert sum(rehearsal.hits) < len(rehearsal.hits) / 2
+        assert_cache_holds(model, drafter.cache, drafter_ids)
+        assert drafter.rehearse() is None  # nothing new to read
 
 
 def test_drafter_passes_per_cycle_stay_at_k(tiny):

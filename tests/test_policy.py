@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from uag.costmodel import CostProfile
-from uag.policy import PROBE_BUDGET, PROBE_GAP_MAX, AdaptiveK, FixedK
-from uag.records import Cycle
+from uag.policy import REHEARSAL_BUDGET, STRETCH_MAX, AdaptiveK, FixedK, replay_drafts
+from uag.records import Cycle, Rehearsal
 
 CHEAP_DRAFTER = CostProfile({1: 10.0, 2: 10.5, 3: 11.0, 5: 12.0, 9: 14.0}, drafter_ms=0.5, translate_ms=0.1)
 COSTLY_DRAFTER = CostProfile({1: 10.0, 2: 15.0, 5: 30.0, 9: 50.0}, drafter_ms=6.0, translate_ms=0.1)
@@ -50,99 +50,109 @@ def test_high_acceptance_with_a_cheap_drafter_drafts_long():
     assert policy.next_k() == 8
 
 
-def test_low_acceptance_parks_and_probes_now_and_then():
-    policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, probe_every=5)
+def rehearsal(hits: str, *, read=None, ms=1.0, target_tokens=None) -> Rehearsal:
+    """A rehearsal from a string of guesses: "x" right, "." wrong."""
+    flags = [c == "x" for c in hits]
+    return Rehearsal(flags, read or len(flags), ms, target_tokens if target_tokens is not None else len(flags))
+
+
+def parked(profile=CHEAP_DRAFTER, **kw) -> AdaptiveK:
+    """A policy that has learned drafts do not pay (drafted at its profile's own costs)."""
+    policy = AdaptiveK(k_max=4, profile=profile, **kw)
     for _ in range(30):
-        policy.observe(cycle(2, 2, 0, verify_ms=15.0))
-    decisions = []
+        policy.observe(cycle(2, 2, 0, verify_ms=profile.target_at(3), draft_ms=2 * profile.drafter_ms))
+    assert policy.best_k() == 0
+    return policy
+
+
+def test_drafts_are_replayed_from_the_drafter_guesses_over_a_stretch():
+    hits = [c == "x" for c in "xx.x..xxx"]
+    assert replay_drafts(hits, 2) == [(2, 2), (2, 1), (2, 0), (2, 2)]
+    assert replay_drafts(hits, 4) == [(4, 2), (4, 1), (4, 0)]  # the draft from position 6 is undecided
+    # two drafter tokens per target token: three right guesses make one whole target token; the target's
+    # own token covers two drafter positions
+    assert replay_drafts([c == "x" for c in "xxx..x.x"], 4, expansion=0.5) == [(2, 1), (2, 0)]
+    assert replay_drafts([], 4) == [] and replay_drafts([True], 4) == []
+
+
+def test_low_acceptance_parks_and_rehearses_now_and_then():
+    policy = parked(rehearse_every=5)
+    decisions, rehearsals = [], 0
     for _ in range(20):
         k = policy.next_k()
         decisions.append(k)
-        policy.observe(cycle(k, k, 0, verify_ms=10.0 if k == 0 else 15.0))
-    assert decisions.count(0) >= 15 and 1 in decisions  # parked, with probes
-    assert all(k <= 1 for k in decisions)
+        policy.observe(cycle(k, k, 0, verify_ms=10.0))
+        if policy.wants_rehearsal():
+            rehearsals += 1
+            policy.rehearsed(rehearsal(".....", ms=0.1))  # the drafter still guesses wrong
+    assert decisions == [0] * 20 and rehearsals == 4  # parked, rehearsing every 5 steps
 
 
-def test_a_probe_that_succeeds_brings_speculation_back():
-    policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, probe_every=4)
-    for _ in range(20):
-        policy.observe(cycle(2, 2, 0, verify_ms=10.5))
-    assert policy.best_k() == 0
-    for _ in range(6):  # the text turned predictable
-        policy.observe(cycle(1, 1, 1, verify_ms=10.5))
-        policy.observe(cycle(2, 2, 2, verify_ms=11.0))
+def test_a_rehearsal_where_the_drafter_guessed_well_brings_speculation_back():
+    policy = parked(rehearse_every=8)
+    for _ in range(8):
+        assert policy.next_k() == 0
+        policy.observe(cycle(0, 0, 0, verify_ms=10.0))
+    assert policy.wants_rehearsal()
+    policy.rehearsed(rehearsal("xxxxxxx.xxxxxxx"))  # the text turned predictable
+    assert policy.unread == 0 and policy.parked_for == 0
     assert policy.next_k() >= 2
 
 
-def test_parked_policy_asks_for_a_stretch_of_plain_steps_until_the_next_probe():
-    policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, probe_every=8)
-    for _ in range(30):  # the profile's own costs (faster or slower ones would scale its probe cost)
-        policy.observe(cycle(2, 2, 0, verify_ms=11.0))
+def test_a_rehearsal_counts_target_positions_not_drafter_positions():
+    """Three drafter tokens per target token (an English drafter on Polish): right guesses inside a word
+    are not right target tokens."""
+    wordy, plain = parked(), parked()
+    guesses = ".xx" * 10  # the first piece of each word wrong, the rest right
+    wordy.rehearsed(rehearsal(guesses, target_tokens=10))
+    plain.rehearsed(rehearsal(guesses))
+    assert wordy.acceptance(0) < 0.2 < plain.acceptance(0)
+
+
+def test_parked_policy_asks_for_a_stretch_of_plain_steps_until_the_next_rehearsal():
+    policy = parked(rehearse_every=8)
     assert policy.next_k() == 0
     assert policy.plain_steps() == 8 - policy.parked_for
-
-
-def test_each_failed_probe_doubles_the_wait_for_the_next_and_speculating_resets_it():
-    policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, probe_every=8)
-    for _ in range(30):  # the profile's own costs (faster or slower ones would scale its probe cost)
-        policy.observe(cycle(2, 2, 0, verify_ms=11.0))
-    decisions = []
-    for _ in range(8 + 1 + 16 + 1 + 32 + 1):
-        k = policy.next_k()
-        decisions.append(k)
-        policy.observe(cycle(k, k, 0, verify_ms=10.0 if k == 0 else 10.5))  # cheap probes: within budget
-    probes = [i for i, k in enumerate(decisions) if k]
-    assert probes == [8, 25, 58]
-    assert policy.probe_gap == 64
-    for _ in range(8):  # the text turned predictable: speculation resumes and probing starts over
-        policy.observe(cycle(2, 2, 2, verify_ms=11.0))
-    assert policy.next_k() > 0 and policy.probe_gap == 8
 
 
 WIDE_IS_CHEAP = CostProfile({1: 10.0, 2: 12.0, 9: 12.8}, drafter_ms=2.0, translate_ms=0.1)
 
 
-def test_a_probe_waits_until_it_costs_at_most_the_budget_of_the_stretch_it_ends():
-    policy = AdaptiveK(k_max=4, profile=WIDE_IS_CHEAP, probe_every=4)
-    for _ in range(30):
-        policy.observe(cycle(2, 2, 0, verify_ms=WIDE_IS_CHEAP.target_at(3), draft_ms=4.0))  # drafts that never pay
-    policy.begin(100)  # the drafter has not read its 100-token prompt: the first probe must pay for it
+def test_a_rehearsal_waits_until_its_reading_costs_at_most_the_budget_of_the_stretch():
+    policy = parked(WIDE_IS_CHEAP, rehearse_every=4)
+    policy.begin(100)  # the drafter has not read its 100-token prompt: the first rehearsal must pay for it
     policy.observe(cycle(0, 0, 0, verify_ms=10.0))
-    assert policy.best_k() == 0
     # reading a token: the wide pass's 0.35 ms per extra token × drafter step / target step (2 / 10)
     read = (12.8 - 10.0) / 8 * 2.0 / 10.0
     assert policy.read_ms_per_token() == pytest.approx(read)
-    # probe: a drafter pass + translation + a 2-token verification - the plain step it replaces, plus
-    # reading the prompt and every parked token; at most 3 % of the stretch's p plain steps
-    fixed = 2.0 + 0.0 + 12.0 - 10.0  # translation and re-sync as measured (0 in these records)
-    wait = math.ceil((fixed + read * 100) / (PROBE_BUDGET * 10.0 - read))
-    assert policy.probe_wait() == wait > policy.probe_gap
-    decisions = []
-    while len(decisions) < wait + 1:
-        k = policy.next_k()
-        decisions.append(k)
-        if k == 0:
-            policy.observe(cycle(0, 0, 0, verify_ms=10.0))
-    assert decisions.index(1) == wait - 1  # one plain step was observed before the loop
-    probe_ms = fixed + 10.0 + read * (100 + wait)
-    assert probe_ms - 10.0 <= PROBE_BUDGET * 10.0 * wait
+    wait = math.ceil((2.0 + read * 100) / (REHEARSAL_BUDGET * 10.0 - read))  # a drafter pass reading it all
+    assert policy.rehearsal_wait() == wait > policy.rehearse_every
+    steps = 1
+    while not policy.wants_rehearsal():
+        assert policy.next_k() == 0
+        policy.observe(cycle(0, 0, 0, verify_ms=10.0))
+        steps += 1
+    assert steps == wait
+    assert 2.0 + read * (100 + wait) <= REHEARSAL_BUDGET * 10.0 * wait  # the prompt and the stretch, within budget
+    policy.rehearsed(rehearsal("." * wait, read=100 + wait, ms=read * (100 + wait)))
+    assert policy.rehearsal_wait() < wait  # the backlog is read
 
 
-def test_a_drafter_that_reads_too_slowly_for_the_budget_never_probes():
-    policy = AdaptiveK(k_max=4, profile=COSTLY_DRAFTER, probe_every=4)
+def test_a_drafter_that_reads_too_slowly_for_the_budget_never_rehearses():
+    policy = AdaptiveK(k_max=4, profile=COSTLY_DRAFTER, rehearse_every=4)
     policy.begin(20)
     policy.observe(cycle(0, 0, 0, verify_ms=10.0))
     # 5 ms per extra token of a wide pass × 6 / 10: 3 ms a token, ten times the budget's 0.3 ms a step
     assert policy.read_ms_per_token() == pytest.approx(3.0)
-    assert policy.probe_wait() == math.inf
+    assert policy.rehearsal_wait() == math.inf
     for _ in range(1000):
-        assert policy.next_k() == 0
+        assert policy.next_k() == 0 and not policy.wants_rehearsal()
         policy.observe(cycle(0, 0, 0, verify_ms=10.0))
-    assert policy.plain_steps() == PROBE_GAP_MAX  # parked, but deciding again now and then
+    assert policy.plain_steps() == STRETCH_MAX  # parked, but deciding again now and then
 
 
-def test_what_a_catch_up_costs_per_token_is_learned_apart_from_the_drafter_step():
-    policy = AdaptiveK(k_max=4, profile=COSTLY_DRAFTER, probe_every=4)
+def test_what_reading_costs_per_token_is_learned_apart_from_the_drafter_step():
+    policy = AdaptiveK(k_max=4, profile=COSTLY_DRAFTER, rehearse_every=4)
     for _ in range(30):
         policy.observe(cycle(2, 2, 0, verify_ms=15.0, draft_ms=12.0))  # 6 ms per drafter pass
     caught_up = cycle(1, 1, 0, verify_ms=15.0, draft_ms=6.0 + 40 * 0.05)
@@ -152,17 +162,9 @@ def test_what_a_catch_up_costs_per_token_is_learned_apart_from_the_drafter_step(
     assert policy.read_ms_per_token() == pytest.approx(0.05)
     assert policy.unread == 0
     policy.observe(cycle(0, 0, 0, verify_ms=10.0))
-    assert policy.unread == 1 and policy.probe_wait() < math.inf
-
-
-def test_the_wait_between_probes_is_capped():
-    policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, probe_every=4)
-    for _ in range(30):
-        policy.observe(cycle(2, 2, 0, verify_ms=15.0))
-    for _ in range(2000):
-        k = policy.next_k()
-        policy.observe(cycle(k, k, 0, verify_ms=10.0 if k == 0 else 15.0))
-    assert policy.probe_gap == PROBE_GAP_MAX
+    assert policy.unread == 1 and policy.rehearsal_wait() < math.inf
+    policy.rehearsed(rehearsal("." * 40, read=40, ms=40 * 0.08))  # a rehearsal's reading is learned too
+    assert policy.read_ms_per_token() == pytest.approx(0.05 * 0.8 + 0.08 * 0.2)
 
 
 def test_measured_costs_override_the_profile():

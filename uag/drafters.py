@@ -25,9 +25,12 @@ from uag.lookup import NGRAMS, NgramIndex
 from uag.models import LoadedModel, ModelStore
 from uag.passes import PREFILL_STEP, prefill, settle_allocator, trim_to
 from uag.prompt_input import check_context
+from uag.records import Rehearsal
 from uag.translate import IntersectionTranslator, Proposal, Resync, TextTranslator, Translator, make_translator
 from uag.verify import IdMap, draft_distribution
 from uag.vocab import Vocab
+
+REHEARSAL_SPAN = 64  # positions per pass of a rehearsal (its logits are kept: one row per position)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,9 @@ class Drafter(Protocol):
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         """The target committed `new` (after a draft, or plain steps); return whether re-sync absorbed."""
 
+    def rehearse(self) -> Rehearsal | None:
+        """Read what was committed while parked and say where drafts would have held (None: cannot)."""
+
     def restore(self) -> None:
         """Leave any cache holding exactly what was committed (the run is over or paused)."""
 
@@ -144,6 +150,9 @@ class LookupDrafter:
         self.index.extend(new)
         return False
 
+    def rehearse(self) -> Rehearsal | None:
+        return None  # a lookup costs nothing: it is simply tried
+
     def restore(self) -> None:
         pass
 
@@ -161,10 +170,12 @@ class ModelDrafter:
         self.tli = isinstance(translator, IntersectionTranslator)
         self.id_map: IdMap | None = None  # built on the first drafter pass, which tells its logits' size
         self.translation = translator.name
+        self.prompt_length = 0
 
     def start(self, prompt: Sequence[int]) -> int:
         ids = self.translator.start(prompt)
         check_context(len(ids), self.model.context_length, "drafter", self.model.name)
+        self.prompt_length = len(ids)
         return len(ids)
 
     def offer(self, k_max: int) -> dict[str, int]:
@@ -251,6 +262,38 @@ class ModelDrafter:
             return False  # plain steps or another source's draft: caught up lazily, with the next draft
         return self._sync(draft.usable).absorbed
 
+    def rehearse(self) -> Rehearsal | None:
+        """Catch up now on what was committed while parked (the reading the next draft would do anyway),
+        keeping the drafter's guess at every generated position: a draft starting at a position holds for
+        as many positions as the guesses there and after it are right, so one pass replays every draft the
+        stretch could have had. Greedy guesses (restricted to the shared vocabulary under TLI); the
+        prompt is read without them, and the newest token stays pending for the next draft, as after one."""
+        if not self.unsynced:
+            return None
+        tic = time.perf_counter()
+        target_tokens = len(self.unsynced)
+        self._sync()
+        ids = self.translator.drafter_ids
+        start, end = self.seen, len(ids) - 1
+        first = min(max(start, self.prompt_length - 1), end)
+        if first > start:
+            prefill(self.model.model, self.cache, ids[start:first])
+        hits = []
+        for lo in range(first, end, REHEARSAL_SPAN):
+            hi = min(lo + REHEARSAL_SPAN, end)
+            logits = self.model.model(mx.array(ids[lo:hi])[None], cache=self.cache)[0]
+            if self.tli:
+                if self.id_map is None:
+                    self.id_map = IdMap(self.translator.to_target, logits.shape[-1])
+                logits = logits + self.id_map.drafter_mask
+            guesses = mx.argmax(logits, axis=-1).tolist()
+            hits += [g == t for g, t in zip(guesses, ids[lo + 1 : hi + 1])]
+        self.seen = end
+        settle_allocator()
+        if not hits:
+            return None
+        return Rehearsal(hits, end - start, (time.perf_counter() - tic) * 1000, target_tokens)
+
     def restore(self) -> None:
         if self.unsynced and self.translator.target_ids:
             self._sync()
@@ -281,6 +324,9 @@ class HybridDrafter:
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         self.lookup.commit(draft, new)
         return self.model.commit(draft, new)
+
+    def rehearse(self) -> Rehearsal | None:
+        return self.model.rehearse()
 
     def restore(self) -> None:
         self.model.restore()

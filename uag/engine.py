@@ -249,6 +249,8 @@ def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int
                     cycle = Cycle.plain(0, (now - t0) * 1000)
                     policy.observe(cycle)
                     generated += 1
+                    if generated < budget and token not in spec.eos and policy.wants_rehearsal():
+                        _rehearse(spec.drafter, policy, cycle)
                     yield Step([token], 0, cycle)
                     t0 = time.perf_counter()
                     if token in spec.eos:
@@ -264,6 +266,15 @@ def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int
         if stretch is not None:
             stretch.close()
         spec.restore()
+
+
+def _rehearse(drafter: Drafter, policy: FixedK | AdaptiveK, cycle: Cycle) -> None:
+    """The drafter catches up on the parked stretch and the policy learns from its guesses there; the
+    plain step's record carries what that reading cost."""
+    rehearsal = drafter.rehearse()
+    if rehearsal is not None:
+        cycle.draft_ms, cycle.drafter_passes, cycle.drafter_read = rehearsal.ms, 1, rehearsal.read
+        policy.rehearsed(rehearsal)
 
 
 def make_policy(config: GenerationConfig, profile: CostProfile | None = None, r: float = 0.1) -> FixedK | AdaptiveK:

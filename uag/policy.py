@@ -13,13 +13,14 @@ where n(k) is the number of target tokens k drafter tokens translate into (track
 a plain target step ("parked"). Before the drafter can draft it must read what it has not seen (the
 prompt, then each parked stretch); that backlog is charged to drafting, spread over the tokens the run
 has left to write, so a short run parks where reading the prompt would cost more than drafting could
-save (`backlog_ms`). While parked it drafts one token now and then (a probe), so it notices
-when drafts start to pay again. A probe costs more than its drafter pass: the drafter must first read
-everything it missed (the prompt, on the first probe, and every parked token), so probes wait until
-their cost is at most `PROBE_BUDGET` of the parked stretch they end; where the drafter reads a token
-for more than that share of a target step, it never probes. Each probe that leaves it parked also
-doubles the minimum gap to the next (`probe_every`, up to `PROBE_GAP_MAX`). Parked, auto costs what
-the target alone costs, plus at most that budget.
+save (`backlog_ms`). While parked, now and then the drafter catches up on the stretch it missed in one
+pass and its guesses there are checked against what the target wrote (a rehearsal, uag.drafters): a
+draft holds as long as the guesses are right, so the stretch replays every draft it could have had
+(`replay_drafts`), and that evidence decides whether to draft again — no draft is verified, no target
+pass widened. Reading is what the next draft would do anyway; a rehearsal waits until its reading costs
+at most `REHEARSAL_BUDGET` of the parked stretch it ends (the prompt, on the first, included), and where
+the drafter reads a token for more than that share of a target step, it never rehearses. Parked, auto
+costs what the target alone costs, plus at most that budget.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from uag.config import LOOKUP
 from uag.costmodel import CostProfile
-from uag.records import Cycle
+from uag.records import Cycle, Rehearsal
 
 MODEL = "model"
 
@@ -39,9 +40,9 @@ DEFAULT_K_MAX = 8
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR = 0.5  # acceptance assumed for the first position before any evidence
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
-PROBE_EVERY = 16  # parked steps before the first probe, at the least
-PROBE_GAP_MAX = 128  # the least number of parked steps between probes after repeated failed probes
-PROBE_BUDGET = 0.03  # the most a probe may cost, as a share of the parked (target-alone) stretch it ends
+REHEARSE_EVERY = 16  # parked steps between rehearsals, at the least
+STRETCH_MAX = 128  # the most plain steps in a row before deciding again
+REHEARSAL_BUDGET = 0.03  # the most a rehearsal may cost, as a share of the parked (target-alone) stretch it ends
 EMA = 0.2  # weight of a new timing in the running cost estimates
 LOOKUP_MS = 0.02  # what a lookup is assumed to cost before one was timed (it is a dictionary lookup)
 
@@ -69,6 +70,12 @@ class FixedK:
     def observe(self, cycle: Cycle) -> None:
         pass
 
+    def wants_rehearsal(self) -> bool:
+        return False  # it never parks
+
+    def rehearsed(self, rehearsal: Rehearsal) -> None:
+        pass
+
 
 @dataclass
 class AdaptiveK:
@@ -77,7 +84,8 @@ class AdaptiveK:
     k_max: int = DEFAULT_K_MAX
     profile: CostProfile | None = None  # measured costs (uag.calibrate); None: learn them from the run
     r: float = 0.1  # drafter/target cost ratio to assume before any drafter step was timed
-    probe_every: int = PROBE_EVERY
+    rehearse_every: int = REHEARSE_EVERY
+    prior: float = PRIOR  # acceptance assumed for the first position before any evidence
     accepted: list[float] = field(default_factory=list)  # decayed counts per target position
     rejected: list[float] = field(default_factory=list)
     expansion: float = 1.0  # target tokens per drafter token (cross-tokenizer translation)
@@ -86,9 +94,7 @@ class AdaptiveK:
     read_ms: float | None = None  # drafter time per token it reads to catch up (prompt, parked stretch)
     overhead_ms: float | None = None  # translate + re-sync per drafting cycle
     unread: int = 0  # committed tokens the drafter has not read (its prompt, then each parked step)
-    parked_for: int = 0
-    probe_gap: int = 0  # parked steps before the next probe (probe_every, doubled by each failed probe)
-    probing: bool = False
+    parked_for: int = 0  # plain steps since the policy last drafted or rehearsed
     learn_costs: bool = True  # False: keep the profile's costs, never the run's own timings (tests pin them)
     lookup_accepted: list[float] = field(default_factory=list)  # the same counts for lookup proposals
     lookup_rejected: list[float] = field(default_factory=list)
@@ -99,7 +105,6 @@ class AdaptiveK:
     def __post_init__(self):
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1 (got {self.k_max})")
-        self.probe_gap = self.probe_gap or self.probe_every
 
     # --- estimates -------------------------------------------------------------------------------------
     def acceptances(self, n: int, source: str = MODEL) -> list[float]:
@@ -110,7 +115,7 @@ class AdaptiveK:
         Example: no evidence -> [0.5, 0.5]; 10 accepts at position 0 only -> [10.5/11, 10.5/11]
         """
         accepted, rejected = self._counts(source)
-        out, prior = [], PRIOR
+        out, prior = [], self.prior
         for i in range(n):
             a = accepted[i] if i < len(accepted) else 0.0
             b = rejected[i] if i < len(rejected) else 0.0
@@ -194,25 +199,40 @@ class AdaptiveK:
         per_token = max(0.0, ((self.target_ms(wide) or step) - step) / (wide - 1)) if wide > 1 else 0.1 * step
         return per_token * self.drafter_step_ms(step) / step
 
-    def probe_wait(self) -> float:
-        """Parked steps (since the last probe) before the next probe: at least the backed-off gap, and
-        enough that the probe costs at most PROBE_BUDGET of the stretch; math.inf when no stretch is
-        long enough (the drafter reads a token for more than the budget's share of a target step).
+    def rehearsal_wait(self) -> float:
+        """Parked steps (since the policy last drafted or rehearsed) before the next rehearsal: at least
+        `rehearse_every`, and enough that its reading costs at most REHEARSAL_BUDGET of the stretch;
+        math.inf when no stretch is long enough (the drafter reads a token for more than the budget's
+        share of a target step). It costs a drafter pass, plus reading the backlog from before the
+        stretch (the prompt, on the first) and one token per parked step.
 
-        A probe's extra cost, beyond the plain step it replaces: a drafter pass, translation, a 2-token
-        verification, and the drafter reading every token it missed — the backlog from before the
-        stretch (the prompt, on the first probe) plus one per parked step.
+        Example: target step 450 ms, drafter step 65 ms, 3 ms a token read, a 40-token prompt unread
+        -> ceil((65 + 120) / (13.5 − 3)) = 18; a 400-token prompt -> ceil((65 + 1200) / 10.5) = 121
         """
         step = self.target_ms(1)
         if step is None or step <= 0:
-            return self.probe_gap
+            return self.rehearse_every
         read = self.read_ms_per_token()
-        fixed = self.drafter_step_ms(step) + self.cycle_overhead_ms() + (self.target_ms(2) or step) - step
-        room = PROBE_BUDGET * step - read  # budget per parked step left after reading that step's token
+        room = REHEARSAL_BUDGET * step - read  # budget per parked step left after reading that step's token
         if room <= 0:
             return math.inf
         backlog = max(0, self.unread - self.parked_for)
-        return max(self.probe_gap, math.ceil((max(0.0, fixed) + read * backlog) / room))
+        return max(self.rehearse_every, math.ceil((self.drafter_step_ms(step) + read * backlog) / room))
+
+    def wants_rehearsal(self) -> bool:
+        """Parked long enough that the drafter may catch up and show whether drafting would pay."""
+        return self.parked_for > 0 and self.parked_for >= self.rehearsal_wait()
+
+    def rehearsed(self, rehearsal: Rehearsal) -> None:
+        """Learn from a rehearsal: what reading cost, and how the drafts the stretch could have had fared."""
+        if self.learn_costs and rehearsal.read:
+            self.read_ms = _ema(self.read_ms, rehearsal.ms / rehearsal.read)
+        self.unread = self.parked_for = 0
+        if not rehearsal.hits:
+            return
+        expansion = rehearsal.target_tokens / len(rehearsal.hits) if rehearsal.target_tokens else self.expansion
+        for tried, kept in replay_drafts(rehearsal.hits, self.k_max, expansion):
+            _count(self.accepted, self.rejected, tried, kept)
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per millisecond for each k (empty until a cost is known). Where the drafter
@@ -249,12 +269,8 @@ class AdaptiveK:
         if best is None:
             return 0  # time one plain target step first: every decision is relative to it
         if best > 0:
-            self.parked_for, self.probe_gap = 0, self.probe_every
-            return best
-        if self.parked_for >= self.probe_wait():
-            self.parked_for, self.probing = 0, True
-            return 1  # a probe: is the drafter paying again?
-        return 0
+            self.parked_for = 0
+        return best
 
     def lookup_rates(self, k_max: int) -> dict[int, float]:
         """Expected tokens per millisecond of a lookup proposal of k tokens (it costs a lookup and the wider pass)."""
@@ -282,8 +298,6 @@ class AdaptiveK:
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
             current = rates[best[1]] if best[0] == MODEL and best[1] in rates else rates[0]
             if k and lookup[k] > current:
-                if best[0] == MODEL and self.probing:
-                    self.probing = False  # the probe is not made
                 return LOOKUP, k
             # Not chosen: its evidence ages, so that a source that failed once is tried again later.
             for counts in self._counts(LOOKUP):
@@ -291,11 +305,11 @@ class AdaptiveK:
         return best
 
     def plain_steps(self) -> int:
-        """Plain target steps to take in a row after `next_k()` returned 0, before deciding again
-        (at most PROBE_GAP_MAX: the decision is revisited as the run's own timings come in)."""
+        """Plain target steps to take in a row after `next_k()` returned 0: up to the next rehearsal (at
+        most STRETCH_MAX: the decision is revisited as the run's own timings come in)."""
         if self.best_k() is None:
             return 1
-        return max(1, min(PROBE_GAP_MAX, self.probe_wait() - self.parked_for))
+        return max(1, min(STRETCH_MAX, self.rehearsal_wait() - self.parked_for))
 
     def begin(self, unread: int, budget: int | None = None) -> None:
         """A run starts: the drafter has `unread` prompt tokens to read before its first draft, and the run
@@ -322,7 +336,7 @@ class AdaptiveK:
                 self.lookup_ms = _ema(self.lookup_ms, cycle.draft_ms + cycle.translate_ms)
             _count(self.lookup_accepted, self.lookup_rejected, len(cycle.proposed_ids), cycle.accepted)
             return
-        probe, self.probing, self.unread = self.probing, False, 0
+        self.unread = 0
         passes = cycle.drafter_passes if self.learn_costs else 0
         if passes and cycle.drafter_read <= 2 * passes + 1:
             self.drafter_ms = _ema(self.drafter_ms, cycle.draft_ms / passes)
@@ -334,8 +348,31 @@ class AdaptiveK:
         if cycle.draft_ids:
             self.expansion = _ema(self.expansion, max(len(cycle.proposed_ids), 1) / len(cycle.draft_ids))
         _count(self.accepted, self.rejected, len(cycle.proposed_ids), cycle.accepted)
-        if probe and self.best_k() == 0:  # the probe did not pay: wait twice as long for the next one
-            self.probe_gap = min(2 * self.probe_gap, PROBE_GAP_MAX)
+
+
+def replay_drafts(hits: list[bool], k: int, expansion: float = 1.0) -> list[tuple[int, int]]:
+    """The drafts of k drafter tokens that drafting through a stretch would have made, from the drafter's
+    guesses there (`hits[i]`: its guess at drafter position i was the next token), as (target positions
+    proposed, target positions kept). A draft from position j holds while the guesses from j on are
+    right; then the target writes one token of its own (1 / expansion drafter tokens: `expansion` is
+    target tokens per drafter token) and the next draft starts after it. A draft still undecided when
+    the stretch ends is left out.
+
+    Example: hits = [T, T, F, T, F, F, T, T, T], k = 2 -> [(2, 2), (2, 1), (2, 0), (2, 2)]
+    (drafts from positions 0, 3, 5 and 6: kept 2, then 1 — position 4 was wrong — then 0, then 2)
+    """
+    out, j = [], 0
+    tried = max(1, round(k * expansion))
+    step = max(1, round(1 / expansion)) if expansion > 0 else 1
+    while j < len(hits):
+        held = 0
+        while held < k and j + held < len(hits) and hits[j + held]:
+            held += 1
+        if held < k and j + held == len(hits):
+            break
+        out.append((tried, tried if held == k else min(tried, int(held * expansion))))
+        j += held + step
+    return out
 
 
 def _count(accepted: list[float], rejected: list[float], tried: int, kept: int) -> None:

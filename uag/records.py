@@ -72,6 +72,17 @@ class Cycle:
         return self.draft_ms + self.translate_ms + self.verify_ms + self.resync_ms
 
 
+@dataclass(frozen=True, slots=True)
+class Rehearsal:
+    """What a parked stretch would have given the drafter: at each of its drafter positions, whether the
+    drafter's greedy guess there was the token that came next (uag.policy replays drafting over them)."""
+
+    hits: list[bool]
+    read: int  # tokens the drafter's pass read (the stretch, and its prompt on a first read)
+    ms: float
+    target_tokens: int  # target tokens the stretch committed (the hits are over their drafter tokens)
+
+
 @dataclass(slots=True)
 class Run:
     """A whole generation: what was asked, what came out, and what it cost."""

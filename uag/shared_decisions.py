@@ -27,6 +27,7 @@ from uag.config import LOOKUP
 from uag.drafters import Draft, Drafter
 from uag.lookup import NgramIndex
 from uag.policy import MODEL, AdaptiveK, FixedK
+from uag.records import Rehearsal
 
 PROPOSAL_SPAN = 4  # a proposal travels in at most 4·k target ids (translation can split drafter tokens)
 
@@ -75,6 +76,9 @@ class LeaderDrafter:
         self.watchdog.progress()
         return self.inner.commit(draft, new)
 
+    def rehearse(self) -> Rehearsal | None:
+        return self.inner.rehearse()
+
     def restore(self) -> None:
         self.inner.restore()
 
@@ -116,6 +120,9 @@ class FollowerDrafter:
         self.watchdog.progress()
         return False
 
+    def rehearse(self) -> Rehearsal | None:
+        return None  # only rank 0 drafts
+
     def restore(self) -> None:
         pass
 
@@ -145,6 +152,12 @@ class RankPolicy:
 
     def plain_steps(self) -> int:
         return self._stretch
+
+    def wants_rehearsal(self) -> bool:
+        return self.inner is not None and self.inner.wants_rehearsal()  # rank 0's drafter reads; nobody waits
+
+    def rehearsed(self, rehearsal: Rehearsal) -> None:
+        self.inner.rehearsed(rehearsal)
 
     def choose(self, offer) -> tuple[str, int]:
         message = self._decide(offer) if self.link.rank == 0 else None
