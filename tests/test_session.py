@@ -426,6 +426,19 @@ def test_explain_calls_an_alpha_star_above_one_unreachable_and_counts_lookup_cyc
     assert "α*" not in text and "Prompt lookup drafted 5 of 5 cycles" in text  # no drafter model: r does not apply
 
 
+def test_explain_says_how_long_auto_parked_and_how_often_it_rehearsed():
+    baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)
+    parked = [Cycle.plain(i, 100.0) for i in range(6)]
+    parked[-1].draft_ms, parked[-1].drafter_passes, parked[-1].drafter_read = 12.0, 1, 40
+    speculative = fake_run(list(range(11)), seconds=1.0, cycles=_cycles(2) + parked)
+    speculative.policy = "auto"
+    text = explain(baseline, speculative)
+    assert "auto parked for 6 target steps and rehearsed 1× (12 ms)" in text
+    assert speculative.stats()["rehearsals"] == 1
+    speculative.policy = "fixed"
+    assert "parked" not in explain(baseline, speculative)
+
+
 def test_stats_have_the_numbers_users_ask_for():
     settings = Settings()
     baseline = fake_run(list(range(11)), strategy="baseline", seconds=1.0)

@@ -36,7 +36,9 @@ class Token:
 
 @dataclass(slots=True)
 class Cycle:
-    """One draft → translate → verify → re-sync cycle. k == 0 is a plain target step."""
+    """One draft → translate → verify → re-sync cycle. k == 0 is a plain target step; one that ended a
+    parked stretch with a rehearsal (uag.policy) carries the drafter's reading in draft_ms, drafter_passes
+    and drafter_read."""
 
     index: int
     k: int  # draft length asked of the drafter
@@ -241,6 +243,7 @@ class Run:
             "position_acceptance": self.position_acceptance(),
             "loss": self.loss(),
             "sources": self.sources(),
+            "rehearsals": sum(1 for c in self.cycles if not c.k and c.drafter_read),
             "notes": list(self.notes),
         }
 

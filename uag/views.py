@@ -157,6 +157,17 @@ def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
         )
     if sources.get("lookup"):
         text += f" Prompt lookup drafted {sources['lookup']} of {sum(sources.values())} cycles at no drafter cost."
+    parked = [c for c in speculative.cycles if not c.k]
+    rehearsals = [c for c in parked if c.drafter_read]
+    if parked and speculative.policy == "auto":
+        text += f" auto parked for {len(parked)} target steps"
+        if rehearsals:
+            ms = sum(c.draft_ms for c in rehearsals)
+            text += (
+                f" and rehearsed {len(rehearsals)}× ({ms:.0f} ms): the drafter caught up on the parked text"
+                " and its guesses there were checked to see whether drafting would pay"
+            )
+        text += "."
     return text
 
 
