@@ -75,17 +75,20 @@ def test_drafts_are_replayed_from_the_drafter_guesses_over_a_stretch():
     assert replay_drafts([], 4) == [] and replay_drafts([True], 4) == []
 
 
-def test_low_acceptance_parks_and_rehearses_now_and_then():
+def test_low_acceptance_parks_and_rehearses_ever_less_often_until_drafting_pays_again():
     policy = parked(rehearse_every=5)
-    decisions, rehearsals = [], 0
-    for _ in range(20):
+    decisions, rehearsals = [], []
+    for i in range(75):
         k = policy.next_k()
         decisions.append(k)
         policy.observe(cycle(k, k, 0, verify_ms=10.0))
         if policy.wants_rehearsal():
-            rehearsals += 1
+            rehearsals.append(i)
             policy.rehearsed(rehearsal(".....", ms=0.1))  # the drafter still guesses wrong
-    assert decisions == [0] * 20 and rehearsals == 4  # parked, rehearsing every 5 steps
+    assert decisions == [0] * 75  # parked throughout
+    assert rehearsals == [4, 14, 34, 74] and policy.rehearsal_gap == 80  # each failed one doubles the gap
+    policy.rehearsed(rehearsal("xxxxxxx.xxxxxxx", ms=0.1))  # the text turned predictable
+    assert policy.next_k() > 0 and policy.rehearsal_gap == 5
 
 
 def test_a_rehearsal_where_the_drafter_guessed_well_brings_speculation_back():

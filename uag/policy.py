@@ -19,8 +19,9 @@ draft holds as long as the guesses are right, so the stretch replays every draft
 (`replay_drafts`), and that evidence decides whether to draft again — no draft is verified, no target
 pass widened. Reading is what the next draft would do anyway; a rehearsal waits until its reading costs
 at most `REHEARSAL_BUDGET` of the parked stretch it ends (the prompt, on the first, included), and where
-the drafter reads a token for more than that share of a target step, it never rehearses. Parked, auto
-costs what the target alone costs, plus at most that budget.
+the drafter reads a token for more than that share of a target step, it never rehearses. Each rehearsal
+that leaves it parked doubles the least gap to the next (`rehearse_every`, up to `STRETCH_MAX`). Parked,
+auto costs what the target alone costs, plus at most that budget, less as the gaps grow.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class AdaptiveK:
     overhead_ms: float | None = None  # translate + re-sync per drafting cycle
     unread: int = 0  # committed tokens the drafter has not read (its prompt, then each parked step)
     parked_for: int = 0  # plain steps since the policy last drafted or rehearsed
+    rehearsal_gap: int = 0  # least parked steps before the next rehearsal: rehearse_every, doubled by each
+    #                         rehearsal that left it parked (up to STRETCH_MAX), reset when it drafts
     learn_costs: bool = True  # False: keep the profile's costs, never the run's own timings (tests pin them)
     lookup_accepted: list[float] = field(default_factory=list)  # the same counts for lookup proposals
     lookup_rejected: list[float] = field(default_factory=list)
@@ -105,6 +108,7 @@ class AdaptiveK:
     def __post_init__(self):
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1 (got {self.k_max})")
+        self.rehearsal_gap = self.rehearsal_gap or self.rehearse_every
 
     # --- estimates -------------------------------------------------------------------------------------
     def acceptances(self, n: int, source: str = MODEL) -> list[float]:
@@ -201,7 +205,7 @@ class AdaptiveK:
 
     def rehearsal_wait(self) -> float:
         """Parked steps (since the policy last drafted or rehearsed) before the next rehearsal: at least
-        `rehearse_every`, and enough that its reading costs at most REHEARSAL_BUDGET of the stretch;
+        the backed-off gap, and enough that its reading costs at most REHEARSAL_BUDGET of the stretch;
         math.inf when no stretch is long enough (the drafter reads a token for more than the budget's
         share of a target step). It costs a drafter pass, plus reading the backlog from before the
         stretch (the prompt, on the first) and one token per parked step.
@@ -211,13 +215,13 @@ class AdaptiveK:
         """
         step = self.target_ms(1)
         if step is None or step <= 0:
-            return self.rehearse_every
+            return self.rehearsal_gap
         read = self.read_ms_per_token()
         room = REHEARSAL_BUDGET * step - read  # budget per parked step left after reading that step's token
         if room <= 0:
             return math.inf
         backlog = max(0, self.unread - self.parked_for)
-        return max(self.rehearse_every, math.ceil((self.drafter_step_ms(step) + read * backlog) / room))
+        return max(self.rehearsal_gap, math.ceil((self.drafter_step_ms(step) + read * backlog) / room))
 
     def wants_rehearsal(self) -> bool:
         """Parked long enough that the drafter may catch up and show whether drafting would pay."""
@@ -233,6 +237,8 @@ class AdaptiveK:
         expansion = rehearsal.target_tokens / len(rehearsal.hits) if rehearsal.target_tokens else self.expansion
         for tried, kept in replay_drafts(rehearsal.hits, self.k_max, expansion):
             _count(self.accepted, self.rejected, tried, kept)
+        if self.best_k() == 0:  # still parked: rehearse half as often (over a long run, its cost fades)
+            self.rehearsal_gap = min(2 * self.rehearsal_gap, STRETCH_MAX)
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per millisecond for each k (empty until a cost is known). Where the drafter
@@ -269,7 +275,7 @@ class AdaptiveK:
         if best is None:
             return 0  # time one plain target step first: every decision is relative to it
         if best > 0:
-            self.parked_for = 0
+            self.parked_for, self.rehearsal_gap = 0, self.rehearse_every
         return best
 
     def lookup_rates(self, k_max: int) -> dict[int, float]:
