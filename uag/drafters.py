@@ -159,8 +159,9 @@ class LookupDrafter:
 
 class ModelDrafter:
     """A drafter model through a translator. Its cache has read translator.drafter_ids[:seen]; the rest
-    (the prompt, the target's corrections, tokens committed while parked) is fed with its next draft, so a
-    fully accepted draft costs no extra drafter pass and a run that never drafts never pays."""
+    (the prompt, the target's corrections, tokens committed while parked) is fed with its next draft, or
+    read earlier by a rehearsal, so a fully accepted draft costs no extra drafter pass and a run that never
+    drafts or rehearses never pays."""
 
     def __init__(self, model: LoadedModel, translator: Translator, config: GenerationConfig, cache: list | None):
         self.model, self.translator, self.config = model, translator, config
@@ -217,6 +218,15 @@ class ModelDrafter:
             proposal=proposal,
         )
 
+    def _restrict(self, logits: mx.array) -> mx.array:
+        """Under TLI, the drafter's logits restricted to the shared vocabulary (the map is built on first use,
+        when the logits tell the drafter's vocabulary size); otherwise unchanged."""
+        if not self.tli:
+            return logits
+        if self.id_map is None:
+            self.id_map = IdMap(self.translator.to_target, logits.shape[-1])
+        return logits + self.id_map.drafter_mask
+
     def _draft(self, k: int) -> tuple[list[int], mx.array | None, int]:
         """k drafter passes; the first also feeds what the drafter has not seen. Greedy, except TLI at
         temperature > 0, which samples and keeps each distribution q for rejection sampling."""
@@ -229,11 +239,7 @@ class ModelDrafter:
         sample = self.tli and self.config.temperature > 0
         guesses, qs = [], []
         for _ in range(k):
-            logits = self.model.model(y[None], cache=self.cache)[:, -1, :]
-            if self.tli:
-                if self.id_map is None:
-                    self.id_map = IdMap(self.translator.to_target, logits.shape[-1])
-                logits = logits + self.id_map.drafter_mask
+            logits = self._restrict(self.model.model(y[None], cache=self.cache)[:, -1, :])
             if sample:
                 q = draft_distribution(logits, self.config.temperature)
                 y = mx.random.categorical(mx.log(q))
@@ -281,11 +287,7 @@ class ModelDrafter:
         hits = []
         for lo in range(first, end, REHEARSAL_SPAN):
             hi = min(lo + REHEARSAL_SPAN, end)
-            logits = self.model.model(mx.array(ids[lo:hi])[None], cache=self.cache)[0]
-            if self.tli:
-                if self.id_map is None:
-                    self.id_map = IdMap(self.translator.to_target, logits.shape[-1])
-                logits = logits + self.id_map.drafter_mask
+            logits = self._restrict(self.model.model(mx.array(ids[lo:hi])[None], cache=self.cache)[0])
             guesses = mx.argmax(logits, axis=-1).tolist()
             hits += [g == t for g, t in zip(guesses, ids[lo + 1 : hi + 1])]
         self.seen = end
