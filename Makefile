@@ -24,7 +24,7 @@ lint: setup-dev
 
 # One model at a time (the 1.5B is the memory peak); each is skipped when already converted.
 models-coder: setup
-	$(PY) -m uag.demo coder-drafter coder-target
+	$(PY) -m uag models coder-drafter coder-target
 
 setup: $(VENV)/.setup
 setup-dev: $(VENV)/.setup-dev

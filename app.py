@@ -2,7 +2,7 @@
 
 import sys
 
-from uag.serve import main
+from uag.app.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

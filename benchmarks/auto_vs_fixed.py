@@ -2,7 +2,7 @@
 
 For each prompt: the target alone, context translation at each fixed k, and auto (context translation,
 k re-decided each cycle, k ≤ --k-max), run back to back. The pair is calibrated first (the profile is
-saved and auto uses it, as users get after `python -m uag.calibrate`). Targets: auto ≥ 0.97 × baseline
+saved and auto uses it, as users get after `python -m uag calibrate`). Targets: auto ≥ 0.97 × baseline
 on every prompt, and auto ≥ the best fixed k on the mean.
 
 Usage: python benchmarks/auto_vs_fixed.py [--target demo-target] [--drafter demo-drafter] [--n 4]
@@ -24,12 +24,12 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 import mlx.core as mx
 
 from uag.api import generate  # auto: with the saved profile, as users get it
-from uag.calibrate import calibrate
-from uag.config import GenerationConfig
-from uag.datasets import load_bundled
+from uag.core.config import GenerationConfig
 from uag.machine import backend, blas, device_name
-from uag.models import ModelStore, check_pair
-from uag.profiles import save
+from uag.models.store import ModelStore, check_pair
+from uag.study.calibrate import calibrate
+from uag.study.datasets import load_bundled
+from uag.study.profiles import save
 
 
 def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int, repeats: int) -> dict:

@@ -36,10 +36,10 @@ from side_by_side import (
 import mlx.core as mx
 
 from uag.api import load, load_drafter, profile_for
-from uag.config import GenerationConfig
-from uag.datasets import chat_for, load_bundled
-from uag.engine import prompt_ids
+from uag.core.config import GenerationConfig
+from uag.core.engine import prompt_ids
 from uag.machine import backend, blas, device_name
+from uag.study.datasets import chat_for, load_bundled
 
 SHORT = {"demo-drafter": "SmolLM2", "demo-target": "Gemma", "coder-drafter": "Qwen0.5B"}
 

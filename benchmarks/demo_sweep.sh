@@ -12,7 +12,7 @@ PYTHON=${PYTHON:-python}
 OUT=${OUT:-results/demo.db}  # *.db and results/ are git-ignored
 mkdir -p "$(dirname "$OUT")"
 
-"$PYTHON" -m uag.bench --target demo-target --drafters demo-drafter \
+"$PYTHON" -m uag bench --target demo-target --drafters demo-drafter \
     --strategies none naive context --k 1 2 4 --datasets wiki alpaca synthetic \
     --n 3 --max-tokens 40 --out "$OUT" --sweep demo
-"$PYTHON" -m uag.analyze "$OUT" --out "${OUT%.db}-analysis"
+"$PYTHON" -m uag analyze "$OUT" --out "${OUT%.db}-analysis"

@@ -27,10 +27,10 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from uag.datasets import load_bundled
-from uag.engine import GenerationConfig, generate, prompt_ids
+from uag.core.engine import GenerationConfig, generate, prompt_ids
 from uag.machine import blas
-from uag.models import ModelStore
+from uag.models.store import ModelStore
+from uag.study.datasets import load_bundled
 
 PROMPTS = ["Stolica Polski to", "Warszawa jest", "The capital of France is"]
 

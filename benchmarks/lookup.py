@@ -34,9 +34,9 @@ from side_by_side import (
 import mlx.core as mx
 
 from uag.api import load, load_drafter, saved_profile
-from uag.config import GenerationConfig
-from uag.datasets import load_bundled
+from uag.core.config import GenerationConfig
 from uag.machine import backend, blas, device_name
+from uag.study.datasets import load_bundled
 
 
 def conditions(model, hybrid, lookup, args) -> list[Condition]:

@@ -37,9 +37,9 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 # isort: split
 import mlx.core as mx
 
-from uag import demo
-from uag.datasets import Prompt, load_bundled
 from uag.machine import backend, blas, device_name
+from uag.models import demo
+from uag.study.datasets import Prompt, load_bundled
 
 RUNNER = Path(__file__).with_name("peer_fork_runner.py")
 DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "uag" / "peer-fork-venv"

@@ -3,9 +3,9 @@
 Greedy speculation is lossless, so once the target's baseline continuation of a prompt is known, its
 verdict on any proposal is too: it keeps the longest prefix that matches and writes the next baseline
 token. This script records each prompt's baseline once with the real target (cached in the user cache),
-then runs the real engine (uag.engine.stream: the real drafter, translator and policy) against
+then runs the real engine (uag.core.engine.stream: the real drafter, translator and policy) against
 `ReplayModel`, a stand-in target that answers every forward pass with its baseline's next tokens at no
-cost. Each run's cycles are then priced with the pair's calibration profile (uag.profiles: the target's
+cost. Each run's cycles are then priced with the pair's calibration profile (uag.study.profiles: the target's
 pass over w new tokens, a drafter step, translation) and the drafter's own width curve, measured here
 the same way (a cycle's first drafter pass reads its pending token plus any backlog: the prompt, the
 target's corrections, tokens committed while parked; a parked step that ended with a rehearsal
@@ -40,15 +40,15 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 import mlx.core as mx
 
 from uag.api import load_drafter, profile_for
-from uag.calibrate import filled_cache, target_curve
-from uag.config import GenerationConfig
-from uag.costmodel import CostProfile
-from uag.datasets import chat_for, load_bundled
-from uag.engine import generate, prompt_ids
+from uag.core.config import GenerationConfig
+from uag.core.costmodel import CostProfile
+from uag.core.engine import generate, prompt_ids
+from uag.core.policy import AdaptiveK, FixedK
+from uag.core.records import Run
 from uag.machine import cache_dir, device_name
-from uag.models import LoadedModel, ModelStore
-from uag.policy import AdaptiveK, FixedK
-from uag.records import Run
+from uag.models.store import LoadedModel, ModelStore
+from uag.study.calibrate import filled_cache, target_curve
+from uag.study.datasets import chat_for, load_bundled
 
 
 class ReplayCache:

@@ -4,7 +4,7 @@ For each emulated link latency (a wait after every collective: 0 / 0.05 ms RDMA 
 1 ms Ethernet), interleaved over repetitions: the verify-cost curve of the sharded target over w = 1…16
 tokens, then per prompt of the structured set the baseline over the same sharded target and speculation
 with prompt lookup (rank 0 drafts; one exchange per cycle). Every speculative run must reproduce the
-baseline's tokens. The cost model's link term (uag.costmodel.sharded_speedup: passes × hops × latency)
+baseline's tokens. The cost model's link term (uag.core.costmodel.sharded_speedup: passes × hops × latency)
 predicts each latency's speedup from the 0 ms runs; predicted and measured are printed side by side.
 Then a paper prediction for a 70B 4-bit target over two Macs (every assumption printed).
 
@@ -41,7 +41,7 @@ def verify_curve(target, ids: list[int], widths: range, reps: int) -> dict[int, 
     """Median ms of one target pass over w new tokens on a filled cache (every rank runs the same passes)."""
     import mlx.core as mx
 
-    from uag.passes import prefill, trim_to
+    from uag.core.passes import prefill, trim_to
 
     cache = target.make_cache()
     prefill(target.model, cache, ids)
@@ -59,12 +59,12 @@ def verify_curve(target, ids: list[int], widths: range, reps: int) -> dict[int, 
 
 
 def rank_main(args) -> int:
-    from uag.collective import emulated_link
-    from uag.config import GenerationConfig
-    from uag.costmodel import collectives_per_pass
-    from uag.datasets import load_bundled
-    from uag.distributed import connect, generate_sharded, load_sharded
-    from uag.drafters import DrafterChoice
+    from uag.core.config import GenerationConfig
+    from uag.core.costmodel import collectives_per_pass
+    from uag.core.drafters import DrafterChoice
+    from uag.distributed.collective import emulated_link
+    from uag.distributed.sharded import connect, generate_sharded, load_sharded
+    from uag.study.datasets import load_bundled
 
     ranks = connect(timeout_s=600)
     target = load_sharded(args.target, args.shard, ranks)
@@ -141,7 +141,7 @@ def launch(args, out: Path) -> None:
 def summarise(data: dict) -> dict:
     """Per latency: total times over the prompt set (median over repetitions), speedups measured and
     predicted from the 0 ms runs by the link term."""
-    from uag.costmodel import sharded_speedup
+    from uag.core.costmodel import sharded_speedup
 
     meta, runs = data["meta"], data["runs"]
     by = {}
@@ -202,7 +202,7 @@ def print_summary(summary: dict) -> None:
 
 def paper_prediction(tokens_per_pass_lookup: float) -> None:
     """70B 4-bit over two Macs, on paper. Every number below is an assumption, stated where it is used."""
-    from uag.costmodel import CostProfile, collectives_per_pass, over_link
+    from uag.core.costmodel import CostProfile, collectives_per_pass, over_link
 
     weights_gb, layers, bandwidth = 40.0, 80, 546 * 0.7  # Llama-3.3-70B 4-bit; M4 Max 546 GB/s at 70 %
     print("\n# paper prediction: Llama-3.3-70B-Instruct-4bit (≈40 GB, 80 layers) over two M4 Max (64 GB) Macs")

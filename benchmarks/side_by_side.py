@@ -16,9 +16,9 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 
 # isort: split
 from uag.api import generate
-from uag.config import GenerationConfig
-from uag.drafters import DrafterChoice
-from uag.models import LoadedModel
+from uag.core.config import GenerationConfig
+from uag.core.drafters import DrafterChoice
+from uag.models.store import LoadedModel
 
 
 @dataclass(frozen=True)

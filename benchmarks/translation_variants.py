@@ -38,14 +38,14 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 # isort: split
 import mlx.core as mx
 
-import uag.translate as translate
-from uag import anatomy
-from uag.config import GenerationConfig
-from uag.datasets import load_bundled
-from uag.engine import generate, prompt_ids
+import uag.core.translate as translate
+from uag.core import anatomy
+from uag.core.config import GenerationConfig
+from uag.core.engine import generate, prompt_ids
+from uag.core.translate import Proposal, Resync, TextTranslator, Translator
 from uag.machine import cache_dir
-from uag.models import ModelStore
-from uag.translate import Proposal, Resync, TextTranslator, Translator
+from uag.models.store import ModelStore
+from uag.study.datasets import load_bundled
 
 SHOW: set[str] = set()  # loss causes whose cycles are printed (--show)
 TRACE: list[bool] = []  # print every cycle (--trace)

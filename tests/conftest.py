@@ -10,7 +10,7 @@ import uag  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
 @pytest.fixture(scope="session")
 def store():
     """One ModelStore for the whole session, so each model is loaded once."""
-    from uag.models import ModelStore
+    from uag.models.store import ModelStore
 
     return ModelStore()
 
@@ -24,7 +24,7 @@ def demo_pair(store):
 @pytest.fixture(scope="session")
 def app_session(store):
     """The app's Session on the shared store (so the API and browser tests reuse loaded models)."""
-    from uag.session import Session
+    from uag.app.session import Session
 
     return Session(store=store)
 

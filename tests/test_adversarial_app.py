@@ -204,7 +204,7 @@ def test_one_client_cannot_fill_the_queue(app_url, app_session):  # finding 1: p
 def test_an_upload_over_the_limit_is_refused(app_url):  # finding 3
     import httpx
 
-    from uag.files import MAX_UPLOAD_MB
+    from uag.app.files import MAX_UPLOAD_MB
 
     big = b"\0" * (MAX_UPLOAD_MB * 2**20 + 4096)
     with httpx.Client(base_url=app_url, timeout=120) as http:

@@ -11,13 +11,13 @@ import pytest
 from scipy.stats import norm
 
 from tests.support.synthetic_runs import add_prompt
-from uag import analyze as analysis_module
-from uag.analyze import analyze, drafter_r, main
-from uag.costmodel import break_even_leviathan, fit_c_from_speedups, speedup
-from uag.plots import HYBRID_GROUP, LOOKUP_GROUP
-from uag.report import R_IS, figures, planes
-from uag.results import ResultsDB, load_runs
-from uag.stats import break_even_ols
+from uag.core.costmodel import break_even_leviathan, fit_c_from_speedups, speedup
+from uag.study import analyze as analysis_module
+from uag.study.analyze import analyze, drafter_r, main
+from uag.study.plots import HYBRID_GROUP, LOOKUP_GROUP
+from uag.study.report import R_IS, figures, planes
+from uag.study.results import ResultsDB, load_runs
+from uag.study.stats import break_even_ols
 
 R, C = 0.07, 0.185  # synthetic_runs stores drafter/target bytes with r = 0.07
 
@@ -330,7 +330,7 @@ def test_planes(drafters, expected):
 
 
 def test_the_app_history_names_a_hybrid_drafter_as_a_hybrid():
-    from uag.history import group_of
+    from uag.app.history import group_of
 
     assert group_of("lookup+org/d-1B", "auto") == "lookup+d-1B · auto"
     assert group_of("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "context") == "Qwen2.5-1.5B-Instruct-4bit · context"

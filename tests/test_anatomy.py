@@ -13,10 +13,10 @@ import pytest
 
 from tests.support import real_tokenizers
 from tests.support.fake_vocab import drafter_vocab, target_vocab
-from uag import anatomy
-from uag.anatomy import Loss, classify, token_texts
-from uag.translate import NaiveTranslator, TextTranslator, encode_after
-from uag.vocab import HFVocab
+from uag.core import anatomy
+from uag.core.anatomy import Loss, classify, token_texts
+from uag.core.translate import NaiveTranslator, TextTranslator, encode_after
+from uag.models.vocab import HFVocab
 
 POLISH = [
     "Stolica Polski to Warszawa, a w winie jest prawda. W Wrocławiu i w Łodzi pada deszcz.",
@@ -121,8 +121,8 @@ def vocabs():
 def demo_vocab(name: str) -> HFVocab:
     from transformers import AutoTokenizer
 
-    from uag import demo
     from uag.errors import ModelError
+    from uag.models import demo
 
     try:
         folder = demo.ensure(name)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from uag.highlight import DRAFT, TARGET
+from uag.core.highlight import DRAFT, TARGET
 
 PROMPTS = ("Stolica Polski to", "Ile nóg ma pająk?")
 MAX_TOKENS = 8  # the endpoint's default is 64; kept short so that the tests stay quick on a CPU
@@ -27,8 +27,8 @@ def sequential(app_url):
 def test_endpoint_defaults_are_the_apps(app_url):
     from gradio_client import Client
 
-    from uag.presets import DEFAULT
-    from uag.settings import DEFAULT_GENERATION
+    from uag.app.settings import DEFAULT_GENERATION
+    from uag.runtime.presets import DEFAULT
 
     info = Client(app_url, verbose=False).view_api(return_format="dict", print_info=False)
     params = info["named_endpoints"]["/compare"]["parameters"]
@@ -100,7 +100,7 @@ def test_bad_input_is_a_clear_error(app_url, prompt, options, message):
 
 
 def test_share_without_a_login_is_refused(capsys, monkeypatch):
-    from uag.serve import main
+    from uag.app.launch import main
 
     monkeypatch.delenv("UAG_AUTH", raising=False)
     assert main(["--share"]) == 2
@@ -110,7 +110,7 @@ def test_share_without_a_login_is_refused(capsys, monkeypatch):
 
 
 def test_the_login_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):  # finding 14: not only argv
-    from uag.serve import _auth, parse_args
+    from uag.app.launch import _auth, parse_args
 
     monkeypatch.setenv("UAG_AUTH", "ala:kot")
     assert _auth(parse_args([])) == ("ala", "kot")
@@ -124,7 +124,7 @@ def test_the_login_comes_from_the_environment_or_a_file(tmp_path, monkeypatch): 
 def test_a_taken_port_says_which_option_to_use(capsys):  # finding 14
     import socket
 
-    from uag.serve import main
+    from uag.app.launch import main
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -175,7 +175,7 @@ def test_a_client_that_goes_away_cancels_its_job(app_url, app_session):  # findi
 
 
 def test_padding_fills_only_what_a_call_left_out():
-    from uag.rest import padded
+    from uag.app.fill_defaults import padded
 
     assert padded(["Hej"], ["demo-target", "demo-drafter"]) == ["Hej", "demo-target", "demo-drafter"]
     assert padded(["Hej", "t", "d"], ["demo-target", "demo-drafter"]) == ["Hej", "t", "d"]

@@ -50,7 +50,7 @@ def page(tmp_path):
 def test_a_comparison_in_the_browser(app_url, page):
     page.goto(app_url)
     page.get_by_label("Prompt").fill("The capital of France is")
-    page.locator("input[aria-label='number input for Max tokens']").fill("12")  # labels from uag.config.FIELDS
+    page.locator("input[aria-label='number input for Max tokens']").fill("12")  # labels from uag.core.config.FIELDS
     page.locator("#run").click()
     page.wait_for_function(
         "() => /Done|Cannot run|error/i.test(document.querySelector('#status')?.innerText ?? '')",
@@ -75,9 +75,9 @@ def test_a_comparison_in_the_browser(app_url, page):
 def test_the_first_example_is_structured_and_runs_on_the_default_pair(app_url, page):  # issue 12
     from playwright.sync_api import expect
 
-    from uag.datasets import load_bundled
-    from uag.presets import DEFAULT
-    from uag.settings import DEFAULT_GENERATION
+    from uag.app.settings import DEFAULT_GENERATION
+    from uag.runtime.presets import DEFAULT
+    from uag.study.datasets import load_bundled
 
     page.goto(app_url)
     assert page.get_by_label("Drafter").input_value() == DEFAULT.drafter

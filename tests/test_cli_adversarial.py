@@ -84,11 +84,11 @@ CASES = [
         None,
         "whose context is 16 tokens: shorten the prompt, pick a drafter with a longer context",
     ),
-    ("analyze-word-for-r", ["-m", "uag.analyze", "--model-only", "--r", "abc"], None, "argument --r: must be a finite number (got 'abc')"),
-    ("analyze-missing-file", ["-m", "uag.analyze", "{missing}"], None, "no results file at"),
-    ("bench-word-for-n", ["-m", "uag.bench", "--target", "t", "--drafters", "d", "--n", "few", "--out", "{root}/r.db"], None, "argument --n: must be a whole number"),
-    ("bench-out-is-a-folder", ["-m", "uag.bench", "--target", "t", "--drafters", "d", "--n", "1", "--out", "{folder}"], None, "is a directory, not a results file"),
-    ("calibrate-word-for-repeats", ["-m", "uag.calibrate", "--repeats", "many"], None, "argument --repeats: must be a whole number"),
+    ("analyze-word-for-r", ["-m", "uag.study.analyze", "--model-only", "--r", "abc"], None, "argument --r: must be a finite number (got 'abc')"),
+    ("analyze-missing-file", ["-m", "uag.study.analyze", "{missing}"], None, "no results file at"),
+    ("bench-word-for-n", ["-m", "uag.study.bench", "--target", "t", "--drafters", "d", "--n", "few", "--out", "{root}/r.db"], None, "argument --n: must be a whole number"),
+    ("bench-out-is-a-folder", ["-m", "uag.study.bench", "--target", "t", "--drafters", "d", "--n", "1", "--out", "{folder}"], None, "is a directory, not a results file"),
+    ("calibrate-word-for-repeats", ["-m", "uag.study.calibrate", "--repeats", "many"], None, "argument --repeats: must be a whole number"),
 ]  # fmt: skip
 
 
@@ -123,7 +123,8 @@ def test_there_are_at_least_15_distinct_bad_inputs():
 
 def test_an_internal_error_is_not_blamed_on_the_user(tmp_path, monkeypatch, capsys):
     """A bug (here: the engine raising TypeError) is 'internal error', exit 1, its traceback in the log only."""
-    from uag import api, cli, engine
+    from uag import api, cli
+    from uag.core import engine
 
     monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path))
 
@@ -132,7 +133,7 @@ def test_an_internal_error_is_not_blamed_on_the_user(tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(api, "generate", broken)
     monkeypatch.setattr(engine, "prompt_ids", lambda target, prompt, chat=False: [1, 2, 3])
-    monkeypatch.setattr("uag.loading_errors.load_model", lambda store, name, role, progress=None: object())
+    monkeypatch.setattr("uag.core.loading.load_model", lambda store, name, role, progress=None: object())
     assert cli.main(["generate", "--strategy", "baseline", "--json", "Ala"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("internal error: python -m uag generate failed"), err

@@ -1,4 +1,4 @@
-"""The Qwen2.5-Coder pair (uag.demo's coder-target / coder-drafter): wheels, joining, conversion, greedy output.
+"""The Qwen2.5-Coder pair (uag.models.demo's coder-target / coder-drafter): wheels, joining, conversion, greedy output.
 
 The reference is tests/fixtures/coder_reference.json, made once by tests/fixtures/make_coder_reference.py with
 transformers' own GGUF loader and PyTorch. The converted models are large (7.1 + 2.5 GB of float32), so the
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import uag  # noqa: F401  (loads OpenBLAS before mlx)
-from uag import convert, demo, wheels
 from uag.errors import ModelError
+from uag.models import convert, demo, wheels
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE = json.loads((FIXTURES / "coder_reference.json").read_text())
@@ -58,7 +58,7 @@ def test_catalogue_pins_every_wheel_and_the_joined_files():
 
 
 def test_every_offline_name_resolves_through_the_model_store():
-    from uag.models import DEMO_NAMES
+    from uag.models.store import DEMO_NAMES
 
     assert set(DEMO_NAMES) == set(demo.MODELS)  # so each is converted on first use and loads in float32
 
@@ -145,7 +145,7 @@ def test_fetch_downloads_only_missing_or_damaged_wheels_and_join_checks_the_resu
 def coder(request):
     """(name, folder, LoadedModel) for each coder model in turn, loaded through uag's own ModelStore (as
     `--target coder-target` would be) and released before the next one loads."""
-    from uag.models import ModelStore
+    from uag.models.store import ModelStore
 
     name = request.param
     folder = demo.ensure(name, progress=lambda message: print(f"[{name}] {message}"))

@@ -14,9 +14,9 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from tests.support.coder import needs_coder_pair
-from uag.config import GenerationConfig
-from uag.drafters import DrafterChoice
-from uag.engine import generate, prompt_ids, stream
+from uag.core.config import GenerationConfig
+from uag.core.drafters import DrafterChoice
+from uag.core.engine import generate, prompt_ids, stream
 
 pytestmark = needs_coder_pair
 PROMPTS = ["def quicksort(arr):", "# Zwraca silnię liczby n\ndef silnia(n):"]
@@ -26,7 +26,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def coder():
     """The 1.5B target and its same-tokenizer drafter, in a store of their own, dropped after the module."""
-    from uag.models import ModelStore
+    from uag.models.store import ModelStore
 
     store = ModelStore()
     target = store.get("coder-target")
@@ -42,7 +42,7 @@ def coder():
 
 @pytest.mark.parametrize("drafter", ["coder-drafter", "demo-drafter", "demo-target", "lookup+demo-drafter"])
 def test_greedy_output_equals_the_target_alone(coder, store, drafter):
-    from uag.models import ModelStore
+    from uag.models.store import ModelStore
 
     _, target, expected = coder
     lookup, _, name = drafter.rpartition("+")

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from uag import costmodel
-from uag.costmodel import (
+from uag.core import costmodel
+from uag.core.costmodel import (
     CostProfile,
     break_even,
     break_even_leviathan,

@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from uag.access import Access
-from uag.costmodel import CostProfile
-from uag.drafters import DrafterChoice
-from uag.loaded import Loaded
-from uag.models import ModelStore, Pair
-from uag.plots import verify_cost
-from uag.profiles import Calibration, find_profile, profile_key, profile_path, save
-from uag.session import Session
-from uag.worker import MLXWorker
+from uag.app.loaded import Loaded
+from uag.app.session import Session
+from uag.core.costmodel import CostProfile
+from uag.core.drafters import DrafterChoice
+from uag.models.store import ModelStore, Pair
+from uag.runtime.access import Access
+from uag.runtime.worker import MLXWorker
+from uag.study.plots import verify_cost
+from uag.study.profiles import Calibration, find_profile, profile_key, profile_path, save
 
 # w = 9 is far too slow for k = 8 to pay at any acceptance. k = 1: cycle 1 + 0.5 + 11.5 = 13 ms, plain step
 # 10 ms, so a cycle must commit 1.3 tokens: α* = 30% (the study's 1 + k·α tokens, as calibrate saves).

@@ -12,8 +12,8 @@ from importlib import resources
 
 import pytest
 
-from uag import datasets as ds
-from uag.datasets import BUNDLED, Prompt, chat_for, load, load_bundled, load_hf
+from uag.study import datasets as ds
+from uag.study.datasets import BUNDLED, Prompt, chat_for, load, load_bundled, load_hf
 
 SIZES = {"wiki": 75, "alpaca": 72, "synthetic": 70, "structured": 42, "code": 44}  # as uag/data/README.md says
 LENGTHS = {"structured": (150, 1200), "code": (15, 1200)}  # characters, as uag/data/README.md says

@@ -1,4 +1,4 @@
-"""The embedded demo pair (uag.demo): conversion from GGUF is exact, and the cache is idempotent, atomic, shared.
+"""The embedded demo pair (uag.models.demo): conversion from GGUF is exact, and the cache is idempotent, atomic, shared.
 
 The reference is tests/fixtures/demo_reference.json, made once by tests/fixtures/make_demo_reference.py with
 transformers' own GGUF loader and PyTorch (never a dependency here). The models are converted once into the same
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import uag  # noqa: F401  (loads OpenBLAS before mlx)
-from uag import convert, demo
+from uag.models import convert, demo
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "demo_reference.json").read_text())

@@ -8,12 +8,12 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from tests.support.tiny_models import build_tiny, tiny_pair
-from uag.config import DrafterSpec, GenerationConfig
-from uag.drafters import DrafterChoice, load_drafter
-from uag.engine import generate, prompt_ids, stream
+from uag.core.config import DrafterSpec, GenerationConfig
+from uag.core.drafters import DrafterChoice, load_drafter
+from uag.core.engine import generate, prompt_ids, stream
+from uag.core.lookup import NgramIndex
+from uag.core.translate import make_translator
 from uag.errors import InputError
-from uag.lookup import NgramIndex
-from uag.translate import make_translator
 
 KS = (1, 2, 4, 8)
 # Repetitive prompts give lookup something to find; the last has no repeated n-gram at all.
@@ -203,7 +203,7 @@ def test_a_prompt_longer_than_the_drafters_context_is_refused_with_one_line(tiny
 
 @pytest.mark.parametrize("kind", ["model", "lookup", "hybrid"])
 def test_every_rejected_position_gets_a_cause_in_the_cycle_records_and_the_run(tiny, kind):
-    from uag.views import loss_line
+    from uag.app.compare_view import loss_line
 
     target, model = tiny
     choice = DrafterChoice(lookup=kind != "model", model=None if kind == "lookup" else model)
@@ -222,7 +222,7 @@ def test_every_rejected_position_gets_a_cause_in_the_cycle_records_and_the_run(t
 
 def test_auto_with_lookup_alone_gets_the_target_verify_curve_once_and_reuses_it(tiny, tmp_path, monkeypatch):
     from uag.api import profile_for
-    from uag.profiles import find_calibration, target_key
+    from uag.study.profiles import find_calibration, target_key
 
     monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path))
     target, _ = tiny

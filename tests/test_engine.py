@@ -13,12 +13,12 @@ from mlx_lm.sample_utils import make_sampler
 
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.cli import main
-from uag.costmodel import CostProfile
-from uag.drafters import DrafterChoice, make_drafter
-from uag.engine import GenerationConfig, generate, prompt_ids, stream
-from uag.models import ModelError
-from uag.policy import AdaptiveK
-from uag.translate import make_translator
+from uag.core.costmodel import CostProfile
+from uag.core.drafters import DrafterChoice, make_drafter
+from uag.core.engine import GenerationConfig, generate, prompt_ids, stream
+from uag.core.policy import AdaptiveK
+from uag.core.translate import make_translator
+from uag.models.store import ModelError
 
 STRATEGIES = ("none", "naive", "context", "tli", "auto")
 KS = (1, 2, 4)

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from uag.config import FIELDS
-from uag.files import load_results
-from uag.handlers import DECODING, KEEP, Handlers, Shown, show
-from uag.plots import cycle_ribbon, position_acceptance
-from uag.records import Cycle
-from uag.session import Session
-from uag.views import Update
+from uag.app.compare_view import Update
+from uag.app.files import load_results
+from uag.app.handlers import DECODING, KEEP, Handlers, Shown, show
+from uag.app.session import Session
+from uag.core.config import FIELDS
+from uag.core.records import Cycle
+from uag.study.plots import cycle_ribbon, position_acceptance
 
 
 class _NoWorker:
@@ -73,10 +73,10 @@ def test_presets_fill_both_names(handlers):
 
 
 def test_the_app_opens_on_a_lookup_pair_with_auto_and_a_structured_example():  # issue 12
-    from uag.config import DrafterSpec
-    from uag.datasets import load_bundled
-    from uag.presets import DEFAULT, PRESETS
-    from uag.ui import example_prompts
+    from uag.app.ui import example_prompts
+    from uag.core.config import DrafterSpec
+    from uag.runtime.presets import DEFAULT, PRESETS
+    from uag.study.datasets import load_bundled
 
     defaults = Session(worker=_NoWorker()).defaults
     assert DEFAULT is PRESETS[0] and (defaults.target, defaults.drafter) == (DEFAULT.target, DEFAULT.drafter)
@@ -129,7 +129,7 @@ def test_an_sqlite_file_of_another_program_says_so(upload_dir):
 
 
 def test_a_results_file_with_no_speculative_runs_says_what_is_missing(upload_dir):
-    from uag.results import ResultsDB
+    from uag.study.results import ResultsDB
 
     path = upload_dir / "empty.db"
     ResultsDB(path).close()
@@ -168,7 +168,7 @@ def test_position_acceptance_marks_untried_positions():
 
 
 def test_history_table_survives_odd_prompts():
-    from uag.handlers import table
+    from uag.app.handlers import table
 
     frame = table([{"prompt": 12345, "alpha": 0.5}])
     assert isinstance(frame, pd.DataFrame) and frame["prompt"].iloc[0] == "12345"
@@ -177,7 +177,7 @@ def test_history_table_survives_odd_prompts():
 def test_a_damaged_model_folder_never_reaches_mlx(tmp_path):
     from tests.support.tiny_models import build_tiny
     from uag.errors import ModelError
-    from uag.models import ModelStore
+    from uag.models.store import ModelStore
 
     folder = tmp_path / "copy"
     shutil.copytree(build_tiny("mistral", "mistral-v1"), folder)

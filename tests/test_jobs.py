@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from uag.jobs import Busy, JobRunner, Status, Tick, Waiting, failure, say
-from uag.worker import MLXWorker
+from uag.runtime.jobs import Busy, JobRunner, Status, Tick, Waiting, failure, say
+from uag.runtime.worker import MLXWorker
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from uag.errors import ModelError
-from uag.models import ModelStore
+from uag.models.store import ModelStore
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from uag.costmodel import CostProfile
-from uag.policy import REHEARSAL_BUDGET, STRETCH_MAX, AdaptiveK, FixedK, replay_drafts
-from uag.records import Cycle, Rehearsal
+from uag.core.costmodel import CostProfile
+from uag.core.policy import REHEARSAL_BUDGET, STRETCH_MAX, AdaptiveK, FixedK, replay_drafts
+from uag.core.records import Cycle, Rehearsal
 
 CHEAP_DRAFTER = CostProfile({1: 10.0, 2: 10.5, 3: 11.0, 5: 12.0, 9: 14.0}, drafter_ms=0.5, translate_ms=0.1)
 COSTLY_DRAFTER = CostProfile({1: 10.0, 2: 15.0, 5: 30.0, 9: 50.0}, drafter_ms=6.0, translate_ms=0.1)

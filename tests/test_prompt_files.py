@@ -1,13 +1,13 @@
-"""A user's prompt files (uag.prompt_files via uag.datasets.load_file/load): every bad line reported with its
+"""A user's prompt files (prompt_files via datasets.load_file/load): every bad line reported with its
 number, the rest used. Issue 14, finding 13: an unterminated CSV quote must not swallow the rest of the file."""
 
 from __future__ import annotations
 
 import pytest
 
-from uag import prompt_files
-from uag.datasets import Prompt, load, load_file
 from uag.errors import InputError
+from uag.study import prompt_files
+from uag.study.datasets import Prompt, load, load_file
 
 
 def write(tmp_path, name: str, text: str):

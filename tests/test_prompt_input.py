@@ -4,8 +4,8 @@ import io
 
 import pytest
 
+from uag.core.prompt_input import check_context, check_text, read_prompt
 from uag.errors import InputError
-from uag.prompt_input import check_context, check_text, read_prompt
 
 
 def test_argv_bytes_that_are_not_utf8_are_named():

@@ -28,15 +28,15 @@ FENCE = re.compile(r"^```(\S*)(.*?)\n(.*?)^```", re.M | re.S)
 SMALL = {"--n": "1", "--max-tokens": "4", "--max-width": "2", "--repeats": "1", "--context": "16"}
 ADDED = {
     ("uag", "generate"): ("--max-tokens",),
-    ("uag.calibrate",): ("--max-width", "--repeats", "--context"),
+    ("uag", "calibrate"): ("--max-width", "--repeats", "--context"),
 }
 
 
 def runnable_commands(markdown: str) -> list[str]:
     """The `python -m uag…` commands of the blocks marked runnable, continuation lines joined, in order.
 
-    Example: "```sh runnable\\npython -m uag.bench --n 4 \\\\\\n    --out r.db   # note\\n```" ->
-             ["python -m uag.bench --n 4 --out r.db   # note"]
+    Example: "```sh runnable\\npython -m uag bench --n 4 \\\\\\n    --out r.db   # note\\n```" ->
+             ["python -m uag bench --n 4 --out r.db   # note"]
     """
     commands = []
     for match in FENCE.finditer(markdown):
@@ -50,7 +50,7 @@ def runnable_commands(markdown: str) -> list[str]:
 def small(command: str) -> list[str]:
     """The command as argv, with SMALL sizes (see the module docstring).
 
-    Example: 'python -m uag.bench --n 4 --out r.db  # x' -> ['python', '-m', 'uag.bench', '--n', '1', '--out', 'r.db']
+    Example: 'python -m uag bench --n 4 --out r.db' -> ['python', '-m', 'uag', 'bench', '--n', '1', '--out', 'r.db']
     """
     argv = shlex.split(command, comments=True)
     for i, word in enumerate(argv[:-1]):
@@ -60,7 +60,7 @@ def small(command: str) -> list[str]:
         start = argv.index("--k") + 2
         end = next((j for j in range(start, len(argv)) if argv[j].startswith("--")), len(argv))
         del argv[start:end]
-    head = 4 if argv[2] == "uag" else 3  # after "python -m uag generate" / "python -m uag.calibrate"
+    head = 4  # after "python -m uag generate" / "python -m uag calibrate"
     for flag in ADDED.get(tuple(argv[2:head]), ()):
         if flag not in argv:
             argv[head:head] = [flag, SMALL[flag]]
@@ -73,8 +73,8 @@ def test_runnable_commands_are_found_and_made_small():
     assert small(runnable_commands(text)[0]) == [
         "python", "-m", "uag", "generate", "--max-tokens", "4", "-k", "2", "Ala ma"
     ]  # fmt: skip
-    assert small("python -m uag.bench --k 1 2 4 --n 4 --max-tokens 48 --out r.db") == [
-        "python", "-m", "uag.bench", "--k", "1", "--n", "1", "--max-tokens", "4", "--out", "r.db"
+    assert small("python -m uag bench --k 1 2 4 --n 4 --max-tokens 48 --out r.db") == [
+        "python", "-m", "uag", "bench", "--k", "1", "--n", "1", "--max-tokens", "4", "--out", "r.db"
     ]  # fmt: skip
 
 
@@ -97,8 +97,8 @@ def user_env(tmp_path):
 @pytest.mark.slow
 def test_every_runnable_readme_command_works_verbatim(tmp_path, user_env):
     commands = runnable_commands(README.read_text(encoding="utf-8"))
-    modules = {shlex.split(c)[2] for c in commands}
-    assert {"uag", "uag.bench", "uag.analyze", "uag.calibrate"} <= modules, (
+    subcommands = {shlex.split(c)[3] for c in commands}
+    assert {"generate", "bench", "analyze", "calibrate"} <= subcommands, (
         "README.md marks no runnable block with these commands: give their fence the info string 'sh runnable'"
     )
     work = tmp_path / "fresh-clone"
@@ -110,10 +110,10 @@ def test_every_runnable_readme_command_works_verbatim(tmp_path, user_env):
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
         outputs[command] = done.stdout
     # The sweep -> analyze pair: the analysis read the sweep's results file and wrote its report.
-    bench = next(c for c in commands if "uag.bench" in c)
+    bench = next(c for c in commands if "uag bench" in c)
     out_file = shlex.split(bench, comments=True)[shlex.split(bench, comments=True).index("--out") + 1]
     assert (work / out_file).is_file()
-    analysis = next(c for c in commands if "uag.analyze" in c and "--model-only" not in c)
+    analysis = next(c for c in commands if "uag analyze" in c and "--model-only" not in c)
     out_dir = shlex.split(analysis, comments=True)[shlex.split(analysis, comments=True).index("--out") + 1]
     assert (work / out_dir / "report.html").is_file()
     model_only = next((c for c in commands if "--model-only" in c and "--json" in c), None)

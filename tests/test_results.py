@@ -10,8 +10,8 @@ from dataclasses import fields, replace
 import pytest
 
 from tests.support.synthetic_runs import BASELINE_MACHINE, MACHINE, TARGET, add_prompt, make_run, spec
-from uag.config import GenerationConfig
-from uag.results import ResultsDB, RunSpec, load_runs, short_name
+from uag.core.config import GenerationConfig
+from uag.study.results import ResultsDB, RunSpec, load_runs, short_name
 
 
 @pytest.fixture

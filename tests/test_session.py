@@ -10,16 +10,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from uag.access import Access, check_drafter, check_model, client_of, is_remote, names_for_remote
-from uag.config import MAX_TOKENS, SPECULATIVE
+from uag.app.compare_view import explain, labelled_spans, mismatch, stats_of
+from uag.app.history import C_FITTED, C_STUDY, HISTORY_COLUMNS, history_frame, history_row
+from uag.app.session import Session
+from uag.app.settings import Settings, check_prompt
+from uag.core.config import MAX_TOKENS, SPECULATIVE
+from uag.core.highlight import DRAFT, TARGET
+from uag.core.records import Cycle, Run, Token
 from uag.errors import InputError
-from uag.highlight import DRAFT, TARGET
-from uag.history import C_FITTED, C_STUDY, HISTORY_COLUMNS, history_frame, history_row
-from uag.records import Cycle, Run, Token
-from uag.session import Session
-from uag.settings import Settings, check_prompt
-from uag.views import explain, labelled_spans, mismatch, stats_of
-from uag.worker import MLXWorker
+from uag.runtime.access import Access, check_drafter, check_model, client_of, is_remote, names_for_remote
+from uag.runtime.worker import MLXWorker
 
 REMOTE = Access(remote=True)
 REMOTE_PRESETS = Access(remote=True, remote_models="presets")
@@ -495,7 +495,7 @@ def test_plot_without_runs_uses_the_study_r():
 
 def test_plot_adds_a_results_file(tmp_path):
     from tests.support.synthetic_runs import add_prompt
-    from uag.results import ResultsDB
+    from uag.study.results import ResultsDB
 
     with ResultsDB(tmp_path / "sweep.db") as db:
         add_prompt(db, "wiki-001", tps_base=10.0, runs={("org/d-1B", "context", 2): (8, 10, 12.0)})
@@ -570,7 +570,7 @@ def test_stop_ends_a_comparison_within_a_cycle_and_the_app_keeps_serving(app_ses
 
 @pytest.mark.slow
 def test_worker_cancel_takes_effect_before_the_next_cycle(app_session):
-    from uag.engine import stream
+    from uag.core.engine import stream
 
     target, drafter = app_session.store.get("demo-target"), app_session.store.get("demo-drafter")
     config = Settings.parse(max_tokens=100).config()

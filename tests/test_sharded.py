@@ -102,9 +102,9 @@ def models():
 
 
 def unsharded_greedy(target: str, max_tokens: int) -> list[int]:
-    from uag.config import GenerationConfig
-    from uag.engine import generate
-    from uag.models import ModelStore
+    from uag.core.config import GenerationConfig
+    from uag.core.engine import generate
+    from uag.models.store import ModelStore
 
     model = ModelStore().get(target)
     ids = model.tokenizer.encode(PROMPT)
@@ -195,7 +195,7 @@ def test_the_agreement_check_names_a_rank_that_diverged(tmp_path, models):
 )
 def test_an_architecture_that_cannot_be_sharded_that_way_is_one_clear_line(arch, shard, message):
     from tests.support.tiny_models import ARCH_CONFIGS
-    from uag.distributed import check_shardable
+    from uag.distributed.sharded import check_shardable
     from uag.errors import ModelError
 
     config = {**ARCH_CONFIGS[arch], "vocab_size": 64}
@@ -206,14 +206,14 @@ def test_an_architecture_that_cannot_be_sharded_that_way_is_one_clear_line(arch,
 
 def test_qwen2_shards_both_ways():
     from tests.support.tiny_models import ARCH_CONFIGS
-    from uag.distributed import check_shardable
+    from uag.distributed.sharded import check_shardable
 
     for shard in ("pipeline", "tensor"):
         check_shardable("m", {**ARCH_CONFIGS["qwen2"], "vocab_size": 64}, shard, 2)
 
 
 def test_the_link_term_favours_speculation_more_the_slower_the_link():
-    from uag.costmodel import CostProfile, collectives_per_pass, link_ms, over_link, sharded_speedup
+    from uag.core.costmodel import CostProfile, collectives_per_pass, link_ms, over_link, sharded_speedup
 
     assert collectives_per_pass("tensor", 80, 2) == 160 and collectives_per_pass("pipeline", 80, 2) == 2
     assert link_ms(10, 4, 0.5) == 20.0

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from uag import stats
-from uag.stats import break_even_ols, bucket_means
+from uag.study import stats
+from uag.study.stats import break_even_ols, bucket_means
 
 A, B, BASE = 8.0, 16.0, 14.7  # true TPS = 8 + 16·α; true α* = 6.7 / 16
 TRUE_ALPHA_STAR = (BASE - A) / B

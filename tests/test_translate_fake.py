@@ -3,7 +3,7 @@
 import pytest
 
 from tests.support.fake_vocab import FakeVocab, drafter_vocab, target_vocab
-from uag.translate import (
+from uag.core.translate import (
     NaiveTranslator,
     PassThroughTranslator,
     TextTranslator,

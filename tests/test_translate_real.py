@@ -11,7 +11,7 @@ import random
 import pytest
 
 from tests.support import real_tokenizers
-from uag.translate import (
+from uag.core.translate import (
     NaiveTranslator,
     PassThroughTranslator,
     TextTranslator,
@@ -20,7 +20,7 @@ from uag.translate import (
     stable_text,
     text_after,
 )
-from uag.vocab import HFVocab, same_vocabulary
+from uag.models.vocab import HFVocab, same_vocabulary
 
 TEXTS = [
     "Zażółć gęślą jaźń – pchnąć w tę łódź jeża lub ośm skrzyń fig.",

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from uag.verify import IdMap, Verdict, accept_greedy, accept_rejection, draft_distribution
+from uag.core.verify import IdMap, Verdict, accept_greedy, accept_rejection, draft_distribution
 
 # A 5-token target and a 6-token drafter: drafter ids 0..4 map to target ids 4..0 (reversed), drafter
 # id 5 has no target counterpart and must never be drafted.

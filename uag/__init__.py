@@ -25,17 +25,17 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "GenerationConfig": "uag.config",
-    "DrafterSpec": "uag.config",
+    "GenerationConfig": "uag.core.config",
+    "DrafterSpec": "uag.core.config",
     "UserError": "uag.errors",
     "load": "uag.api",
     "load_drafter": "uag.api",
     "generate": "uag.api",
     "stream": "uag.api",
     "saved_profile": "uag.api",
-    "Run": "uag.records",
-    "Cycle": "uag.records",
-    "CostProfile": "uag.costmodel",
+    "Run": "uag.core.records",
+    "Cycle": "uag.core.records",
+    "CostProfile": "uag.core.costmodel",
 }
 __all__ = [
     "CostProfile", "Cycle", "DrafterSpec", "GenerationConfig", "Run", "UserError",
@@ -44,10 +44,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from uag.api import generate, load, load_drafter, saved_profile, stream
-    from uag.config import DrafterSpec, GenerationConfig
-    from uag.costmodel import CostProfile
+    from uag.core.config import DrafterSpec, GenerationConfig
+    from uag.core.costmodel import CostProfile
+    from uag.core.records import Cycle, Run
     from uag.errors import UserError
-    from uag.records import Cycle, Run
 
 
 def __getattr__(name: str):

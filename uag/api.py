@@ -3,11 +3,11 @@
     import uag
     target = uag.load("demo-target")
     drafter = uag.load_drafter("lookup+demo-drafter")        # or "demo-drafter", or "lookup"
-    run = uag.engine(target, drafter, "Stolica Polski to", uag.GenerationConfig(strategy="context", k=2))
+    run = uag.core.engine(target, drafter, "Stolica Polski to", uag.GenerationConfig(strategy="context", k=2))
     run.text, run.acceptance_rate, run.tokens_per_second
 
 Models load once per process (a shared `ModelStore`). Strategy "auto" decides by the pair's measured
-costs on this machine: the profile `python -m uag.calibrate` (or the app) saved, or on first use a quick
+costs on this machine: the profile `python -m uag calibrate` (or the app) saved, or on first use a quick
 calibration that is saved for next time. The engine itself reads and writes no files.
 """
 
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from uag.config import GenerationConfig
-from uag.costmodel import CostProfile
-from uag.drafters import DrafterChoice
-from uag.drafters import load_drafter as _load_drafter
-from uag.engine import generate as _generate
-from uag.engine import stream as _stream
-from uag.models import LoadedModel, ModelStore, check_pair
-from uag.profiles import find_profile, save, target_key
-from uag.records import Event, Run
+from uag.core.config import GenerationConfig
+from uag.core.costmodel import CostProfile
+from uag.core.drafters import DrafterChoice
+from uag.core.drafters import load_drafter as _load_drafter
+from uag.core.engine import generate as _generate
+from uag.core.engine import stream as _stream
+from uag.core.records import Event, Run
+from uag.models.store import LoadedModel, ModelStore, check_pair
+from uag.study.profiles import find_profile, save, target_key
 
 Progress = Callable[[str], None]
 _store: ModelStore | None = None
@@ -48,7 +48,7 @@ def load_drafter(name: str, *, progress: Progress | None = None) -> DrafterChoic
 
 
 def saved_profile(target: LoadedModel, drafter: DrafterChoice | LoadedModel | None) -> CostProfile | None:
-    """The pair's calibrated costs on this machine, if `python -m uag.calibrate` (or the app) saved them."""
+    """The pair's calibrated costs on this machine, if `python -m uag calibrate` (or the app) saved them."""
     if drafter is None:
         return None
     model = DrafterChoice.of(drafter).model
@@ -65,7 +65,7 @@ def profile_for(
     alone has no drafter model: its profile is the target's verify curve (what a lookup of k tokens costs
     to check), so auto drafts from the first cycle with the right k instead of learning widths one by one.
     """
-    from uag.calibrate import QUICK, calibrate, calibrate_target
+    from uag.study.calibrate import QUICK, calibrate, calibrate_target
 
     if drafter is None:
         return None
@@ -94,7 +94,7 @@ def stream(
     progress: Progress | None = None,
     **kw,
 ) -> Iterator[Event]:
-    """`uag.engine.stream`; strategy "auto" gets the pair's measured costs (`profile_for`) unless
+    """`uag.core.engine.stream`; strategy "auto" gets the pair's measured costs (`profile_for`) unless
     `profile=` is given. `progress` hears about a first-use calibration."""
     config = config or GenerationConfig()
     if config.strategy == "auto" and "profile" not in kw:

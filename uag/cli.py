@@ -1,4 +1,8 @@
-"""`python -m uag generate ...`: one generation from the command line, plain or as JSON.
+"""`uag COMMAND …` (or `python -m uag COMMAND …`): the one command, and its `generate`.
+
+    uag generate | serve | app | calibrate | bench | analyze | models      (`uag COMMAND --help` for each)
+
+`generate`: one generation from the command line, plain or as JSON.
 
     python -m uag generate --drafter demo-drafter -k 2 "Stolica Polski to"
     python -m uag generate --drafter lookup --prompt-file notes.txt      # prompt lookup, no drafter model
@@ -14,88 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
-from uag.command import CommandParser, literal, run
-from uag.config import DEFAULT_K, DEFAULT_MAX_TOKENS, FIELD, MAX_K, MODES, DrafterSpec, GenerationConfig
+from uag.command import USER_ERROR, CommandParser, add_generation_options, decoding_config, literal, run, say
+from uag.core.config import MODES, DrafterSpec, GenerationConfig
+from uag.core.prompt_input import check_context, read_prompt
 from uag.errors import InputError
-from uag.prompt_input import check_context, read_prompt
-from uag.translate import DEFAULT_WINDOW
-
-# The flag that sets each GenerationConfig field, for messages ("--seed: seed must be …").
-FLAGS = {
-    "strategy": "--strategy",
-    "k": "-k",
-    "window": "--window",
-    "max_tokens": "--max-tokens",
-    "temperature": "--temp",
-    "seed": "--seed",
-    "chat": "--chat",
-}
-
-
-def add_generation_options(parser: argparse.ArgumentParser) -> None:
-    """Options shared by commands that generate with one pair (generate, calibrate)."""
-    parser.add_argument("--target", default="demo-target", help="hub id, local directory or demo-target")
-    parser.add_argument(
-        "--drafter",
-        default="demo-drafter",
-        help="hub id, local directory, demo-drafter, lookup (prompt lookup, no model) or lookup+<model>",
-    )
-    parser.add_argument("-k", default=str(DEFAULT_K), help=f"draft length, 1..{MAX_K} (default {DEFAULT_K})")
-    add_decoding_options(parser)
-
-
-def add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    """The decoding settings, for commands that take several drafters or draft lengths (uag.bench).
-    Taken as text: `decoding_config` checks them all at once, as the app does."""
-    limits = {name: FIELD[name] for name in ("window", "max_tokens", "temperature", "seed")}
-    parser.add_argument(
-        "--window",
-        default=str(DEFAULT_WINDOW),
-        help=f"committed tokens of context for translation, 0..{limits['window'].hi:g} (default {DEFAULT_WINDOW})",
-    )
-    parser.add_argument(
-        "--max-tokens",
-        default=str(DEFAULT_MAX_TOKENS),
-        help=f"tokens to generate at most, 1..{limits['max_tokens'].hi:g} (default {DEFAULT_MAX_TOKENS})",
-    )
-    parser.add_argument(
-        "--temp", default="0", help=f"sampling temperature, 0..{limits['temperature'].hi:g}; 0 = greedy"
-    )
-    parser.add_argument("--seed", default=None, help=f"random seed for temperature > 0, 0..{int(limits['seed'].hi)}")
-    parser.add_argument("--chat", action="store_true", help="apply the target's chat template to the prompt")
-
-
-def decoding_config(args: argparse.Namespace, **fields: Any) -> GenerationConfig:
-    """The GenerationConfig the flags ask for (plus `fields`); InputError naming every bad flag.
-
-    Example: --seed -1 --temp inf -> InputError("--temp: temperature must be a number from 0 to 2 (got inf);
-             --seed: seed must be a whole number from 0 to 2147483647 (got -1)")
-    """
-    raw: dict[str, Any] = {
-        "window": literal(args.window),
-        "max_tokens": literal(args.max_tokens),
-        "temperature": literal(args.temp),
-        "seed": None if args.seed is None else literal(args.seed),
-        "chat": bool(args.chat),
-        **fields,
-    }
-    problems = []
-    for name, value in raw.items():
-        try:
-            GenerationConfig.parse(**{name: value})
-        except InputError as err:
-            problems.append(f"{FLAGS.get(name, name)}: {err}")
-    if problems:
-        raise InputError("; ".join(problems))
-    return GenerationConfig.parse(**raw)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CommandParser(prog="python -m uag", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
-    gen = commands.add_parser("generate", help="generate text, baseline or speculative")
+    gen = CommandParser(prog="python -m uag generate", description=__doc__.splitlines()[0])
     add_generation_options(gen)
     gen.add_argument(
         "--strategy",
@@ -106,17 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and records")
     gen.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
     gen.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from stdin")
-    from uag.shard_options import add_shard_options
+    from uag.distributed.options import add_shard_options
 
     add_shard_options(gen)
-    return parser
+    return gen
 
 
 def drafter_prompt_length(target, drafter, ids: list[int], config: GenerationConfig) -> int:
     """How many tokens the drafter model reads for the target's prompt `ids`: the translator's own
     drafter-side prompt, so exactly what the run will feed it."""
-    from uag.translate import make_translator
-    from uag.vocab import same_vocabulary
+    from uag.core.translate import make_translator
+    from uag.models.vocab import same_vocabulary
 
     translation = "context" if config.strategy == "auto" else config.strategy
     shared = same_vocabulary(target.vocab, drafter.vocab)
@@ -143,9 +74,9 @@ def _stats_line(stats: dict) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     from uag.api import generate  # strategy auto: seeded with the pair's saved cost profile
-    from uag.engine import prompt_ids
-    from uag.loading_errors import load_drafter_choice, load_model
-    from uag.models import ModelStore
+    from uag.core.engine import prompt_ids
+    from uag.core.loading import load_drafter_choice, load_model
+    from uag.models.store import ModelStore
 
     config = decoding_config(args, strategy=args.strategy, k=literal(args.k))
     if getattr(args, "shard", None) and args.prompt == "-":
@@ -168,10 +99,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt: str):
-    """`generate --shard …` on one rank (uag.distributed): the run on rank 0, None on the others."""
-    from uag.distributed import connect, generate_sharded, load_rank0_drafter, load_sharded
-    from uag.engine import prompt_ids
-    from uag.models import ModelStore
+    """`generate --shard …` on one rank (uag.distributed.sharded): the run on rank 0, None on the others."""
+    from uag.core.engine import prompt_ids
+    from uag.distributed.sharded import connect, generate_sharded, load_rank0_drafter, load_sharded
+    from uag.models.store import ModelStore
 
     if args.shard_timeout <= 0 or args.shard_check < 0:
         raise InputError("--shard-timeout must be above 0 and --shard-check at least 0")
@@ -193,7 +124,7 @@ def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt
 
 def _print_run(args: argparse.Namespace, run) -> int:
     """The text with accepted drafts in green and a stats line, or one JSON object (nothing for None)."""
-    from uag.highlight import ansi
+    from uag.core.highlight import ansi
 
     if run is None:
         return 0
@@ -208,6 +139,43 @@ def _print_run(args: argparse.Namespace, run) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def generate_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run(f"python -m uag {args.command}", lambda: {"generate": run_generate}[args.command](args))
+    return run("python -m uag generate", lambda: run_generate(args))
+
+
+# name -> (module with main(argv), what it does). Each module is imported only when its command runs.
+COMMANDS = {
+    "generate": ("uag.cli", "generate_main", "one generation, baseline or speculative, plain or as JSON"),
+    "serve": ("uag.server.main", "main", "an OpenAI-compatible server that speculates (with the app mounted)"),
+    "app": ("uag.app.launch", "main", "the app: the target alone vs speculative decoding, side by side"),
+    "calibrate": ("uag.study.calibrate", "main", "measure a pair's costs on this machine, for auto and α*"),
+    "bench": ("uag.study.bench", "main", "sweep drafters, strategies and k over prompt sets into SQLite"),
+    "analyze": ("uag.study.analyze", "main", "the study's tables and figures from a sweep's database"),
+    "models": ("uag.models.demo", "main", "fetch and convert the offline models into the user cache"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return (
+        "usage: uag COMMAND [options]   (or python -m uag COMMAND)\n\ncommands:\n"
+        + "\n".join(lines)
+        + ("\n\n`uag COMMAND --help` lists a command's options.")
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command: `argv` is what follows `uag` (default: sys.argv[1:])."""
+    import importlib
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else USER_ERROR
+    if argv[0] not in COMMANDS:
+        say(f"error: unknown command {argv[0]!r}: choose one of {', '.join(COMMANDS)} (see uag --help)")
+        return USER_ERROR
+    module, function, _ = COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), function)(argv[1:])

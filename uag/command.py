@@ -17,8 +17,11 @@ import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-from uag.errors import UserError
+from uag.core.config import DEFAULT_K, DEFAULT_MAX_TOKENS, FIELD, MAX_K, GenerationConfig
+from uag.core.translate import DEFAULT_WINDOW
+from uag.errors import InputError, UserError
 
 USER_ERROR = 2
 INTERNAL_ERROR = 1
@@ -106,3 +109,73 @@ def run(command: str, body: Callable[[], int]) -> int:
         where = f"the traceback is in {path}" if path else "the traceback is above"
         say(f"internal error: {command} failed ({type(err).__name__}: {err}); {where}. Please report it.")
         return INTERNAL_ERROR
+
+
+# The flag that sets each GenerationConfig field, for messages ("--seed: seed must be …").
+FLAGS = {
+    "strategy": "--strategy",
+    "k": "-k",
+    "window": "--window",
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "seed": "--seed",
+    "chat": "--chat",
+}
+
+
+def add_generation_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by commands that generate with one pair (generate, calibrate)."""
+    parser.add_argument("--target", default="demo-target", help="hub id, local directory or demo-target")
+    parser.add_argument(
+        "--drafter",
+        default="demo-drafter",
+        help="hub id, local directory, demo-drafter, lookup (prompt lookup, no model) or lookup+<model>",
+    )
+    parser.add_argument("-k", default=str(DEFAULT_K), help=f"draft length, 1..{MAX_K} (default {DEFAULT_K})")
+    add_decoding_options(parser)
+
+
+def add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    """The decoding settings, for commands that take several drafters or draft lengths (uag.study.bench).
+    Taken as text: `decoding_config` checks them all at once, as the app does."""
+    limits = {name: FIELD[name] for name in ("window", "max_tokens", "temperature", "seed")}
+    parser.add_argument(
+        "--window",
+        default=str(DEFAULT_WINDOW),
+        help=f"committed tokens of context for translation, 0..{limits['window'].hi:g} (default {DEFAULT_WINDOW})",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        default=str(DEFAULT_MAX_TOKENS),
+        help=f"tokens to generate at most, 1..{limits['max_tokens'].hi:g} (default {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--temp", default="0", help=f"sampling temperature, 0..{limits['temperature'].hi:g}; 0 = greedy"
+    )
+    parser.add_argument("--seed", default=None, help=f"random seed for temperature > 0, 0..{int(limits['seed'].hi)}")
+    parser.add_argument("--chat", action="store_true", help="apply the target's chat template to the prompt")
+
+
+def decoding_config(args: argparse.Namespace, **fields: Any) -> GenerationConfig:
+    """The GenerationConfig the flags ask for (plus `fields`); InputError naming every bad flag.
+
+    Example: --seed -1 --temp inf -> InputError("--temp: temperature must be a number from 0 to 2 (got inf);
+             --seed: seed must be a whole number from 0 to 2147483647 (got -1)")
+    """
+    raw: dict[str, Any] = {
+        "window": literal(args.window),
+        "max_tokens": literal(args.max_tokens),
+        "temperature": literal(args.temp),
+        "seed": None if args.seed is None else literal(args.seed),
+        "chat": bool(args.chat),
+        **fields,
+    }
+    problems = []
+    for name, value in raw.items():
+        try:
+            GenerationConfig.parse(**{name: value})
+        except InputError as err:
+            problems.append(f"{FLAGS.get(name, name)}: {err}")
+    if problems:
+        raise InputError("; ".join(problems))
+    return GenerationConfig.parse(**raw)

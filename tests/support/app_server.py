@@ -16,7 +16,7 @@ def free_port() -> int:
 @contextmanager
 def serving(session) -> Iterator[str]:
     """The app for `session` at http://127.0.0.1:<free port>/ while the block runs."""
-    from uag.ui import api_defaults, build, launch
+    from uag.app.ui import api_defaults, build, launch
 
     demo = build(session)
     url, _ = launch(demo, port=free_port(), quiet=True, defaults=api_defaults(session))

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from uag import demo
+from uag.models import demo
 
 FETCH = os.environ.get("UAG_TEST_CODER") == "1"
 

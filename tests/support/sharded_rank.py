@@ -1,6 +1,6 @@
 """One rank of a sharded test run (tests/test_sharded.py starts one process per rank).
 
-Runs `uag.distributed.generate_sharded` once per --run and writes what the test checks to OUT/rank<r>.json:
+Runs `uag.distributed.sharded.generate_sharded` once per --run and writes what the test checks to OUT/rank<r>.json:
 per run the token ids, target passes, and every cache offset that was not exact after a cycle. Errors
 go through uag.command.run, as on the command line: one line, exit 2.
 
@@ -39,9 +39,9 @@ def main() -> int:
 
 
 def _rank(args) -> int:
-    from uag.config import DrafterSpec, GenerationConfig
-    from uag.distributed import connect, load_rank0_drafter, load_sharded
-    from uag.models import ModelStore
+    from uag.core.config import DrafterSpec, GenerationConfig
+    from uag.distributed.sharded import connect, load_rank0_drafter, load_sharded
+    from uag.models.store import ModelStore
 
     ranks = connect(connect_timeout_s=args.connect_timeout, timeout_s=args.timeout)
     out = Path(args.out) / f"rank{ranks.rank}.json"
@@ -63,7 +63,7 @@ def _rank(args) -> int:
 
 
 def _generate(args, ranks, target, drafter, ids, config, progress: Path) -> dict:
-    from uag.distributed import generate_sharded
+    from uag.distributed.sharded import generate_sharded
 
     cache = target.make_cache()
     bad_offsets = []
@@ -93,17 +93,17 @@ def _generate(args, ranks, target, drafter, ids, config, progress: Path) -> dict
 
 def _tamper(at: int) -> None:
     """Make this rank's verification pick a different token once (the debug check must notice)."""
-    import uag.engine
-    from uag.verify import Verdict
+    import uag.core.engine
+    from uag.core.verify import Verdict
 
-    real, calls = uag.engine.accept_greedy, [0]
+    real, calls = uag.core.engine.accept_greedy, [0]
 
     def wrong(proposed, choices):
         calls[0] += 1
         verdict = real(proposed, choices)
         return Verdict(verdict.accepted, verdict.token + 1) if calls[0] == at else verdict
 
-    uag.engine.accept_greedy = wrong
+    uag.core.engine.accept_greedy = wrong
 
 
 if __name__ == "__main__":

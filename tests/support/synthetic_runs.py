@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from uag.config import GenerationConfig
-from uag.records import Cycle, Run, Token
-from uag.results import Machine, ResultsDB, RunSpec
+from uag.core.config import GenerationConfig
+from uag.core.records import Cycle, Run, Token
+from uag.study.results import Machine, ResultsDB, RunSpec
 
 TARGET = "org/target-11B"
 GENERATED = 33  # tokens per run: tokens/s = 32 / generation seconds

@@ -1,0 +1,66 @@
+"""What the app shows of a pair's measured costs on this machine: a figure and a caption. No mlx, no gradio."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from uag.study.profiles import Calibration
+
+BREAK_EVEN_KS = (1, 2, 4, 8)  # draft lengths the cost caption gives α* for
+
+
+@dataclass(frozen=True)
+class CostView:
+    """The saved cost profile of the chosen pair on this machine: a figure (None when there is none to draw)
+    and a caption saying what it shows, or what to do to get one."""
+
+    figure: Any  # plotly Figure or None
+    caption: str
+    calibration: Calibration | None = None
+
+
+@dataclass(frozen=True)
+class CalibrationUpdate:
+    """One refresh while calibrating; `view` comes with the final update of a calibration that completed."""
+
+    status: str
+    state: str = "running"  # "running", "done", "stopped", "error"
+    view: CostView | None = None
+
+
+def _measured_at(stamp: str) -> str:
+    """Example: "2025-05-01T14:03:22+00:00" -> "2025-05-01 14:03 UTC" (anything unparsable as it is)."""
+    try:
+        return datetime.fromisoformat(stamp).strftime("%Y-%m-%d %H:%M UTC")
+    except (TypeError, ValueError):
+        return str(stamp)
+
+
+def cost_caption(calibration: Calibration, *, r_bytes: float | None = None, ks: Sequence[int] = BREAK_EVEN_KS) -> str:
+    """What a saved calibration says: when and where it was measured, r by time next to r by bytes, and
+    the break-even acceptance α*(k) that its measured costs imply.
+
+    Example: target 10 ms/step, drafter 1 ms -> "… r = 0.100 by time (0.070 by the weights' bytes) …"
+    """
+    key, profile = calibration.key, calibration.profile
+    step = profile.target_ms[1]
+    r_time = profile.drafter_ms / step
+    by_bytes = f" ({r_bytes:.3f} by the weights' bytes)" if r_bytes is not None else ""
+    alphas = []
+    for k in ks:
+        alpha = profile.break_even(k)
+        alphas.append(f"k = {k}: {'unreachable' if alpha is None else f'{alpha:.0%}'}")
+    counted = "1 + k·α tokens per cycle" if profile.form == "study" else "Leviathan's E(α, k) tokens per cycle"
+    return (
+        f"**Measured {_measured_at(calibration.measured_at)}** on {key.get('device', '?')} "
+        f"({key.get('backend', '?')}), {calibration.context} tokens in the cache; target "
+        f"{key.get('target_dtype', '?')}, drafter {key.get('drafter_dtype', '?')}.\n\n"
+        f"One target step {step:.2f} ms, one drafter step {profile.drafter_ms:.2f} ms: r = {r_time:.3f} by time"
+        f"{by_bytes}. Translation and re-sync {profile.translate_ms:.2f} ms per cycle.\n\n"
+        f"Break-even acceptance α* from these costs ({counted}): {' · '.join(alphas)}.\n\n"
+        "The `auto` strategy uses this profile for what a cycle costs (refined with each run's own timings) "
+        "when it chooses k."
+    )

@@ -1,0 +1,453 @@
+"""The app's logic without a UI: one `Session` serves every user. It owns the model store and the MLX
+worker, decides who may load what, and runs comparisons and calibrations as jobs on the worker.
+
+Plain data in and out; no gradio. What belongs to one user (their history, their results file) is
+passed in and handed back, so the UI can keep it per browser tab.
+
+    session = Session()
+    for update in session.compare("Stolica Polski to", Settings.parse(max_tokens=16)):
+        print(update.status)                 # loading → target alone → speculative → done
+    update.spans                             # [(" jedna z", "target"), (" największych", "accepted draft"), …]
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from uag.app.compare_view import CompareView, Finished, Ready, Started, Step, Update
+from uag.app.costs_view import CalibrationUpdate, CostView, cost_caption
+from uag.app.files import Exports, load_results
+from uag.app.history import C_FITTED, PlotView, plot_view
+from uag.app.loaded import Loaded, profile_for, saved_profile
+from uag.app.settings import Settings, check_prompt
+from uag.core.config import DrafterSpec, GenerationConfig
+from uag.core.drafters import load_drafter
+from uag.core.engine import generate, prompt_ids, stream
+from uag.errors import InputError, ModelError, UserError
+from uag.models import demo
+from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore, Pair, check_pair
+from uag.runtime.access import (
+    LOCAL,
+    Access,
+    check_drafter,
+    check_model,
+    client_of,
+    is_remote,
+    names_for_remote,
+    note_for,
+)
+from uag.runtime.jobs import (
+    DEFAULT_BUDGET_S,
+    DEFAULT_PER_CLIENT,
+    JobRunner,
+    OutOfTime,
+    Status,
+    Tick,
+    Waiting,
+    failure,
+    say,
+)
+from uag.runtime.presets import DEFAULT, PRESETS
+from uag.runtime.worker import Job, MLXWorker
+from uag.study.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
+from uag.study.plots import verify_cost
+from uag.study.profiles import Calibration, find_calibration
+from uag.study.profiles import save as save_calibration
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_REPEATS = 5  # timed passes per width (after a warm-up), as `python -m uag calibrate`
+RENDER_EVERY_S = 0.25  # full re-renders at most this often: rendering competes with MLX for the CPU
+WARM_UP_PROMPT = "Hello"
+
+
+class _Cancelled(Exception):
+    """Raised from a calibration's progress callback when its job was cancelled."""
+
+
+@dataclass(frozen=True)
+class _Calibrated:
+    calibration: Calibration
+    path: Path
+
+
+class Session:
+    """The app's state shared by all users: models, the MLX worker, the rules on what may be loaded."""
+
+    def __init__(
+        self,
+        store: ModelStore | None = None,
+        worker: MLXWorker | None = None,
+        *,
+        share: bool = False,
+        remote_models: str = "demo",
+        target: str = DEFAULT.target,
+        drafter: str = DEFAULT.drafter,
+        export_dir: str | Path | None = None,
+        per_client: int = DEFAULT_PER_CLIENT,
+        budget_s: float | None = DEFAULT_BUDGET_S,
+    ):
+        self.store = store or ModelStore()
+        self.worker = worker or MLXWorker()
+        self.runner = JobRunner(self.worker, per_client=per_client, budget_s=budget_s)
+        self.exports = Exports(export_dir)
+        self.share = share
+        self.remote_models = remote_models
+        self.defaults = Settings(target=target, drafter=drafter)
+        self._warm: set[tuple[str, str]] = set()  # pairs warmed up; touched on the worker thread only
+        self._loaded: dict[tuple[str, str], Loaded] = {}  # pairs loaded and checked here (set on the worker thread)
+        self.store.on_evict.append(self._forget)
+
+    # --- who may load what -------------------------------------------------------------------------------
+    def access(self, host: str | None, headers: Mapping[str, str] | None = None) -> Access:
+        return Access(is_remote(host, headers, share=self.share), self.remote_models)
+
+    @staticmethod
+    def client(host: str | None, headers: Mapping[str, str] | None = None) -> str:
+        return client_of(host, headers)
+
+    def check_models(self, target: str, drafter: str, *, access: Access = LOCAL) -> tuple[str, str]:
+        loaded = self.store.loaded
+        return (
+            check_model(target, "target", access=access, loaded=loaded),
+            check_drafter(drafter, access=access, loaded=loaded),
+        )
+
+    def loaded_names(self, access: Access = LOCAL) -> list[str]:
+        """The models loaded now, as this user may see them (no local paths for remote users)."""
+        return names_for_remote(self.store.loaded) if access.remote else self.store.loaded
+
+    @staticmethod
+    def access_note(access: Access) -> str:
+        return note_for(access)
+
+    @staticmethod
+    def preset_choices() -> list[str]:
+        return [p.label for p in PRESETS]
+
+    @staticmethod
+    def preset_for(target: str, drafter: str) -> str | None:
+        return next((p.label for p in PRESETS if (p.target, p.drafter) == (target, drafter)), None)
+
+    def r_of(self, target: str, drafter: str) -> float | None:
+        """Drafter bytes / target bytes of a pair that has run here (None before, or for lookup)."""
+        loaded = self._loaded.get((target, drafter))
+        return loaded.r if loaded is not None else None
+
+    def _forget(self, model: LoadedModel) -> None:
+        """Drop the pairs that use a model the store unloaded, so that its memory is freed."""
+        for key, loaded in list(self._loaded.items()):
+            if loaded.uses(model):
+                self._loaded.pop(key, None)
+                self._warm.discard(key)
+
+    # --- on the worker thread ----------------------------------------------------------------------------
+    def preload(self, target: str | None = None, drafter: str | None = None) -> Job:
+        """Load and warm up a pair in the background (at app start), so that the first run is quick."""
+        settings = replace(
+            self.defaults, target=target or self.defaults.target, drafter=drafter or self.defaults.drafter
+        )
+        first = any(name in DEMO_NAMES and not demo.is_ready(name) for name in (settings.target, settings.drafter))
+        label = "preparing the demo models for their first use" if first else f"loading {settings.target}"
+        job = self.worker.submit(self._pair_job, settings, label=label)
+        threading.Thread(target=self._drain, args=(job,), name="uag-preload", daemon=True).start()
+        return job
+
+    @staticmethod
+    def _drain(job: Job) -> None:
+        try:
+            for item in job:
+                if isinstance(item, Status):
+                    log.info("%s", item.text)
+        except UserError as err:  # a bad --target/--drafter: said again when a user runs it
+            log.warning("preloading failed: %s", err)
+        except Exception:
+            log.exception("preloading failed")
+
+    def _model(self, job: Job, role: str, name: str, keep: Sequence[str] = ()) -> LoadedModel:
+        if name not in self.store:
+            if name in DEMO_NAMES and not demo.is_ready(name):
+                say(job, f"First use: converting the offline demo model {name} from its packaged GGUF file, once "
+                    "(about a minute on a CPU; later starts take seconds)…")  # fmt: skip
+            else:
+                say(job, f"Loading the {role} {name}…")
+            tic = time.perf_counter()
+            model = self.store.get(name, progress=lambda msg: say(job, f"{role}: {msg}…"), keep=keep)
+            say(job, f"Loaded the {role} {name} ({model.dtype}, {model.weight_bytes / 1e6:.0f} MB) "
+                f"in {time.perf_counter() - tic:.0f} s.")  # fmt: skip
+        return self.store.get(name, keep=keep)
+
+    def _prepare(self, job: Job, settings: Settings) -> Loaded:
+        """Load the target and the drafter (reporting progress), check the pair, warm it up once."""
+        target = self._model(job, "target", settings.target)
+        spec = DrafterSpec.parse(settings.drafter)
+        if spec.model is not None:
+            self._model(job, "drafter", spec.model, keep=[settings.target])
+        choice = load_drafter(self.store, spec)
+        target = self.store.get(settings.target, keep=[spec.model or settings.target])
+        pair = check_pair(target, choice.model) if choice.model is not None else None
+        if pair is None:
+            target.check_trimmable("target")
+        loaded = Loaded(target, choice, pair)
+        key = (settings.target, settings.drafter)
+        self._loaded[key] = loaded
+        if key not in self._warm:
+            # The first passes through a model are slower (allocation, kernel set-up): keep them out of the timings.
+            say(job, "Warming up the pair (once) so that the timings are fair…")
+            warm = GenerationConfig("context", k=2, max_tokens=4)
+            generate(target, None, WARM_UP_PROMPT, warm.replace(strategy="baseline"))
+            generate(target, loaded.drafter, WARM_UP_PROMPT, warm)
+            self._warm.add(key)
+        return loaded
+
+    def _pair_job(self, job: Job, settings: Settings) -> Iterator[Any]:
+        self._prepare(job, settings)
+        yield Status("ready")
+
+    def _compare_job(self, job: Job, prompt: str, settings: Settings) -> Iterator[Any]:
+        loaded = self._prepare(job, settings)
+        if settings.generation.chat and not loaded.target.tokenizer.has_chat_template:
+            raise ModelError(f"the target {settings.target!r} has no chat template: turn the chat template off")
+        ids = prompt_ids(loaded.target, prompt, chat=settings.generation.chat)
+        yield Ready(loaded.r)
+        extra = {}
+        if settings.strategy == "auto":
+            if loaded.pair is not None and saved_profile(loaded) is None:
+                yield Status("Measuring this pair's costs once (auto decides by them; saved for next time) …")
+            extra = {"profile": profile_for(loaded)}
+        job.limit(self.runner.budget_s)  # generation time only: loading the models is not the user's doing
+        # Never concurrently: the target alone first, then with the drafter, each timed on its own.
+        for mode in ("baseline", settings.strategy):
+            if job.cancelled.is_set():
+                break
+            yield Started(mode)
+            drafter = None if mode == "baseline" else loaded.drafter
+            run = None
+            options = {} if mode == "baseline" else extra
+            for event in stream(loaded.target, drafter, ids, settings.config(mode), cancel=job.cancelled, **options):
+                run = event.run
+                yield Step(mode, event.tokens, event.cycle)
+            assert run is not None and run.finish_reason is not None, "a stream ended without a final record"
+            yield Finished(mode, run)
+        if job.out_of_time:
+            yield OutOfTime(self.runner.budget_s)
+
+    def _calibrate_job(self, job: Job, settings: Settings, options: dict[str, Any]) -> Iterator[Any]:
+        loaded = self._prepare(job, settings)
+        if loaded.pair is None:
+            raise InputError("prompt lookup has no drafter model to time: choose a drafter model (or lookup+<model>)")
+
+        def progress(message: str) -> None:
+            if job.cancelled.is_set():  # calibrate() reports after each timed width: stop there
+                raise _Cancelled
+            job.emit(Status(message))
+
+        try:
+            result = calibrate(loaded.pair, progress=progress, **options)
+        except _Cancelled:
+            return
+        yield _Calibrated(result, save_calibration(result))
+
+    # --- comparing ---------------------------------------------------------------------------------------
+    def compare(
+        self,
+        prompt: str,
+        settings: Settings,
+        *,
+        access: Access = LOCAL,
+        owner: str | None = None,
+        client: str | None = None,
+    ) -> Iterator[Update]:
+        """Target alone, then speculative, streamed as `Update`s; the last one has state done/stopped/error.
+
+        `owner` (a browser tab) lets `stop(owner)` cancel this comparison from another request; `client`
+        (an address) counts it against that client's limit of queued jobs. Closing the iterator cancels the
+        job. Every failure ends in an error `Update` with a message for the user, never an exception.
+        """
+        try:
+            prompt = check_prompt(prompt)
+            target, drafter = self.check_models(settings.target, settings.drafter, access=access)
+        except UserError as err:
+            yield Update(failure(err, "run"), state="error")
+            return
+        settings = replace(settings, target=target, drafter=drafter)
+        view = CompareView(prompt, settings)
+        items = self.runner.run(
+            self._compare_job, prompt, settings, label=f"a comparison on {target}", client=client, owner=owner
+        )
+        out_of_time = None
+        try:
+            last = 0.0
+            for item in items:
+                if isinstance(item, Waiting):
+                    yield Update(item.text)
+                    continue
+                if isinstance(item, Status):
+                    view.status = item.text
+                    yield Update(item.text)
+                    continue
+                if isinstance(item, Tick):
+                    yield Update(view.progress())
+                    continue
+                if isinstance(item, OutOfTime):
+                    out_of_time = item.seconds
+                    continue
+                boundary = view.apply(item)
+                now = time.monotonic()
+                if boundary or now - last >= RENDER_EVERY_S:
+                    last = now
+                    yield view.update()
+            yield view.finished(out_of_time=out_of_time)
+        except Exception as err:
+            yield replace(view.update("error"), status=failure(err, "run"))
+        finally:
+            items.close()  # cancels the job when the consumer left early (Stop, cancel, a closed connection)
+
+    def compare_once(
+        self,
+        prompt: str,
+        settings: Settings,
+        *,
+        access: Access = LOCAL,
+        owner: str | None = None,
+        client: str | None = None,
+    ) -> Update:
+        """The final `Update` of a comparison; UserError with the status line if it failed or was stopped."""
+        final = None
+        for update in self.compare(prompt, settings, access=access, owner=owner, client=client):
+            final = update
+        if final is None or final.state != "done":
+            raise UserError(final.status.replace("**", "") if final else "the comparison produced nothing")
+        return final
+
+    def stop(self, owner: str | None) -> bool:
+        """Cancel `owner`'s running comparison or calibration within a cycle; False when there is none."""
+        return self.runner.stop(owner)
+
+    # --- costs on this machine ----------------------------------------------------------------------------
+    def cost_view(self, target: str, drafter: str) -> CostView:
+        """The saved cost profile of this pair on this machine, if the pair is loaded here (never loads it)."""
+        target, drafter = (target or "").strip(), (drafter or "").strip()
+        loaded = self._loaded.get((target, drafter))
+        shown = f"{target or '(no target)'} ← {drafter or '(no drafter)'}"
+        if loaded is None:
+            return CostView(
+                None,
+                f"{shown} is not loaded yet, so its saved costs cannot be looked up. Run a comparison with it, or "
+                "press **Calibrate this pair** to load it and measure what its steps cost here.",
+            )
+        if loaded.pair is None:
+            return CostView(
+                None, f"{shown}: prompt lookup has no drafter model, so there are no drafter costs to show."
+            )
+        try:
+            calibration = find_calibration(loaded.pair)
+        except Exception:  # a damaged or foreign file in the cache must not take the tab down
+            log.warning("reading the cost profile of %s failed", shown, exc_info=True)
+            return CostView(
+                None,
+                "The saved cost profile of this pair is damaged and could not be read. Press **Calibrate this "
+                "pair** to measure it again.",
+            )
+        if calibration is None:
+            return CostView(
+                None,
+                f"No cost profile for {shown} on this machine yet. Press **Calibrate this pair** to measure what "
+                "a target pass over w tokens, a drafter step and translation cost here; the `auto` strategy then "
+                "starts from these costs instead of learning them during the run.",
+            )
+        return self._cost_view(calibration, loaded.pair)
+
+    @staticmethod
+    def _cost_view(calibration: Calibration, pair: Pair) -> CostView:
+        title = f"Costs on this machine: {pair.target.name} ← {pair.drafter.name}"
+        figure = verify_cost(calibration.profile, title=title)
+        return CostView(figure, cost_caption(calibration, r_bytes=pair.r), calibration)
+
+    def calibrate_pair(
+        self,
+        target: str,
+        drafter: str,
+        *,
+        access: Access = LOCAL,
+        owner: str | None = None,
+        client: str | None = None,
+        context: int = DEFAULT_CONTEXT,
+        widths: Sequence[int] = DEFAULT_WIDTHS,
+        repeats: int = CALIBRATION_REPEATS,
+    ) -> Iterator[CalibrationUpdate]:
+        """Load the pair if needed, measure its costs on the MLX worker and save them in the user cache.
+
+        Streams `CalibrationUpdate`s; the last has state done (with the new `CostView`), stopped or error.
+        The same rules as `compare` decide what a user may load; `stop(owner)` cancels it after the width
+        being timed. Every failure ends in an error update, never an exception.
+        """
+        try:
+            target, drafter = self.check_models(target, drafter, access=access)
+        except UserError as err:
+            yield CalibrationUpdate(failure(err, "calibrate"), state="error")
+            return
+        settings = replace(self.defaults, target=target, drafter=drafter)
+        options = {"context": context, "widths": tuple(widths), "repeats": repeats}
+        items = self.runner.run(
+            self._calibrate_job,
+            settings,
+            options,
+            label=f"calibrating {target} ← {drafter}",
+            client=client,
+            owner=owner,
+        )
+        try:
+            done = None
+            for item in items:
+                if isinstance(item, Waiting):
+                    yield CalibrationUpdate(item.text)
+                elif isinstance(item, Status):
+                    yield CalibrationUpdate(f"Calibrating {target} ← {drafter}: {item.text}")
+                elif isinstance(item, _Calibrated):
+                    done = item
+            if done is None:
+                yield CalibrationUpdate("Stopped: nothing was saved.", state="stopped")
+                return
+            where = "on the server" if access.remote else f"to `{done.path}`"  # no paths for remote users
+            yield CalibrationUpdate(
+                f"Calibrated {target} ← {drafter}; saved {where}.",
+                state="done",
+                view=self._cost_view(done.calibration, self._loaded[(target, drafter)].pair),
+            )
+        except Exception as err:
+            yield CalibrationUpdate(failure(err, "calibrate"), state="error")
+        finally:
+            items.close()
+
+    # --- history, the plot, files ------------------------------------------------------------------------
+    def plot(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        results: pd.DataFrame | None = None,
+        *,
+        ks: Sequence[int] = (2, 4),
+        c_choice: str = C_FITTED,
+        pair: tuple[str, str] | None = None,
+    ) -> PlotView:
+        """Speedup vs α for this session's runs (and a loaded results file): see `uag.app.history.plot_view`."""
+        pair_r = self.r_of(*pair) if pair is not None else None
+        return plot_view(rows, results, ks=ks, c_choice=c_choice, pair=pair, pair_r=pair_r)
+
+    @staticmethod
+    def load_results(path: str | Path | None) -> tuple[pd.DataFrame | None, str]:
+        return load_results(path)
+
+    def export_history(self, rows: Sequence[Mapping[str, Any]]) -> Path:
+        return self.exports.history(rows)
+
+    def export_figure(self, figure: Any) -> tuple[list[Path], str]:
+        return self.exports.figure(figure)

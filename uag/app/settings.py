@@ -1,0 +1,93 @@
+"""One comparison's settings as the app takes them: the pair's names and one `GenerationConfig`.
+
+Raw input (form fields, JSON from the API) goes through `Settings.parse`, which leaves every decoding
+check to `GenerationConfig.parse`; the prompt through `check_prompt`. Standard library only.
+
+    Settings.parse(target="demo-target", k=2.0, seed="")  -> Settings(target="demo-target", generation=…k=2…)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from uag.core.config import SPECULATIVE, GenerationConfig
+from uag.errors import InputError
+from uag.runtime.presets import DEFAULT
+
+MAX_PROMPT_CHARS = 20_000  # the app's bound on a prompt; the target's context bounds it again in tokens
+# The app opens on auto with k ≤ 8: with the default preset it wins on structured prompts (README). The
+# library's own defaults (GenerationConfig: context, k = 2) are left as they are.
+DEFAULT_GENERATION = GenerationConfig(strategy="auto", k=8)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One comparison: the target alone always runs first, then `generation.strategy` with the drafter."""
+
+    target: str = DEFAULT.target
+    drafter: str = DEFAULT.drafter
+    generation: GenerationConfig = DEFAULT_GENERATION
+
+    @classmethod
+    def parse(cls, target: Any = None, drafter: Any = None, **raw: Any) -> Settings:
+        """Settings from loosely typed input; InputError lists every problem. A setting left out (None for
+        the names) takes the app's default (DEFAULT, DEFAULT_GENERATION).
+
+        Example: Settings.parse(k=40, strategy="baseline") -> InputError("strategy must be one of …; k …")
+        """
+        problems = []
+        raw = {**asdict(DEFAULT_GENERATION), **raw}
+        if raw["strategy"] not in SPECULATIVE:
+            problems.append(f"strategy must be one of {', '.join(SPECULATIVE)} (got {raw['strategy']!r})")
+            raw["strategy"] = DEFAULT_GENERATION.strategy
+        try:
+            generation = GenerationConfig.parse(**raw)
+        except InputError as err:
+            problems.append(str(err))
+        if problems:
+            raise InputError("; ".join(problems))
+        names = {}
+        for role, value, default in (("target", target, cls.target), ("drafter", drafter, cls.drafter)):
+            if value is not None and not isinstance(value, str):
+                raise InputError(f"the {role} must be a name (got {value!r})")
+            names[role] = default if value is None else value.strip()
+        return cls(names["target"], names["drafter"], generation)
+
+    @property
+    def strategy(self) -> str:
+        return self.generation.strategy
+
+    def config(self, strategy: str | None = None) -> GenerationConfig:
+        """The generation config of one of the comparison's runs ("baseline", or the speculative strategy)."""
+        return self.generation if strategy is None else self.generation.replace(strategy=strategy)
+
+    def flat(self) -> dict[str, Any]:
+        """target, drafter and every decoding setting in one flat dict (stats and history rows)."""
+        return {"target": self.target, "drafter": self.drafter, **asdict(self.generation)}
+
+
+def check_prompt(prompt: Any) -> str:
+    """The prompt as typed if the app can run it; InputError saying what is wrong otherwise.
+
+    Example: check_prompt("  ") -> InputError("the prompt is empty: …");  check_prompt("\\ud800") -> InputError
+    """
+    if prompt is None:
+        prompt = ""
+    if not isinstance(prompt, str):
+        kind = "a number" if isinstance(prompt, (int, float)) else "a list" if isinstance(prompt, list) else "not text"
+        raise InputError(f"the prompt must be text (got {kind})")
+    if not prompt.strip():  # but generate from the prompt as typed: trailing spaces change the tokens
+        raise InputError("the prompt is empty: type one or pick an example")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise InputError(f"the prompt is {len(prompt)} characters; the app takes at most {MAX_PROMPT_CHARS}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(
+            f"the prompt holds a character that is not valid text at position {err.start + 1} (a lone "
+            "surrogate, e.g. half of an emoji): remove it or paste the text again"
+        ) from None
+    if "\x00" in prompt:
+        raise InputError("the prompt holds a NUL character: remove it")
+    return prompt

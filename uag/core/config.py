@@ -1,0 +1,178 @@
+"""`GenerationConfig`: the decoding settings of one run, and the one set of checks every interface uses.
+
+The CLI, the app, its API, sweeps and results all hold a `GenerationConfig`; each parses its raw input
+through `GenerationConfig.parse`, so a setting accepted in one place is accepted everywhere, with the same
+message when it is not. The UI builds its controls from `FIELDS`. Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from uag.core.translate import DEFAULT_WINDOW, STRATEGIES
+from uag.errors import InputError
+
+DEFAULT_K = 2
+MAX_K = 32
+DEFAULT_MAX_TOKENS = 64
+MAX_TOKENS = 4096  # a cap, not a target: a run is also bounded by the target's context and any time budget
+MAX_WINDOW = 64
+MAX_TEMPERATURE = 2.0
+MAX_SEED = 2**31 - 1  # what mx.random.seed takes
+SPECULATIVE = (*STRATEGIES, "auto")  # "auto": context translation, k re-decided each cycle (k = the maximum)
+MODES = ("baseline", *SPECULATIVE)
+
+
+@dataclass(frozen=True)
+class Field:
+    """How one setting is shown and bounded (the CLI's flags and the app's controls read these)."""
+
+    name: str
+    label: str
+    lo: float | None = None
+    hi: float | None = None
+    help: str = ""
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("strategy", "translation", help="baseline = target alone; none / naive / context / tli; auto picks k"),
+    Field("k", "k (draft length)", 1, MAX_K, "tokens drafted per cycle (auto: the most it may draft)"),
+    Field("window", "context window W", 0, MAX_WINDOW, "committed tokens re-encoded with each draft"),
+    Field("max_tokens", "max tokens", 1, MAX_TOKENS, "tokens to generate at most"),
+    Field("temperature", "temperature", 0, MAX_TEMPERATURE, "0 = greedy"),
+    Field("seed", "seed", 0, MAX_SEED, "random seed for temperature > 0 (empty: none)"),
+    Field("chat", "chat template", help="wrap the prompt in the target's chat template"),
+)
+FIELD = {f.name: f for f in FIELDS}
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and how. `strategy="baseline"` runs the target alone; "auto" translates in
+    context and re-decides the draft length each cycle, with `k` as its maximum."""
+
+    strategy: str = "context"
+    k: int = DEFAULT_K
+    window: int = DEFAULT_WINDOW
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    seed: int | None = None
+    chat: bool = False
+
+    @property
+    def speculative(self) -> bool:
+        return self.strategy != "baseline"
+
+    def validate(self) -> GenerationConfig:
+        """Raise InputError listing every setting out of bounds; return self."""
+        GenerationConfig.parse(**asdict(self))
+        return self
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        """A copy with `changes` applied, parsed and checked like user input."""
+        return GenerationConfig.parse(**{**asdict(self), **changes})
+
+    @classmethod
+    def parse(cls, **raw: Any) -> GenerationConfig:
+        """Settings from loosely typed input (form fields, JSON, flags); InputError lists every problem.
+
+        Example: GenerationConfig.parse(k=2.0, seed="") -> GenerationConfig(k=2, seed=None, …)
+                 GenerationConfig.parse(k=40, temperature=-1) -> InputError("k (draft length) must be …; …")
+        """
+        unknown = set(raw) - {f.name for f in fields(cls)}
+        if unknown:
+            raise InputError(f"unknown settings: {', '.join(sorted(unknown))}")
+        defaults = cls()
+        values = {f.name: raw.get(f.name, getattr(defaults, f.name)) for f in fields(cls)}
+        problems: list[str] = []
+        if values["strategy"] not in MODES:
+            problems.append(f"strategy must be one of {', '.join(MODES)} (got {values['strategy']!r})")
+        for name in ("k", "window", "max_tokens"):
+            values[name] = _whole(values[name], FIELD[name], problems)
+        values["temperature"] = _number(values["temperature"], FIELD["temperature"], problems)
+        if values["seed"] is None or (isinstance(values["seed"], str) and not values["seed"].strip()):
+            values["seed"] = None
+        else:
+            values["seed"] = _whole(values["seed"], FIELD["seed"], problems)
+        values["chat"] = _flag(values["chat"], FIELD["chat"], problems)
+        if problems:
+            raise InputError("; ".join(problems))
+        return cls(**values)
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _whole(value: Any, field: Field, problems: list[str]) -> Any:
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if isinstance(value, bool) or not number.is_integer() or not field.lo <= number <= field.hi:
+        problems.append(
+            f"{field.label} must be a whole number from {_bound(field.lo)} to {_bound(field.hi)} (got {value!r})"
+        )
+        return value
+    return int(number)
+
+
+def _number(value: Any, field: Field, problems: list[str]) -> Any:
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if isinstance(value, bool) or not field.lo <= number <= field.hi:  # NaN and ±inf fail here too
+        problems.append(f"{field.label} must be a number from {_bound(field.lo)} to {_bound(field.hi)} (got {value!r})")
+        return value
+    return number
+
+
+def _flag(value: Any, field: Field, problems: list[str]) -> Any:
+    """A real boolean, or the words true/false (JSON and forms): "no" is not a way to say False."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    problems.append(f"{field.label} must be true or false (got {value!r})")
+    return value
+
+
+LOOKUP = "lookup"
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """What drafts: a model (hub id, folder, preset name), prompt `lookup` (no model), or both
+    (`lookup+<model>`: lookup where the context offers a match, the model elsewhere).
+
+    Example: DrafterSpec.parse("lookup+demo-drafter") -> DrafterSpec(lookup=True, model="demo-drafter")
+             DrafterSpec.parse("lookup") -> DrafterSpec(lookup=True, model=None)
+    """
+
+    lookup: bool = False
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> DrafterSpec:
+        text = (text or "").strip()
+        if not text:
+            raise InputError("no drafter given: name a model, lookup, or lookup+<model>")
+        if text == LOOKUP:
+            return cls(lookup=True)
+        head, plus, rest = text.partition("+")
+        if plus and head.strip() == LOOKUP:
+            if not rest.strip() or rest.strip() == LOOKUP:
+                raise InputError(f"{text!r}: after lookup+ name a drafter model, e.g. lookup+demo-drafter")
+            return cls(lookup=True, model=rest.strip())
+        return cls(model=text)
+
+    @property
+    def kind(self) -> str:
+        """ "model", "lookup" or "hybrid"."""
+        return "hybrid" if self.lookup and self.model else LOOKUP if self.lookup else "model"
+
+    def __str__(self) -> str:
+        return f"{LOOKUP}+{self.model}" if self.lookup and self.model else LOOKUP if self.lookup else str(self.model)

@@ -1,0 +1,354 @@
+"""Who drafts: a model through translation, prompt lookup, or both (the hybrid).
+
+`DrafterChoice` is what a user picked, loaded once (a model in memory, or no model at all for lookup);
+each run turns it into a stateful `Drafter` that proposes target tokens every cycle:
+
+- `ModelDrafter`: k passes of a drafter model, then translation into target tokens (uag.core.translate).
+- `LookupDrafter`: the continuation of the latest earlier occurrence of the last n tokens (uag.core.lookup).
+- `HybridDrafter`: lookup where the context offers a match, the model elsewhere; the policy picks the
+  source each cycle (uag.core.policy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+
+from uag.core import anatomy
+from uag.core.anatomy import Loss
+from uag.core.config import LOOKUP, DrafterSpec, GenerationConfig
+from uag.core.lookup import NGRAMS, NgramIndex
+from uag.core.passes import PREFILL_STEP, prefill, settle_allocator, trim_to
+from uag.core.prompt_input import check_context
+from uag.core.records import Rehearsal
+from uag.core.translate import IntersectionTranslator, Proposal, Resync, TextTranslator, Translator, make_translator
+from uag.core.verify import IdMap, draft_distribution
+from uag.models.store import LoadedModel, ModelStore
+from uag.models.vocab import Vocab
+
+REHEARSAL_SPAN = 64  # positions per pass of a rehearsal (its logits are kept: one row per position)
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """A loaded drafter choice: prompt lookup, a model, or lookup backed by a model."""
+
+    lookup: bool = False
+    model: LoadedModel | None = None
+
+    def __post_init__(self):
+        if not self.lookup and self.model is None:
+            raise ValueError("a drafter choice needs lookup, a model, or both")
+
+    @property
+    def name(self) -> str:
+        return str(DrafterSpec(self.lookup, None if self.model is None else self.model.name))
+
+    @property
+    def kind(self) -> str:
+        return DrafterSpec(self.lookup, None if self.model is None else self.model.name).kind
+
+    @classmethod
+    def of(cls, drafter: DrafterChoice | LoadedModel) -> DrafterChoice:
+        return drafter if isinstance(drafter, DrafterChoice) else cls(model=drafter)
+
+
+def load_drafter(
+    store: ModelStore, spec: str | DrafterSpec, *, progress: Callable[[str], None] | None = None
+) -> DrafterChoice:
+    """Load what `spec` names ("demo-drafter", "lookup", "lookup+demo-drafter"); lookup loads nothing."""
+    spec = spec if isinstance(spec, DrafterSpec) else DrafterSpec.parse(spec)
+    model = None if spec.model is None else store.get(spec.model, progress=progress)
+    return DrafterChoice(lookup=spec.lookup, model=model)
+
+
+# --- drafters of one run ---------------------------------------------------------------------------
+
+
+@dataclass
+class Draft:
+    """One cycle's proposal and what making it cost."""
+
+    source: str  # "model" or "lookup"
+    proposed: list[int]  # target ids put up for verification
+    draft_ids: list[int] = field(default_factory=list)  # what the drafter drafted (its own vocabulary)
+    usable: list[int] = field(default_factory=list)  # drafts worth translating (up to a control token)
+    q: object | None = None  # the drafter's distributions (TLI sampling), for rejection sampling
+    id_map: IdMap | None = None  # how q's drafter ids map to target ids
+    draft_ms: float = 0.0  # drafter passes (model) or the lookup itself
+    translate_ms: float = 0.0
+    sync_ms: float = 0.0  # catching up with tokens committed since the drafter last drafted
+    passes: int = 0  # drafter forward passes
+    read: int = 0  # tokens those passes read
+    absorbed: bool = False
+    fallback: bool = False
+    empty: bool = False
+    resync_absorbed: bool = False
+    proposal: Proposal | None = None  # the translator's proposal (model drafts), for the loss anatomy
+
+
+class Drafter(Protocol):
+    """What the speculative cycle needs from whatever drafts. Proposals are in target ids."""
+
+    translation: str  # how its drafts become target ids: a translator's name, or "lookup" (none needed)
+
+    def start(self, prompt: Sequence[int]) -> int:
+        """Begin a run on the target's prompt ids; return the tokens a first draft must read first."""
+
+    def offer(self, k_max: int) -> dict[str, int]:
+        """The sources that can draft now and how many tokens each could propose at most."""
+
+    def propose(self, source: str, k: int, budget: int) -> Draft:
+        """Up to k drafts from `source`, translated, never more than `budget` target tokens."""
+
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        """Where the draft's lost positions went (uag.core.anatomy), before `commit` hears of `written`."""
+
+    def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
+        """The target committed `new` (after a draft, or plain steps); return whether re-sync absorbed."""
+
+    def rehearse(self) -> Rehearsal | None:
+        """Read what was committed while parked and say where drafts would have held (None: cannot)."""
+
+    def restore(self) -> None:
+        """Leave any cache holding exactly what was committed (the run is over or paused)."""
+
+
+class LookupDrafter:
+    """Prompt lookup over everything committed: no model, no translation."""
+
+    translation = LOOKUP
+
+    def __init__(self, vocab: Vocab, ngrams: Sequence[int] = NGRAMS):
+        self.vocab = vocab  # the target's: lookup's proposals are target tokens
+        self.index = NgramIndex(ngrams)
+
+    def start(self, prompt: Sequence[int]) -> int:
+        self.index = NgramIndex(self.index.ngrams)
+        self.index.extend(prompt)
+        return 0
+
+    def offer(self, k_max: int) -> dict[str, int]:
+        return {LOOKUP: k_max} if self.index.match is not None else {}
+
+    def propose(self, source: str, k: int, budget: int) -> Draft:
+        tic = time.perf_counter()
+        ids = self.index.propose(min(k, budget))
+        return Draft(LOOKUP, ids, draft_ids=list(ids), usable=list(ids), draft_ms=(time.perf_counter() - tic) * 1000)
+
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        if accepted >= len(draft.proposed):
+            return Loss()
+        context = self.index.ids[-anatomy.CONTEXT :]
+        return anatomy.of_ids(self.vocab, context, draft.proposed, accepted, written)
+
+    def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
+        self.index.extend(new)
+        return False
+
+    def rehearse(self) -> Rehearsal | None:
+        return None  # a lookup costs nothing: it is simply tried
+
+    def restore(self) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A drafter model through a translator. Its cache has read translator.drafter_ids[:seen]; the rest
+    (the prompt, the target's corrections, tokens committed while parked) is fed with its next draft, or
+    read earlier by a rehearsal, so a fully accepted draft costs no extra drafter pass and a run that never
+    drafts or rehearses never pays."""
+
+    def __init__(self, model: LoadedModel, translator: Translator, config: GenerationConfig, cache: list | None):
+        self.model, self.translator, self.config = model, translator, config
+        self.cache = model.make_cache() if cache is None else cache
+        self.seen = 0
+        self.unsynced: list[int] = []  # committed target tokens the translator has not been given yet
+        self.tli = isinstance(translator, IntersectionTranslator)
+        self.id_map: IdMap | None = None  # built on the first drafter pass, which tells its logits' size
+        self.translation = translator.name
+        self.prompt_length = 0
+
+    def start(self, prompt: Sequence[int]) -> int:
+        ids = self.translator.start(prompt)
+        check_context(len(ids), self.model.context_length, "drafter", self.model.name)
+        self.prompt_length = len(ids)
+        return len(ids)
+
+    def offer(self, k_max: int) -> dict[str, int]:
+        return {"model": k_max}
+
+    def _sync(self, drafts: Sequence[int] = ()) -> Resync:
+        """Give the translator the tokens committed since it last heard, keep what the cache saw."""
+        resync = self.translator.commit(drafts, self.unsynced)
+        self.unsynced = []
+        self.seen = min(self.seen, resync.cut, len(self.translator.drafter_ids) - 1)
+        trim_to(self.cache, self.seen)
+        return resync
+
+    def propose(self, source: str, k: int, budget: int) -> Draft:
+        t0 = time.perf_counter()
+        catch_up = self._sync() if self.unsynced else None
+        t1 = time.perf_counter()
+        drafts, q, read = self._draft(k)
+        t2 = time.perf_counter()
+        usable = self.translator.usable(drafts)
+        proposal = self.translator.propose(usable)
+        t3 = time.perf_counter()
+        return Draft(
+            "model",
+            proposal.ids[:budget],
+            draft_ids=drafts,
+            usable=usable,
+            q=q,
+            id_map=self.id_map,
+            draft_ms=(t2 - t1) * 1000,
+            translate_ms=(t3 - t2) * 1000,
+            sync_ms=(t1 - t0) * 1000,
+            passes=k,
+            read=read,
+            absorbed=proposal.absorbed,
+            fallback=proposal.fallback,
+            empty=proposal.empty,
+            resync_absorbed=bool(catch_up and catch_up.absorbed),
+            proposal=proposal,
+        )
+
+    def _restrict(self, logits: mx.array) -> mx.array:
+        """Under TLI, the drafter's logits restricted to the shared vocabulary (the map is built on first use,
+        when the logits tell the drafter's vocabulary size); otherwise unchanged."""
+        if not self.tli:
+            return logits
+        if self.id_map is None:
+            self.id_map = IdMap(self.translator.to_target, logits.shape[-1])
+        return logits + self.id_map.drafter_mask
+
+    def _draft(self, k: int) -> tuple[list[int], mx.array | None, int]:
+        """k drafter passes; the first also feeds what the drafter has not seen. Greedy, except TLI at
+        temperature > 0, which samples and keeps each distribution q for rejection sampling."""
+        ids = self.translator.drafter_ids
+        base, seen = len(ids), self.seen
+        if base - self.seen > PREFILL_STEP:  # a long unread stretch (the prompt): in chunks, like a prompt
+            prefill(self.model.model, self.cache, ids[self.seen : base - 1])
+            self.seen = base - 1
+        y = mx.array(ids[self.seen :])
+        sample = self.tli and self.config.temperature > 0
+        guesses, qs = [], []
+        for _ in range(k):
+            logits = self._restrict(self.model.model(y[None], cache=self.cache)[:, -1, :])
+            if sample:
+                q = draft_distribution(logits, self.config.temperature)
+                y = mx.random.categorical(mx.log(q))
+                qs.append(q)
+            else:
+                y = mx.argmax(logits, axis=-1)
+            mx.async_eval(y)
+            guesses.append(y)
+        drafts = mx.concatenate(guesses).tolist()
+        self.seen = base + k - 1  # every draft but the last has been fed back
+        settle_allocator()
+        return drafts, (mx.concatenate(qs) if qs else None), base - seen + k - 1
+
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        proposal = draft.proposal
+        if proposal is None or (accepted >= len(draft.proposed) and not proposal.dropped):
+            return Loss()
+        if isinstance(self.translator, TextTranslator):
+            return anatomy.of_cycle(self.translator, proposal, draft.proposed, accepted, written)
+        context = self.translator.target_ids[-anatomy.CONTEXT :]  # identity: drafts are target tokens
+        return anatomy.of_ids(self.translator.target, context, draft.proposed, accepted, written)
+
+    def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
+        self.unsynced += new
+        if draft is None or draft.source != "model":
+            return False  # plain steps or another source's draft: caught up lazily, with the next draft
+        return self._sync(draft.usable).absorbed
+
+    def rehearse(self) -> Rehearsal | None:
+        """Catch up now on what was committed while parked (the reading the next draft would do anyway),
+        keeping the drafter's guess at every generated position: a draft starting at a position holds for
+        as many positions as the guesses there and after it are right, so one pass replays every draft the
+        stretch could have had. Greedy guesses (restricted to the shared vocabulary under TLI); the
+        prompt is read without them, and the newest token stays pending for the next draft, as after one."""
+        if not self.unsynced:
+            return None
+        tic = time.perf_counter()
+        target_tokens = len(self.unsynced)
+        self._sync()
+        ids = self.translator.drafter_ids
+        start, end = self.seen, len(ids) - 1
+        first = min(max(start, self.prompt_length - 1), end)
+        if first > start:
+            prefill(self.model.model, self.cache, ids[start:first])
+        hits = []
+        for lo in range(first, end, REHEARSAL_SPAN):
+            hi = min(lo + REHEARSAL_SPAN, end)
+            logits = self._restrict(self.model.model(mx.array(ids[lo:hi])[None], cache=self.cache)[0])
+            guesses = mx.argmax(logits, axis=-1).tolist()
+            hits += [g == t for g, t in zip(guesses, ids[lo + 1 : hi + 1])]
+        self.seen = end
+        settle_allocator()
+        if not hits:
+            return None
+        return Rehearsal(hits, end - start, (time.perf_counter() - tic) * 1000, target_tokens)
+
+    def restore(self) -> None:
+        if self.unsynced and self.translator.target_ids:
+            self._sync()
+        if self.translator.drafter_ids:
+            trim_to(self.cache, min(self.seen, len(self.translator.drafter_ids) - 1))
+
+
+class HybridDrafter:
+    """Lookup where the context offers a match, the model elsewhere; both kept in step with the target."""
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+        self.translation = model.translation
+
+    def start(self, prompt: Sequence[int]) -> int:
+        self.lookup.start(prompt)
+        return self.model.start(prompt)
+
+    def offer(self, k_max: int) -> dict[str, int]:
+        return {**self.lookup.offer(k_max), **self.model.offer(k_max)}
+
+    def propose(self, source: str, k: int, budget: int) -> Draft:
+        return (self.lookup if source == LOOKUP else self.model).propose(source, k, budget)
+
+    def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
+        return (self.lookup if draft.source == LOOKUP else self.model).loss(draft, accepted, written)
+
+    def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
+        self.lookup.commit(draft, new)
+        return self.model.commit(draft, new)
+
+    def rehearse(self) -> Rehearsal | None:
+        return self.model.rehearse()
+
+    def restore(self) -> None:
+        self.model.restore()
+
+
+def make_drafter(
+    choice: DrafterChoice,
+    target: LoadedModel,
+    config: GenerationConfig,
+    *,
+    translator: Translator | None = None,
+    cache: list | None = None,
+    shared: bool = False,
+) -> Drafter:
+    """The stateful drafter of one run for a loaded choice (the translation strategy applies to the model)."""
+    lookup = LookupDrafter(target.vocab) if choice.lookup else None
+    if choice.model is None:
+        return lookup
+    if translator is None:
+        translation = "context" if config.strategy == "auto" else config.strategy
+        translator = make_translator(translation, target.vocab, choice.model.vocab, window=config.window, shared=shared)
+    model = ModelDrafter(choice.model, translator, config, cache)
+    return model if lookup is None else HybridDrafter(lookup, model)

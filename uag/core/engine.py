@@ -1,0 +1,418 @@
+"""Generation on mlx-lm models: the target alone, or speculative cycles with any drafter.
+
+Layers, as in mlx-lm's generate.py:
+
+1. Step generators yield plain `Step` records (the committed token ids, how many came from a draft, the
+   `Cycle` or None, whether the prompt pass made it): `baseline_steps` (mlx-lm's own `generate_step`,
+   the reference users know) and `speculative_steps`, which runs `Speculation.cycle` (draft → verify →
+   commit) and, where the policy parks, `Speculation.plain_steps` (pipelined target steps).
+2. `stream()` owns the run: the `Run` record, text pieces, timing, EOS, the token budget, cancel, and
+   the `finally` that leaves both caches holding exactly the committed tokens. It yields `Event`s.
+3. `generate()` drains a stream into its `Run`.
+
+A speculative cycle: the drafter proposes up to k target tokens (a model's drafts translated, or a
+lookup's); the target scores its pending token plus the proposal in one forward pass; the longest
+prefix it agrees with is kept, plus the target's own next token (uag.core.verify); both sides are trimmed
+back to what was committed. Lossless: every token is one the target chose.
+
+The first cycle rides on the prompt pass (as in the study's implementation): the drafter drafts from the
+prompt alone, and the target reads the prompt and verifies that draft in the same pass, so a run where
+the policy drafts from the start spends one target pass fewer than reading the prompt first would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from uag.core.config import LOOKUP, GenerationConfig
+from uag.core.costmodel import CostProfile
+from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
+from uag.core.passes import logprobs, prefill, settle_allocator, trim_to
+from uag.core.policy import AdaptiveK, FixedK
+from uag.core.records import Cycle, Event, Run, Token
+from uag.core.translate import Translator
+from uag.core.verify import accept_greedy, accept_rejection
+from uag.errors import InputError, ModelError
+from uag.models.store import LoadedModel, check_pair
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one step committed: target ids, how many leading ones came from a draft, and its cycle."""
+
+    ids: list[int]
+    accepted: int = 0
+    cycle: Cycle | None = None  # None for a prompt pass that verified no draft
+    opening: bool = False  # the prompt pass made it (its ids are the first ones of the run)
+
+
+def prompt_ids(target: LoadedModel, prompt: str, *, chat: bool = False) -> list[int]:
+    """Token ids of the prompt for the target (its chat template applied once, when asked)."""
+    if not prompt or not prompt.strip():
+        raise InputError("the prompt is empty")
+    if chat:
+        if not target.tokenizer.has_chat_template:
+            raise ModelError(f"{target.name!r} has no chat template: turn the chat template off")
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        ids = target.tokenizer.encode(prompt)
+    limit = target.context_length
+    if limit is not None and len(ids) >= limit:
+        raise InputError(f"the prompt is {len(ids)} tokens; {target.name!r} has a context of {limit}")
+    return list(ids)
+
+
+def _token_budget(target: LoadedModel, n_prompt: int, max_tokens: int) -> int:
+    limit = target.context_length
+    return max_tokens if limit is None else min(max_tokens, limit - n_prompt)
+
+
+# --- the target alone ----------------------------------------------------------------------------
+
+
+def baseline_steps(
+    target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, cache: list, budget: int
+) -> Iterator[Step]:
+    """The target alone, through mlx-lm's `generate_step`; the cache is left holding what was committed."""
+    steps = generate_step(
+        mx.array(prompt), target.model, max_tokens=budget, sampler=make_sampler(config.temperature), prompt_cache=cache
+    )
+    generated = 0
+    try:
+        tic = time.perf_counter()
+        for token, _ in steps:
+            now = time.perf_counter()
+            yield Step([token], 0, Cycle.plain(0, (now - tic) * 1000) if generated else None, opening=not generated)
+            generated += 1
+            tic = time.perf_counter()
+    finally:
+        steps.close()
+        trim_to(cache, len(prompt) + generated - 1)
+
+
+# --- speculation ---------------------------------------------------------------------------------
+
+
+class Speculation:
+    """One speculative run's target side: its cache, the committed tokens, and the drafter that serves it.
+    The target's cache has read every committed token but the newest."""
+
+    def __init__(
+        self, target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, drafter: Drafter, *,
+        cache: list | None = None, sampler: Sampler | None = None,
+    ):  # fmt: skip
+        self.target, self.config, self.drafter = target, config, drafter
+        self.cache = target.make_cache() if cache is None else cache
+        self.sampler = sampler or make_sampler(config.temperature)
+        self.committed = list(prompt)  # target ids: prompt, then every generated token
+        self.seen = 0
+        self.eos = target.eos_ids
+
+    def open(self, source: str, k: int, budget: int) -> Step:
+        """The prompt pass with a first draft: the target reads the prompt but its last token, then
+        verifies a draft made from the prompt alone together with that token (one pass fewer than
+        reading the whole prompt and drafting after the target's first token)."""
+        prefill(self.target.model, self.cache, self.committed[:-1])
+        self.seen = len(self.committed) - 1
+        return replace(self.cycle(source, k, budget), opening=True)
+
+    def cycle(self, source: str, k: int, budget: int) -> Step:
+        """Draft → verify → commit: at most `budget` tokens, stopping at EOS."""
+        draft = self.drafter.propose(source, k, budget - 1)
+        t0 = time.perf_counter()
+        verdict = self._verify(draft)
+        new = verdict.committed(draft.proposed)
+        stop = next((i for i, t in enumerate(new) if t in self.eos), None)
+        if stop is not None:
+            new = new[: stop + 1]
+        accepted = min(verdict.accepted, len(new))
+        t1 = time.perf_counter()
+        loss = self.drafter.loss(draft, accepted, new)
+        resync_absorbed = self._commit(draft, new)
+        t2 = time.perf_counter()
+        cycle = Cycle(
+            index=0,
+            k=k,
+            draft_ids=draft.draft_ids,
+            proposed_ids=draft.proposed,
+            accepted=accepted,
+            emitted=len(new),
+            draft_ms=draft.draft_ms,
+            translate_ms=draft.translate_ms,
+            verify_ms=(t1 - t0) * 1000,
+            resync_ms=(t2 - t1) * 1000 + draft.sync_ms,
+            drafter_passes=draft.passes,
+            drafter_read=draft.read,
+            absorbed=draft.absorbed,
+            fallback=draft.fallback,
+            empty=draft.empty,
+            resync_absorbed=resync_absorbed or draft.resync_absorbed,
+            source=draft.source,
+            loss={name: n for name, n in loss.as_dict().items() if n},
+        )
+        return Step(new, accepted, cycle)
+
+    def _verify(self, draft: Draft):
+        """One target pass over its pending token and the proposal."""
+        proposed = draft.proposed
+        logits = self.target.model(mx.array([self.committed[-1], *proposed])[None], cache=self.cache)[0]
+        self.seen += 1 + len(proposed)
+        if draft.q is not None:
+            verdict = accept_rejection(logits, draft.q, draft.usable, proposed, draft.id_map, self.config.temperature)
+        else:
+            verdict = accept_greedy(proposed, self.sampler(logprobs(logits)).tolist())
+        settle_allocator()
+        return verdict
+
+    def _commit(self, draft: Draft | None, new: list[int]) -> bool:
+        """Append committed tokens, trim the target's cache to all but the newest, tell the drafter."""
+        self.committed += new
+        self.seen = min(self.seen, len(self.committed) - 1)
+        trim_to(self.cache, self.seen)
+        return self.drafter.commit(draft, new)
+
+    def plain_steps(self, n: int, until: Callable[[], bool] | None = None) -> Iterator[int]:
+        """Up to n plain target steps, pipelined as in mlx-lm's generate_step: each step is queued before
+        the previous token is read back, so that parked, speculation costs what the target alone costs.
+        Unlike generate_step, nothing is queued past the last token (generate_step computes one token
+        more than it yields: a whole wasted step at the end of every parked stretch). When `until()`
+        turns true after a token, the step already queued is taken and the stretch ends there. At the
+        start of a run the stretch opens with the prompt, read as mlx-lm reads it."""
+        model, cache = self.target.model, self.cache
+
+        def queue(ids: mx.array) -> mx.array:
+            y = self.sampler(logprobs(model(ids[None], cache=cache)[:, -1, :]))
+            mx.async_eval(y)
+            return y
+
+        pending = self.committed[self.seen :]
+        try:
+            if len(pending) > 1:
+                prefill(model, cache, pending[:-1])
+            y = queue(mx.array(pending[-1:]))
+            i = 0
+            while y is not None:
+                following = queue(y) if i + 1 < n else None
+                token = y.item()
+                self.committed.append(token)
+                self.drafter.commit(None, [token])
+                yield token
+                if following is not None and until is not None and until():
+                    n = i + 2  # take the step already queued, queue no more
+                y, i = following, i + 1
+        finally:
+            self.seen = len(self.committed) - 1
+            trim_to(self.cache, self.seen)
+
+    def restore(self) -> None:
+        """Leave both caches holding exactly the committed sequences, however the run ended."""
+        trim_to(self.cache, min(self.seen, len(self.committed) - 1))
+        self.drafter.restore()
+
+
+def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int) -> Iterator[Step]:
+    """Cycles where the policy drafts, pipelined plain stretches where it parks; up to `budget` tokens."""
+    generated = 0
+    offer = lambda: spec.drafter.offer(policy.k_max if isinstance(policy, AdaptiveK) else policy.k)  # noqa: E731
+    lookup_pending = lambda: LOOKUP in offer()  # noqa: E731  a lookup match turned up: stop the stretch
+    stretch = None
+    try:
+        policy.begin(spec.drafter.start(spec.committed), budget)
+        source, k = policy.choose(offer())
+        k = min(k, budget - 1)
+        if k == 0:  # parked from the start: the prompt pass opens a stretch
+            stretch = spec.plain_steps(min(policy.plain_steps(), budget), lookup_pending)
+            generated += 1
+            yield Step([next(stretch)], opening=True)
+        else:  # the prompt pass verifies a first draft
+            step = spec.open(source, k, budget)
+            policy.observe(step.cycle)
+            generated += len(step.ids)
+            yield step
+        while generated < budget and spec.committed[-1] not in spec.eos:
+            source, k = ("", 0) if stretch is not None else policy.choose(offer())
+            k = min(k, budget - generated - 1)
+            if k == 0:  # plain target steps, as many in a row as the policy wants
+                stretch = stretch or spec.plain_steps(min(policy.plain_steps(), budget - generated), lookup_pending)
+                t0 = time.perf_counter()
+                for token in stretch:
+                    now = time.perf_counter()
+                    cycle = Cycle.plain(0, (now - t0) * 1000)
+                    policy.observe(cycle)
+                    generated += 1
+                    if generated < budget and token not in spec.eos and policy.wants_rehearsal():
+                        _rehearse(spec.drafter, policy, cycle)
+                    yield Step([token], 0, cycle)
+                    t0 = time.perf_counter()
+                    if token in spec.eos:
+                        break
+                stretch.close()
+                stretch = None
+                continue
+            step = spec.cycle(source, k, budget - generated)
+            policy.observe(step.cycle)
+            generated += len(step.ids)
+            yield step
+    finally:
+        if stretch is not None:
+            stretch.close()
+        spec.restore()
+
+
+def _rehearse(drafter: Drafter, policy: FixedK | AdaptiveK, cycle: Cycle) -> None:
+    """The drafter catches up on the parked stretch and the policy learns from its guesses there; the
+    plain step's record carries what that reading cost."""
+    rehearsal = drafter.rehearse()
+    if rehearsal is not None:
+        cycle.draft_ms, cycle.drafter_passes, cycle.drafter_read = rehearsal.ms, 1, rehearsal.read
+        policy.rehearsed(rehearsal)
+
+
+def make_policy(config: GenerationConfig, profile: CostProfile | None = None, r: float = 0.1) -> FixedK | AdaptiveK:
+    """Fixed k, or for strategy "auto" the adaptive policy with k ≤ config.k, seeded by `profile` (the
+    pair's measured costs on this machine, uag.study.profiles) when there is one."""
+    if config.strategy != "auto":
+        return FixedK(config.k)
+    return AdaptiveK(k_max=config.k, profile=profile, r=r)
+
+
+# --- the stream ----------------------------------------------------------------------------------
+
+
+class _Pieces:
+    """Streaming detokenizer: each committed target token gets its piece of the output text."""
+
+    def __init__(self, target: LoadedModel):
+        self._detokenizer = target.tokenizer.detokenizer
+        self._eos = target.eos_ids
+
+    def __call__(self, ids: Sequence[int], accepted: int) -> tuple[Token, ...]:
+        tokens = []
+        for i, token_id in enumerate(ids):
+            text = ""
+            if token_id not in self._eos:
+                self._detokenizer.add_token(token_id)
+                text = self._detokenizer.last_segment
+            tokens.append(Token(token_id, text, i < accepted))
+        return tuple(tokens)
+
+    def flush(self) -> str:
+        self._detokenizer.finalize()
+        return self._detokenizer.last_segment
+
+
+def stream(
+    target: LoadedModel,
+    drafter: DrafterChoice | LoadedModel | None,
+    prompt: str | Sequence[int],
+    config: GenerationConfig,
+    *,
+    profile: CostProfile | None = None,
+    cancel: threading.Event | None = None,
+    policy: FixedK | AdaptiveK | None = None,
+    translator: Translator | None = None,
+    caches: tuple[list, list | None] | None = None,
+    sampler: Sampler | None = None,
+    drafting: Drafter | None = None,
+) -> Iterator[Event]:
+    """Baseline or speculative generation for a text prompt (or ready token ids), one `Event` per step.
+
+    `drafter`: a loaded model, a `DrafterChoice` (lookup, or lookup+model), or None for the baseline.
+    `profile`: the pair's measured costs (uag.study.profiles.find_profile), which seed strategy "auto".
+    `policy`, `translator`, `caches`, `sampler` replace the defaults (tests, benchmarks); `drafting`, a
+    ready `Drafter`, replaces the one built from `drafter` (uag.distributed.sharded: ranks that only relay drafts).
+    """
+    config.validate()
+    ids = prompt_ids(target, prompt, chat=config.chat) if isinstance(prompt, str) else list(prompt)
+    budget = _token_budget(target, len(ids), config.max_tokens)
+    t_cache, d_cache = caches if caches is not None else (None, None)
+    common = dict(temperature=config.temperature, seed=config.seed, max_tokens=config.max_tokens, prompt_ids=ids)
+    if config.strategy == "baseline":
+        run = Run("baseline", target.name, **common)
+        cache = target.make_cache() if t_cache is None else t_cache
+        steps = baseline_steps(target, ids, config, cache, budget)
+    else:
+        if drafter is None and drafting is None:
+            raise InputError(f"strategy {config.strategy!r} needs a drafter")
+        choice = None if drafter is None else DrafterChoice.of(drafter)
+        notes, shared, r = (), False, 0.0
+        if choice is not None and choice.model is not None:
+            pair = check_pair(target, choice.model)
+            notes, shared, r = pair.notes, pair.shared_vocabulary, pair.r
+        if drafting is None:
+            drafting = make_drafter(choice, target, config, translator=translator, cache=d_cache, shared=shared)
+        policy = policy or make_policy(config, profile, r)
+        spec = Speculation(target, ids, config, drafting, cache=t_cache, sampler=sampler)
+        run = Run(
+            drafting.translation,
+            target.name,
+            drafting.translation if choice is None else choice.name,
+            k=config.k,
+            window=config.window,
+            notes=list(notes),
+            policy="auto" if isinstance(policy, AdaptiveK) else "fixed",
+            **common,
+        )
+        steps = speculative_steps(spec, policy, budget)
+    return _drive(run, steps, _Pieces(target), target.eos_ids, config.seed, cancel)
+
+
+def _drive(
+    run: Run, steps: Iterator[Step], pieces: _Pieces, eos: frozenset[int], seed: int | None,
+    cancel: threading.Event | None,
+) -> Iterator[Event]:  # fmt: skip
+    """The one loop that turns steps into a run: timing, text, EOS, cancel, and the final record."""
+    if seed is not None:
+        mx.random.seed(seed)
+    reason = "length"
+    tic = time.perf_counter()
+    try:
+        for step in steps:
+            now = time.perf_counter()
+            if step.opening:
+                run.first_token_s, run.prompt_ms, run.opening = now, (now - tic) * 1000, len(step.ids)
+            if step.cycle is not None:
+                step.cycle.index = len(run.cycles)
+                run.cycles.append(step.cycle)
+            run.last_token_s = now
+            tokens = pieces(step.ids, step.accepted)
+            run.tokens.extend(tokens)
+            if step.ids[-1] in eos:
+                reason = "eos"
+            elif cancel is not None and cancel.is_set():
+                reason = "stopped"
+            yield Event(tokens, step.cycle, run)
+            if reason == "length" and cancel is not None and cancel.is_set():  # set while the consumer held it
+                reason = "stopped"
+            if reason != "length":
+                break
+    except GeneratorExit:
+        reason = "stopped"
+        raise
+    finally:
+        steps.close()  # the step generator's own `finally` leaves the caches exact
+        run.finish_reason = reason
+        tail = pieces.flush()
+        if tail and run.tokens:  # text held back by the detokenizer (an incomplete final character)
+            run.tokens[-1] = replace(run.tokens[-1], text=run.tokens[-1].text + tail)
+
+
+def generate(
+    target: LoadedModel, drafter: DrafterChoice | LoadedModel | None, prompt, config: GenerationConfig, **kw
+) -> Run:
+    """Run a stream to the end and return its record."""
+    run = None
+    for event in stream(target, drafter, prompt, config, **kw):
+        run = event.run
+    if run is None or run.finish_reason is None:
+        raise RuntimeError("generation ended without a final record")
+    return run

@@ -1,0 +1,277 @@
+"""Records of a generation run: per token, per cycle, per run. Standard library only.
+
+One family for baseline and speculative runs, so that every consumer (CLI, app, sweeps, analysis) reads
+the same numbers. Definitions (also in the README):
+
+- proposed: target tokens put up for verification (after translation), summed over cycles.
+- accepted: proposed tokens the target agreed with (the longest matching prefix of each proposal).
+- acceptance rate α = accepted / proposed (target-token space; None when nothing was proposed).
+- mean accepted length = accepted / cycles (draft tokens kept per verification pass, bonus excluded).
+- draft fraction = accepted / generated tokens (share of the output that came from the drafter).
+- generation tokens/s = (generated − opening) / (t_last − t_first): tokens after those of the prompt pass,
+  over the time from the prompt pass's tokens to the last token, so prompt processing is excluded. The
+  prompt pass commits one token, or, where it verified a first draft, that draft's accepted tokens and
+  the target's next one (`opening`). None when nothing came after the prompt pass.
+- prompt tokens/s = prompt tokens / time to the prompt pass's tokens (the target's prompt pass; a drafter
+  reads its prompt with its first draft, which that cycle's draft time includes, and where the prompt
+  pass verified that draft, its time is in there too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+LOSS_CAUSES = ("disagree", "split", "held", "absorbed", "short")  # uag.core.anatomy.Loss's fields
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One committed target token and its piece of the output text."""
+
+    id: int
+    text: str  # streaming-detokenized piece; "" while a multi-byte character is incomplete
+    from_draft: bool
+
+
+@dataclass(slots=True)
+class Cycle:
+    """One draft → translate → verify → re-sync cycle. k == 0 is a plain target step; one that ended a
+    parked stretch with a rehearsal (uag.core.policy) carries the drafter's reading in draft_ms, drafter_passes
+    and drafter_read."""
+
+    index: int
+    k: int  # draft length asked of the drafter
+    draft_ids: list[int]  # drafter tokens it proposed (drafter vocabulary)
+    proposed_ids: list[int]  # target tokens put up for verification
+    accepted: int  # leading proposed tokens the target agreed with
+    emitted: int  # tokens committed by this cycle (accepted + 1, fewer at EOS or max_tokens)
+    draft_ms: float = 0.0
+    translate_ms: float = 0.0
+    verify_ms: float = 0.0
+    resync_ms: float = 0.0
+    drafter_passes: int = 0  # drafter forward passes spent in this cycle
+    drafter_read: int = 0  # tokens those passes read: the drafts but the last, plus any catch-up (the prompt,
+    #                        the target's corrections, tokens committed while parked)
+    absorbed: bool = False  # re-encoding merged across the committed boundary; recovered
+    fallback: bool = False  # no usable in-context encoding; contextless (anchored) encoding used
+    empty: bool = False  # drafts were made but translated to no target token
+    resync_absorbed: bool = False  # re-sync re-encoded drafter tokens because of a boundary merge
+    source: str = ""  # what drafted: "model", "lookup"; "" for a plain target step
+    loss: dict[str, int] = field(default_factory=dict)  # lost positions by cause (uag.core.anatomy); {} if none
+
+    @classmethod
+    def plain(cls, index: int, verify_ms: float) -> Cycle:
+        """A plain target step: no drafts, one token."""
+        return cls(index=index, k=0, draft_ids=[], proposed_ids=[], accepted=0, emitted=1, verify_ms=verify_ms)
+
+    @property
+    def proposed(self) -> int:
+        return len(self.proposed_ids)
+
+    @property
+    def ms(self) -> float:
+        return self.draft_ms + self.translate_ms + self.verify_ms + self.resync_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Rehearsal:
+    """What a parked stretch would have given the drafter: at each of its drafter positions, whether the
+    drafter's greedy guess there was the token that came next (uag.core.policy replays drafting over them)."""
+
+    hits: list[bool]
+    read: int  # tokens the drafter's pass read (the stretch, and its prompt on a first read)
+    ms: float
+    target_tokens: int  # target tokens the stretch committed (the hits are over their drafter tokens)
+
+
+@dataclass(slots=True)
+class Run:
+    """A whole generation: what was asked, what came out, and what it cost."""
+
+    strategy: str  # translation used: "baseline", "identity", "none", "naive", "context", "tli"
+    target: str
+    drafter: str | None = None
+    k: int = 0
+    window: int = 0
+    temperature: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_ms: float = 0.0  # start → the prompt pass's tokens
+    opening: int = 1  # tokens the prompt pass committed (more than 1 where it verified a first draft)
+    tokens: list[Token] = field(default_factory=list)
+    cycles: list[Cycle] = field(default_factory=list)
+    first_token_s: float | None = None  # perf_counter() when the first token was committed
+    last_token_s: float | None = None
+    finish_reason: str | None = None  # "eos", "length", "stopped" (consumer/cancel)
+    notes: list[str] = field(default_factory=list)
+    policy: str = "fixed"  # how k was chosen: "fixed", or "auto" (re-decided every cycle, k ≤ self.k)
+
+    # --- derived numbers -----------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+    @property
+    def from_draft(self) -> list[bool]:
+        return [t.from_draft for t in self.tokens]
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def proposed(self) -> int:
+        return sum(len(c.proposed_ids) for c in self.cycles)
+
+    @property
+    def accepted(self) -> int:
+        return sum(c.accepted for c in self.cycles)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        return self.accepted / len(self.cycles) if self.cycles else None
+
+    @property
+    def draft_fraction(self) -> float:
+        return self.accepted / self.generated if self.generated else 0.0
+
+    @property
+    def stalls(self) -> int:
+        return sum(1 for c in self.cycles if c.emitted == 0)
+
+    @property
+    def generation_s(self) -> float | None:
+        if self.first_token_s is None or self.last_token_s is None:
+            return None
+        return self.last_token_s - self.first_token_s
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        seconds = self.generation_s
+        if self.generated <= self.opening or not seconds:
+            return None
+        return (self.generated - self.opening) / seconds
+
+    @property
+    def prompt_tps(self) -> float | None:
+        return len(self.prompt_ids) / (self.prompt_ms / 1000) if self.prompt_ms else None
+
+    @property
+    def drafter_passes(self) -> int:
+        return sum(c.drafter_passes for c in self.cycles)
+
+    def position_acceptance(self) -> list[float | None]:
+        """P(proposed position i is accepted | positions before it were), for i = 1..the longest proposal.
+
+        Example: proposals of 2 with 2, 1 and 0 accepted -> position 1: 2/3, position 2: 1/2
+        """
+        longest = max((len(c.proposed_ids) for c in self.cycles), default=0)
+        out: list[float | None] = []
+        for i in range(longest):
+            reached = [c for c in self.cycles if len(c.proposed_ids) > i and c.accepted >= i]
+            out.append(sum(c.accepted > i for c in reached) / len(reached) if reached else None)
+        return out
+
+    def loss(self) -> dict[str, int]:
+        """Proposed (or withheld) positions lost, by cause, over the run (uag.core.anatomy): the models disagreed
+        (`disagree`), translation split agreed text differently (`split`), tokens were withheld (`held`),
+        absorption or fallback (`absorbed`), or the draft ended before the target's split was decided
+        (`short`); `translation` = split + held + absorbed."""
+        total = {name: 0 for name in LOSS_CAUSES}
+        for c in self.cycles:
+            for name, n in c.loss.items():
+                total[name] = total.get(name, 0) + n
+        total["translation"] = total["split"] + total["held"] + total["absorbed"]
+        return total
+
+    def sources(self) -> dict[str, int]:
+        """Cycles per source: "model", "lookup", and "plain" for plain target steps."""
+        out: dict[str, int] = {}
+        for c in self.cycles:
+            out[c.source or "plain"] = out.get(c.source or "plain", 0) + 1
+        return out
+
+    def phase_ms(self) -> dict[str, float]:
+        """Milliseconds spent per phase over all cycles."""
+        return {
+            phase: sum(getattr(c, f"{phase}_ms") for c in self.cycles)
+            for phase in ("draft", "translate", "verify", "resync")
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The run's summary numbers (the CLI's and the app's stats)."""
+        return {
+            "strategy": self.strategy,
+            "policy": self.policy,
+            "target": self.target,
+            "drafter": self.drafter,
+            "k": self.k,
+            "window": self.window,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": self.generated,
+            "finish_reason": self.finish_reason,
+            "cycles": len(self.cycles),
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted": self.mean_accepted,
+            "draft_fraction": self.draft_fraction,
+            "tokens_per_second": self.tokens_per_second,
+            "prompt_tps": self.prompt_tps,
+            "prompt_ms": self.prompt_ms,
+            "prompt_pass_tokens": self.opening,
+            "generation_s": self.generation_s,
+            "drafter_passes": self.drafter_passes,
+            "stalls": self.stalls,
+            "absorptions": sum(c.absorbed for c in self.cycles),
+            "resync_absorptions": sum(c.resync_absorbed for c in self.cycles),
+            "fallbacks": sum(c.fallback for c in self.cycles),
+            "empty_translations": sum(c.empty for c in self.cycles),
+            "phase_ms": self.phase_ms(),
+            "position_acceptance": self.position_acceptance(),
+            "loss": self.loss(),
+            "sources": self.sources(),
+            "rehearsals": sum(1 for c in self.cycles if not c.k and c.drafter_read),
+            "notes": list(self.notes),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: text, ids, provenance, stats and per-cycle records."""
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "from_draft": self.from_draft,
+            "pieces": [t.text for t in self.tokens],
+            "prompt_ids": list(self.prompt_ids),
+            "stats": self.stats(),
+            "cycles": [asdict(c) for c in self.cycles],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What the streaming layer yields: the tokens a step committed and the run so far.
+
+    ``cycle`` is None for the token produced by a prompt pass that verified no draft. ``run`` is the live
+    record of the run; it is complete once the stream is exhausted (``run.finish_reason`` is then set).
+    """
+
+    tokens: tuple[Token, ...]
+    cycle: Cycle | None
+    run: Run
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens)

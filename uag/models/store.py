@@ -1,0 +1,298 @@
+"""Loading target and drafter models with mlx-lm, once each, with the checks speculation needs.
+
+A model is named by a hub id ("mlx-community/Qwen2.5-1.5B-Instruct-4bit"), a local directory, or one
+of the embedded offline demo models ("demo-target", "demo-drafter", converted on first use).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
+
+from uag import _blas
+from uag.errors import ModelError
+from uag.models.vocab import HFVocab, same_vocabulary
+
+# The offline models uag.models.demo converts on first use (its MODELS); they load in default_dtype().
+DEMO_NAMES = ("demo-target", "demo-drafter", "coder-target", "coder-drafter")
+# Architectures whose sliding-window layers build the window into the attention mask, so those layers
+# can use a plain (always trimmable) KVCache instead of a RotatingKVCache, which stops being trimmable
+# once it wraps around (checked against the rotating cache in tests/test_engine.py).
+WINDOW_MASKED = frozenset({"gemma3_text", "gemma3"})
+
+
+@dataclass
+class LoadedModel:
+    """An mlx-lm model with its tokenizer and what uag needs to know about it."""
+
+    name: str
+    path: Path
+    model: nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    config: dict = field(default_factory=dict)
+
+    @cached_property
+    def vocab(self) -> HFVocab:
+        return HFVocab(self.tokenizer)
+
+    @cached_property
+    def weight_bytes(self) -> int:
+        """Bytes of all parameters as loaded (quantized weights count packed): the cost model's r."""
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+    @property
+    def dtype(self) -> str:
+        dtypes = {v.dtype for _, v in tree_flatten(self.model.parameters())}
+        floats = sorted(str(d).removeprefix("mlx.core.") for d in dtypes if mx.issubdtype(d, mx.floating))
+        quant = self.config.get("quantization") or self.config.get("quantization_config")
+        base = "/".join(floats) or "?"
+        return f"{quant['bits']}-bit ({base})" if isinstance(quant, dict) and "bits" in quant else base
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.eos_token_ids)
+
+    @property
+    def context_length(self) -> int | None:
+        cfg = self.config.get("text_config", self.config)
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+        return None
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", ""))
+
+    def make_cache(self) -> list:
+        """A fresh KV cache; sliding-window layers get a trimmable cache where that is exact."""
+        cache = make_prompt_cache(self.model)
+        if self.model_type in WINDOW_MASKED:
+            cache = [KVCache() if isinstance(c, RotatingKVCache) else c for c in cache]
+        return cache
+
+    def check_trimmable(self, role: str) -> None:
+        cache = self.make_cache()
+        if not can_trim_prompt_cache(cache):
+            kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+            raise ModelError(
+                f"{role} {self.name!r} keeps a KV cache that cannot be trimmed ({', '.join(kinds)}): "
+                "rejected drafts could not be rolled back, so speculative decoding is impossible with it"
+            )
+
+
+def default_dtype() -> str:
+    """The dtype the demo models run in, chosen by measurement (README, "Which dtype").
+
+    CPU: only float32 (with OpenBLAS) lets a k-token verification cost less than k decode steps;
+    bf16 and quantized CPU kernels do not amortise. GPU (H100, MLX-CUDA): the demo models are so small
+    that a step is launch-bound (bf16 8.1 ms, float32 10.3 ms), and in bf16 a k-token verification
+    rounds differently from k single steps, so greedy speculation parted from the baseline at a near-tie
+    (benchmarks/auto_vs_fixed.py stopped on its first prompt); float32 reproduced it in every run. The
+    demo pair exists to show lossless speculation, so it runs in float32 everywhere.
+    """
+    return "float32"
+
+
+class ModelStore:
+    """Loads each model once per resolved identity and hands out the same `LoadedModel` afterwards
+    (thread-safe). `x`, `x/`, `x//` and `./x` are one folder, so one model.
+
+    With `max_models` or `max_gb` it keeps at most that many models, or that many GB of weights, and
+    unloads the least recently used first (never one named in `keep`, nor the one just loaded).
+    `on_evict` callbacks hear of each model unloaded, so that holders of references can drop them.
+    """
+
+    def __init__(self, *, dtype: str | None = None, max_models: int | None = None, max_gb: float | None = None):
+        if max_models is not None and max_models < 2:
+            raise ValueError(f"max_models must be at least 2: a target and its drafter (got {max_models})")
+        self.dtype = dtype
+        self.max_models = max_models
+        self.max_bytes = None if max_gb is None else max_gb * 1e9
+        self.on_evict: list[Callable[[LoadedModel], None]] = []
+        self._models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
+        self._lock = threading.RLock()
+
+    @staticmethod
+    def identity(name: str) -> str:
+        """The key a model is stored under: a folder's resolved path, else the name (hub id, demo name).
+
+        Example: identity("x/") == identity("./x") == identity("x//") == "/abs/path/x";  identity("org/m") -> "org/m"
+        """
+        name = (name or "").strip()
+        if name in DEMO_NAMES:
+            return name
+        path = Path(name).expanduser()
+        if name.startswith((".", "/", "~")) or path.exists() or name.count("/") != 1:
+            return str(path.resolve())
+        return name
+
+    def __contains__(self, name: str) -> bool:
+        return self.identity(name) in self._models
+
+    @property
+    def loaded(self) -> list[str]:
+        """The loaded models' names as first asked for, least recently used first."""
+        return [model.name for model in list(self._models.values())]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(model.weight_bytes for model in list(self._models.values()))
+
+    def holds(self, model: LoadedModel) -> bool:
+        """Whether `model` is still loaded here (not unloaded to make room)."""
+        return any(held is model for held in list(self._models.values()))
+
+    def get(
+        self, name: str, *, progress: Callable[[str], None] | None = None, keep: Collection[str] = ()
+    ) -> LoadedModel:
+        name = (name or "").strip()
+        if not name:
+            raise ModelError("no model given")
+        key = self.identity(name)
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            if Path(key).is_absolute():
+                _check_folder(name, Path(key))
+            model = _load(name, dtype=self.dtype, progress=progress)
+            self._models[key] = model
+            self._evict(protected={key, *map(self.identity, keep)})
+            return model
+
+    def _evict(self, protected: set[str]) -> None:
+        def over() -> bool:
+            return (self.max_models is not None and len(self._models) > self.max_models) or (
+                self.max_bytes is not None and self.weight_bytes > self.max_bytes
+            )
+
+        evicted = []
+        while over():
+            key = next((k for k in self._models if k not in protected), None)
+            if key is None:  # everything left is in use: keep it, over budget or not
+                break
+            evicted.append(self._models.pop(key))
+        for model in evicted:
+            for callback in self.on_evict:
+                callback(model)
+        if evicted:
+            del model
+            evicted.clear()
+            gc.collect()
+            mx.clear_cache()
+
+
+def _check_folder(name: str, path: Path) -> None:
+    """Fail with a message the user can act on for a model folder mlx-lm would choke on: a config.json that
+    is not JSON or names no model_type, a safetensors file cut short (a copy or download that stopped)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return  # _resolve says what is missing
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        line = f" (line {err.lineno})" if isinstance(err, json.JSONDecodeError) else ""
+        raise ModelError(f"cannot load {name!r}: its config.json is not valid JSON{line}") from None
+    if not isinstance(data, dict) or not data.get("model_type"):
+        raise ModelError(
+            f"cannot load {name!r}: its config.json names no model_type, so mlx-lm cannot tell which "
+            'architecture it is (add e.g. "model_type": "llama")'
+        )
+    for weights in sorted(path.glob("*.safetensors")):
+        size = weights.stat().st_size
+        try:
+            with weights.open("rb") as file:
+                (length,) = struct.unpack("<Q", file.read(8))
+                header = json.loads(file.read(length)) if 8 + length <= size else None
+            end = 8 + length + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+            header, end = None, size + 1
+        if header is None or size < end:
+            raise ModelError(
+                f"cannot load {name!r}: {weights.name} is incomplete or damaged ({size:,} bytes"
+                f"{f' of {end:,}' if header is not None else ''}): copy or download it again"
+            )
+
+
+def _resolve(name: str, progress: Callable[[str], None] | None) -> Path | str:
+    if name in DEMO_NAMES:
+        from uag.models import demo
+
+        return demo.ensure(name, progress=progress)
+    path = Path(name).expanduser()
+    looks_local = name.startswith((".", "/", "~")) or path.exists() or name.count("/") != 1
+    if looks_local:
+        if not path.is_dir():
+            raise ModelError(f"no model directory at {str(path)!r}")
+        if not (path / "config.json").exists():
+            raise ModelError(f"{str(path)!r} is not an mlx-lm model directory (no config.json)")
+        return path
+    return name  # a hub id: mlx-lm fetches it, or finds it in the Hugging Face cache
+
+
+def _load(name: str, *, dtype: str | None, progress: Callable[[str], None] | None) -> LoadedModel:
+    import mlx_lm
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    source = _resolve(name, progress)
+    if progress:
+        progress(f"loading {name}")
+    try:
+        model, tokenizer, config = mlx_lm.load(str(source), return_config=True)
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError):
+        raise ModelError(
+            f"cannot load {name!r}: it is not a local directory, not in the Hugging Face cache, and the "
+            "hub could not provide it. Check the id, or the network."
+        ) from None
+    except (FileNotFoundError, ValueError) as err:
+        raise ModelError(f"cannot load {name!r}: {err}") from None
+    if name in DEMO_NAMES:
+        model.set_dtype(getattr(mx, dtype or default_dtype()))
+        mx.eval(model.parameters())
+    path = source if isinstance(source, Path) else Path(mlx_lm.utils.hf_repo_to_path(name))
+    return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, config=config)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A target and a drafter checked for speculation, with what the user should know about them."""
+
+    target: LoadedModel
+    drafter: LoadedModel
+    shared_vocabulary: bool
+    notes: tuple[str, ...] = ()
+
+    @property
+    def r(self) -> float:
+        """Drafter bytes / target bytes (the cost model's r)."""
+        return self.drafter.weight_bytes / self.target.weight_bytes
+
+
+def check_pair(target: LoadedModel, drafter: LoadedModel) -> Pair:
+    """Fail with a clear message if this pair cannot speculate; note what is unusual about it."""
+    target.check_trimmable("target")
+    drafter.check_trimmable("drafter")
+    notes = []
+    if target is drafter or target.path.resolve() == drafter.path.resolve():
+        notes.append(
+            "the drafter is the target itself: every draft is accepted, so the run measures only speculation's overhead"
+        )
+    shared = same_vocabulary(target.vocab, drafter.vocab)
+    if shared:
+        notes.append("target and drafter share a vocabulary: drafts pass without translation")
+    if blas := _blas.slow_cpu_note(mx.default_device().type.name):
+        notes.append(blas)
+    return Pair(target, drafter, shared, tuple(notes))

@@ -1,0 +1,179 @@
+"""One thread for all MLX work, fed by a queue. Standard library only.
+
+MLX streams are bound to the thread that created them, while a web server steps a handler's generator
+on whichever thread is free. So the app never touches a model outside this worker: a handler submits a
+generator function, the worker runs it on its own thread, and the handler reads what it yields through a
+`queue.Queue`. Jobs run strictly one at a time, in submission order, so users are served in turn and
+no run's timing is disturbed by another's.
+
+    worker = MLXWorker()
+    job = worker.submit(count, 3)        # def count(job, n): yield from range(n)
+    list(job)                            # -> [0, 1, 2]
+
+A job function is called as ``fn(job, *args)``. It polls ``job.cancelled`` (a `threading.Event`; pass it
+as ``cancel=`` to `uag.core.engine.stream`, which checks it between cycles) and may hand items back from
+callbacks with ``job.emit(item)`` (model-loading progress). An exception it raises is re-raised in the
+consumer. A consumer that stops reading (breaks out, or is closed by the web server) cancels the job.
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_DONE = object()  # end of a job's items
+TICK = object()  # yielded by `Job.items(heartbeat)` when nothing came for `heartbeat` seconds
+
+
+class Job:
+    """A unit of work for the worker, and the consumer's view of what it yields."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, label: str):
+        self.label = label
+        self.cancelled = threading.Event()  # set by cancel(); the job function polls it
+        self.started = threading.Event()  # the worker has picked the job up
+        self.done = threading.Event()  # the job function has returned (or raised, or was skipped)
+        self.progress = ""  # the job's latest progress line ("converting the demo model…"), for those who wait
+        self.out_of_time = False  # cancelled by its time budget, not by a person
+        self._fn, self._args = fn, args
+        self._items: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._timer: threading.Timer | None = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done.is_set() else "running" if self.started.is_set() else "queued"
+        return f"<Job {self.label!r} {state}{' cancelled' if self.cancelled.is_set() else ''}>"
+
+    def cancel(self) -> None:
+        """Ask the job to stop at its next check (a queued job is skipped altogether)."""
+        self.cancelled.set()
+
+    def emit(self, item: Any) -> None:
+        """Hand an item to the consumer (for callbacks inside the job function; thread-safe)."""
+        self._items.put(item)
+
+    def limit(self, seconds: float | None) -> None:
+        """Cancel the job `seconds` from now (its time budget), marking it `out_of_time`; None: no limit."""
+        if seconds is None or self.done.is_set():
+            return
+
+        def expire() -> None:
+            if not self.done.is_set():
+                self.out_of_time = True
+                self.cancel()
+
+        self._timer = threading.Timer(seconds, expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The job's items as they come, on any thread; then its exception, if it raised one."""
+        return self.items()
+
+    def items(self, heartbeat: float | None = None) -> Iterator[Any]:
+        """As `iter(job)`, but yields `TICK` whenever nothing came for `heartbeat` seconds, so that a
+        consumer driven by a web server hands control back often (and can be closed while the job works)."""
+        finished = False
+        try:
+            while True:
+                try:
+                    item = self._items.get(timeout=heartbeat)
+                except queue.Empty:
+                    yield TICK
+                    continue
+                if item is _DONE:
+                    break
+                yield item
+            finished = True
+            if self._error is not None:
+                raise self._error
+        finally:
+            if not finished:  # the consumer left early: nobody wants the rest
+                self.cancel()
+
+    # --- on the worker thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        self.started.set()
+        try:
+            if not self.cancelled.is_set():
+                items = self._fn(self, *self._args)
+                if not inspect.isgenerator(items):
+                    raise TypeError(f"a job function must be a generator function (got {self._fn!r})")
+                try:
+                    for item in items:
+                        self._items.put(item)
+                finally:
+                    items.close()  # on this thread, so MLX state is released where it was made
+        except BaseException as err:  # handed to the consumer, who decides what the user sees
+            self._error = err
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._items.put(_DONE)
+            self.done.set()
+
+
+class MLXWorker:
+    """A daemon thread that runs submitted jobs one at a time, first in, first out."""
+
+    def __init__(self, name: str = "uag-mlx"):
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None) -> Job:
+        """Queue ``fn(job, *args)``; iterate the returned `Job` for what it yields."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the MLX worker has been closed")
+        job = Job(fn, args, label or getattr(fn, "__name__", "job"))
+        self._jobs.put(job)
+        return job
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a plain function on the worker and return its result (blocking, in turn with the jobs)."""
+
+        def once(_job: Job) -> Iterator[Any]:
+            yield fn(*args)
+
+        (result,) = self.submit(once, label=getattr(fn, "__name__", "call"))
+        return result
+
+    @property
+    def current(self) -> Job | None:
+        """The job running now, if any."""
+        return self._current
+
+    @property
+    def backlog(self) -> int:
+        """Jobs waiting to start."""
+        return self._jobs.qsize()
+
+    def ahead_of(self, job: Job) -> int:
+        """How many queued jobs will start before `job` (0 when it is next, or not queued)."""
+        with self._jobs.mutex:
+            waiting = [j for j in self._jobs.queue if j is not None]
+        return waiting.index(job) if job in waiting else 0
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._current = job
+            try:
+                job._run()
+            finally:
+                self._current = None

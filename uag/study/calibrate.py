@@ -1,0 +1,206 @@
+"""`python -m uag calibrate`: measure what a speculative cycle costs on this machine, and save it.
+
+The study modelled verification as 1 + c·k² target steps. Real costs are not that smooth (on an H200 a
+Bielik-11B-shaped target verifies 9 tokens faster than 7: a kernel switch), so we measure instead:
+the target's forward time over w = 1..16 new tokens with a filled cache, one drafter step, and the
+translation's bookkeeping per cycle. The profile is saved per (device, backend, model pair, dtype) in
+the user cache; `--strategy auto` and the app use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import mlx.core as mx
+
+from uag.command import CommandParser, run, whole
+from uag.core.costmodel import CostProfile
+from uag.core.translate import DEFAULT_WINDOW, make_translator, text_after
+from uag.errors import UserError
+from uag.models.store import LoadedModel, ModelStore, Pair, check_pair
+from uag.study.profiles import Calibration, profile_key, save, target_key
+
+DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
+DEFAULT_WIDTHS = tuple(range(1, 17))
+QUICK = {"widths": tuple(range(1, 10)), "repeats": 3}  # on first use of auto: verifying up to k = 8 drafts
+CALIBRATION_TEXT = (
+    "Kraków – miasto na prawach powiatu w południowej Polsce, położone nad Wisłą. W latach 1038–1596 "
+    "był stolicą Polski, a do 1734 roku miejscem koronacji królów. The city lies on the Vistula river. "
+)
+
+
+def filled_cache(model: LoadedModel, context: int) -> tuple[list, list[int]]:
+    """A KV cache holding `context` tokens of calibration text, and those token ids."""
+    ids = model.tokenizer.encode(CALIBRATION_TEXT * (1 + 4 * context // len(CALIBRATION_TEXT)))[:context]
+    cache = model.make_cache()
+    model.model(mx.array(ids)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache, ids
+
+
+def time_forward(model: LoadedModel, cache: list, ids: list[int], width: int, repeats: int) -> float:
+    """The least milliseconds of `repeats` forward passes over `width` new tokens (after one warm-up pass:
+    kernel selection, allocation); the cache is rewound after each. The least, not the median: on a shared
+    machine other work only ever adds time, so the fastest pass is the best estimate of the pass itself."""
+    return min(_time_passes(model, cache, ids, width, repeats + 1)[1:])
+
+
+def _time_passes(model: LoadedModel, cache: list, ids: list[int], width: int, passes: int) -> list[float]:
+    tokens = mx.array(ids[-width:])[None]
+    offset = cache[0].offset
+    times = []
+    for _ in range(passes):
+        tic = time.perf_counter()
+        mx.eval(model.model(tokens, cache=cache)[:, -1, :].argmax(axis=-1))
+        times.append((time.perf_counter() - tic) * 1000)
+        for layer in cache:
+            layer.trim(layer.offset - offset)
+    return times
+
+
+def target_curve(model: LoadedModel, cache: list, ids: list[int], widths, repeats: int, say) -> dict[int, float]:
+    """Target forward time per width, robust to a busy machine: `repeats` rounds over every width (so that
+    a burst of other work lands on one round, not on one width), the least time per width, then made
+    non-decreasing in w (a wider pass never costs less than a narrower one: cost(w) = min over w' >= w).
+
+    Measured on a loaded 2-core machine, medians of 2 gave {1: 1662, 5: 8082, 6: 2920} ms for a model
+    whose step takes ~105 ms when quiet; the cost model then never drafted more than one token.
+    """
+    widths = sorted(widths)
+    for w in widths:  # warm-up: kernel selection and allocation for every shape
+        _time_passes(model, cache, ids, w, 1)
+    times = {w: math.inf for w in widths}
+    for i in range(repeats):
+        for w in widths:
+            times[w] = min(times[w], *_time_passes(model, cache, ids, w, 1))
+            say(f"target, {w} new token(s): {times[w]:.2f} ms (round {i + 1} of {repeats})")
+    curve, least = {}, math.inf
+    for w in reversed(widths):
+        least = min(least, times[w])
+        curve[w] = least
+    return dict(sorted(curve.items()))
+
+
+def time_translation(pair: Pair, window: int = DEFAULT_WINDOW, cycles: int = 24, k: int = 2) -> float:
+    """Median milliseconds of one cycle's translation and re-sync (context strategy), on the calibration
+    text with drafts that are the drafter's encoding of what the target then commits. No model passes."""
+    target, drafter = pair.target.vocab, pair.drafter.vocab
+    translator = make_translator("context", target, drafter, window=window, shared=pair.shared_vocabulary)
+    ids = target.encode(CALIBRATION_TEXT * 2)[0]
+    start = min(32, len(ids) // 2)
+    translator.start(ids[:start])
+    times = []
+    for i in range(start, min(len(ids) - k, start + k * cycles), k):
+        drafts = drafter.encode(text_after(target, ids[:i], ids[i : i + k]))[0][:k]
+        tic = time.perf_counter()
+        usable = translator.usable(drafts)
+        translator.propose(usable)
+        translator.commit(usable, ids[i : i + k])
+        times.append((time.perf_counter() - tic) * 1000)
+    return statistics.median(times) if times else 0.0
+
+
+def calibrate(
+    pair: Pair,
+    *,
+    context: int = DEFAULT_CONTEXT,
+    widths=DEFAULT_WIDTHS,
+    repeats: int = 5,
+    progress=None,
+) -> Calibration:
+    """Measure the pair's costs on this machine (a few seconds to a minute; `QUICK` settings: seconds)."""
+    say = progress or (lambda _: None)
+    cache, ids = filled_cache(pair.target, context)
+    target_ms = target_curve(pair.target, cache, ids, widths, repeats, say)
+    d_cache, d_ids = filled_cache(pair.drafter, context)
+    drafter_ms = time_forward(pair.drafter, d_cache, d_ids, 1, repeats)
+    say(f"drafter step: {drafter_ms:.2f} ms")
+    translate_ms = time_translation(pair)
+    say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
+    profile = CostProfile(target_ms=target_ms, drafter_ms=drafter_ms, translate_ms=translate_ms, form="study")
+    return Calibration(profile_key(pair), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)
+
+
+def calibrate_target(
+    target: LoadedModel, *, context: int = DEFAULT_CONTEXT, widths=DEFAULT_WIDTHS, repeats: int = 5, progress=None
+) -> Calibration:
+    """The target's costs alone, for prompt lookup (no drafter model to time; a lookup costs microseconds,
+    which the policy measures per cycle): the same verify curve as `calibrate`, drafter and translation 0."""
+    cache, ids = filled_cache(target, context)
+    target_ms = target_curve(target, cache, ids, widths, repeats, progress or (lambda _: None))
+    profile = CostProfile(target_ms=target_ms, drafter_ms=0.0, translate_ms=0.0, form="study")
+    return Calibration(target_key(target), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)
+
+
+def summary(calibration: Calibration, ks=(1, 2, 4, 8)) -> str:
+    p = calibration.profile
+    lines = [
+        f"{calibration.key['target']} ← {calibration.key['drafter']} on {calibration.key['device']} "
+        f"({calibration.key['backend']}), cache of {calibration.context} tokens"
+    ]
+    lines.append("w  " + " ".join(f"{w:>6}" for w in p.target_ms))
+    lines.append("ms " + " ".join(f"{ms:6.1f}" for ms in p.target_ms.values()))
+    lines.append(
+        f"drafter step {p.drafter_ms:.2f} ms (r = {p.drafter_ms / p.target_ms[1]:.3f} target steps); "
+        f"translation {p.translate_ms:.3f} ms/cycle"
+    )
+    for k in ks:
+        alpha = p.break_even(k)
+        lines.append(f"k={k}: break-even α* = {'unreachable' if alpha is None else f'{alpha:.0%}'}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="python -m uag calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="demo-target", help="hub id, local directory or demo-target")
+    parser.add_argument("--drafter", default="demo-drafter", help="hub id, local directory or demo-drafter")
+    parser.add_argument("--context", type=whole, default=DEFAULT_CONTEXT, help="tokens in the cache while timing")
+    parser.add_argument("--max-width", type=whole, default=16, help="largest verification width w to time, 1..64")
+    parser.add_argument("--repeats", type=whole, default=5, help="timed rounds over all widths (least kept)")
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from uag.core.loading import load_model
+
+    problems = [
+        f"{flag} must be {bound} (got {value})"
+        for flag, value, ok, bound in (
+            ("--max-width", args.max_width, 1 <= args.max_width <= 64, "from 1 to 64"),
+            ("--context", args.context, args.context >= 16, "at least 16"),
+            ("--repeats", args.repeats, args.repeats >= 1, "at least 1"),
+        )
+        if not ok
+    ]
+    if problems:
+        raise UserError("; ".join(problems))
+    store = ModelStore()
+    say = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
+    target = load_model(store, args.target, role="target", progress=say)
+    pair = check_pair(target, load_model(store, args.drafter, role="drafter", progress=say))
+    calibration = calibrate(
+        pair, context=args.context, widths=range(1, args.max_width + 1), repeats=args.repeats, progress=say
+    )
+    path = save(calibration)
+    if args.json:
+        print(json.dumps({**calibration.to_dict(), "path": str(path)}, indent=2))
+    else:
+        print(summary(calibration))
+        print(f"saved {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run("python -m uag calibrate", lambda: _calibrate(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
