@@ -5,18 +5,20 @@ verdict on any proposal is too: it keeps the longest prefix that matches and wri
 token. This script records each prompt's baseline once with the real target (cached in the user cache),
 then runs the real engine (uag.core.engine.stream: the real drafter, translator and policy) against
 `ReplayModel`, a stand-in target that answers every forward pass with its baseline's next tokens at no
-cost. Each run's cycles are then priced with the pair's calibration profile (uag.study.profiles: the target's
-pass over w new tokens, a drafter step, translation) and the drafter's own width curve, measured here
-the same way (a cycle's first drafter pass reads its pending token plus any backlog: the prompt, the
-target's corrections, tokens committed while parked; a parked step that ended with a rehearsal
-reads its stretch the same way), and
+cost. Each run's cycles are then priced with the pair's calibration profile (uag.study.profiles;
+`CostProfile.price`: the target's pass over the width verified, the drafter's steps, the drafter's one pass
+over what its first pass read — its pending token plus any backlog: the prompt, the target's corrections,
+tokens committed while parked — and translation; a parked step that ended with a rehearsal, one drafter pass
+over its stretch), and
 
     predicted speedup = generated tokens × target pass over 1 token ÷ Σ priced cycles
 
 (the first token included on both sides; the prompt's own reading is the same for both and left out).
-Policies: fixed k and auto (AdaptiveK, deciding by the profile alone: learn_costs=False). A policy
-change is tried here on dozens of prompts in minutes; the winner is then checked end to end with
-benchmarks/coder_pair.py, which also checks this script's predictions against real runs.
+benchmarks/cost_truth.py checks that pricing against real runs. Policies: fixed k; auto (AdaptiveK,
+deciding by the profile alone: learn_costs=False), each prompt from no evidence; and "auto carried", one
+`Evidence` carried from prompt to prompt in order, as a server keeps it per pair (the opening of each run
+decided by what the earlier ones accepted). A policy change is tried here on dozens of prompts in minutes;
+the winner is then checked end to end with benchmarks/coder_pair.py.
 
 Usage: python benchmarks/policy_replay.py [--target coder-target] [--drafter demo-drafter]
        [--datasets code wiki alpaca synthetic structured] [--n 10] [--max-tokens 48] [--ks 1 2 3 4]
@@ -42,12 +44,11 @@ import mlx.core as mx
 from uag.api import load_drafter, profile_for
 from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
-from uag.core.engine import generate, prompt_ids
-from uag.core.policy import AdaptiveK, FixedK
+from uag.core.engine import Seams, generate, prompt_ids
+from uag.core.policy import AdaptiveK, Evidence, FixedK
 from uag.core.records import Run
 from uag.machine import cache_dir, device_name
 from uag.models.store import LoadedModel, ModelStore
-from uag.study.calibrate import filled_cache, target_curve
 from uag.study.datasets import chat_for, load_bundled
 
 
@@ -100,22 +101,10 @@ def baseline(target: LoadedModel, ids: list[int], max_tokens: int) -> list[int]:
     return run.token_ids
 
 
-def priced_ms(run: Run, profile: CostProfile, reads: CostProfile) -> float:
-    """What the run's cycles cost on the profile's machine (see the module docstring); `reads.target_at(w)`
-    is the drafter's pass over w tokens."""
-    step = profile.target_at(1)
-    total = step * (run.generated - sum(c.emitted for c in run.cycles))  # a prompt pass that verified no draft
-    read = lambda n: profile.drafter_ms * reads.target_at(n) / reads.target_at(1)  # noqa: E731  one pass over n
-    for c in run.cycles:
-        if c.k == 0 or c.source != "model":
-            total += profile.target_at(c.proposed + 1)
-            if c.drafter_read:  # a parked step that ended with a rehearsal
-                total += read(c.drafter_read)
-            continue
-        first_pass = max(1, c.drafter_read - (c.k - 1))  # tokens the first drafter pass read
-        first = read(first_pass)
-        total += first + (c.k - 1) * profile.drafter_ms + profile.translate_ms + profile.target_at(c.proposed + 1)
-    return total
+def priced_ms(run: Run, profile: CostProfile) -> float:
+    """What the run's cycles cost on the profile's machine (see the module docstring)."""
+    opening = profile.target_at(1) * (run.generated - sum(c.emitted for c in run.cycles))  # it verified no draft
+    return opening + sum(profile.price(c) for c in run.cycles)
 
 
 def trace(c) -> str:
@@ -139,9 +128,10 @@ def position_counts(run: Run) -> dict[str, list[int]]:
     return {"reached": reached, "kept": kept, "after full": after[True], "after miss": after[False]}
 
 
-def policies(args, profile: CostProfile) -> dict[str, object]:
+def policies(args, profile: CostProfile, carried: Evidence) -> dict[str, object]:
     out = {f"k={k}": (lambda k=k: FixedK(k)) for k in args.ks}
     out["auto"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False)
+    out["auto carried"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False, evidence=carried)
     for variant in args.auto:  # "rehearse_every=8,k_max=4": AdaptiveK's fields changed
         fields = {k: float(v) if "." in v else int(v) for k, v in (kv.split("=") for kv in variant.split(","))}
         out[f"auto[{variant}]"] = lambda f=fields: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False, **f)
@@ -171,32 +161,30 @@ def main() -> None:
         for prompt in load_bundled(dataset, args.n):
             ids = prompt_ids(target, prompt.text, chat=chat_for(prompt, False))
             work.append((dataset, prompt.id, ids, baseline(target, ids, args.max_tokens)))
-    model = drafter.model
-    cache, text = filled_cache(model, 256)
-    curve = target_curve(model, cache, text, (1, 2, 4, 8, 16, 32, 64, 128), 3, lambda _: None)
-    reads = CostProfile(curve, drafter_ms=curve[1])
     vocab_size, eos = target.model.args.vocab_size, min(target.eos_ids)
     template = replace(target, model=None)  # its tokenizer and config, without the weights
     del targets, target
     gc.collect()
     mx.clear_cache()
 
-    names = list(policies(args, profile))
+    carried = Evidence()  # what "auto carried" learned on the prompts before this one
+    names = list(policies(args, profile, carried))
+    reads = ", ".join(f"{n}: {profile.drafter_pass(n):.0f}" for n in (1, 2, 4, 8, 16, 32, 64, 128))
     print(
         f"policy replay — {date.today()}, {args.target} ← {args.drafter}, {device_name()}, profile: target "
         f"{profile.target_at(1):.0f} ms per token, drafter step {profile.drafter_ms:.1f} ms, {args.max_tokens} tokens"
-        f"\ndrafter pass over w tokens (ms, least of 3): " + ", ".join(f"{w}: {ms:.0f}" for w, ms in curve.items())
+        f"\ndrafter pass over n tokens (ms): {reads}"
     )
     rows = []
     for dataset, pid, ids, base in work:
         replay = replace(template, model=ReplayModel([*ids, *base], vocab_size, eos))
         row = {"dataset": dataset, "id": pid}
-        for name, make in policies(args, profile).items():
+        for name, make in policies(args, profile, carried).items():
             strategy = "auto" if name.startswith("auto") else "context"
             config = GenerationConfig(strategy=strategy, k=args.k_max, max_tokens=args.max_tokens)
-            run = generate(replay, drafter, ids, config, policy=make())
+            run = generate(replay, drafter, ids, config, seams=Seams(policy=make()))
             assert run.token_ids == base, (pid, name)  # the replay is only as good as this
-            row[name] = run.generated * profile.target_at(1) / priced_ms(run, profile, reads)
+            row[name] = run.generated * profile.target_at(1) / priced_ms(run, profile)
             row[f"alpha {name}"] = run.acceptance_rate
             row[f"ks {name}"] = [c.k for c in run.cycles]
             row[f"trace {name}"] = " ".join(trace(c) for c in run.cycles)

@@ -7,18 +7,18 @@ import math
 import numpy as np
 import pytest
 
-from uag.core import costmodel
+from uag.core import costfit, costmodel
+from uag.core.costfit import fit_c, fit_c_from_speedups, fit_r_c
 from uag.core.costmodel import (
     CostProfile,
     break_even,
+    break_even_at,
     break_even_leviathan,
     expected_tokens,
-    fit_c,
-    fit_c_from_speedups,
-    fit_r_c,
     speedup,
     speedup_leviathan,
 )
+from uag.core.records import Cycle
 
 R, C = 0.07, 0.185  # the study's M2 Pro numbers
 
@@ -26,8 +26,9 @@ R, C = 0.07, 0.185  # the study's M2 Pro numbers
 TABLE_7 = [(2, 0.44, 0.44), (4, 0.81, 0.81), (6, 1.18, 1.00), (8, 1.55, 1.00)]
 
 
-def test_docstring_examples():
-    failures, _ = doctest.testmod(costmodel)
+@pytest.mark.parametrize("module", [costmodel, costfit])
+def test_docstring_examples(module):
+    failures, _ = doctest.testmod(module)
     assert failures == 0
 
 
@@ -217,3 +218,57 @@ def test_profile_json_round_trip():
     back = CostProfile.from_dict(json.loads(json.dumps(p.to_dict())))
     assert back == p
     assert back.target_at(3) == p.target_at(3)
+    with_reading = CostProfile({1: 20.0, 4: 26.0}, drafter_ms=2.0, read_ms={1: 2.1, 16: 5.0, 64: 11.0})
+    assert CostProfile.from_dict(json.loads(json.dumps(with_reading.to_dict()))) == with_reading
+    saved_before = {k: v for k, v in with_reading.to_dict().items() if k != "read_ms"}  # no reading curve yet
+    assert CostProfile.from_dict(saved_before).read_ms is None
+
+
+# --- what a run measures: a profile prices the cycles a run recorded ------------------------------------------
+
+# Verification over w tokens, a drafter step while drafting, and one drafter pass over n tokens, in ms.
+MEASURED = CostProfile(
+    {1: 100.0, 2: 110.0, 3: 125.0, 5: 150.0}, drafter_ms=12.0, translate_ms=1.0, read_ms={1: 12.5, 9: 16.5, 41: 28.5}
+)
+
+
+def recorded(k, proposed, *, source="model", read=0, passes=None):
+    """A cycle as the engine records it (timings irrelevant: the profile prices it)."""
+    passes = k if passes is None else passes
+    return Cycle(0, k, [0] * k, [0] * proposed, 0, 1, drafter_passes=passes, drafter_read=read, source=source)
+
+
+def test_reading_n_tokens_is_one_batched_pass_not_n_steps():
+    assert MEASURED.drafter_pass(9) == 16.5 and MEASURED.drafter_pass(5) == pytest.approx(14.5)
+    assert MEASURED.drafter_pass(81) == pytest.approx(28.5 + 40 * (12.0 / 32))  # past the curve: its last slope
+    assert MEASURED.reading_ms(41) == pytest.approx(28.5 - 12.5) and MEASURED.reading_ms(1) == 0.0
+    # without a measured curve: a step plus, per extra token, the target's cost per extra token of its widest
+    # pass ((150 − 100) / 4) scaled by drafter step / target step (12 / 100)
+    estimated = CostProfile(MEASURED.target_ms, drafter_ms=12.0)
+    assert estimated.drafter_pass(41) == pytest.approx(12.0 + 40 * 12.5 * 0.12)
+
+
+@pytest.mark.parametrize(
+    "cycle, ms",
+    [
+        (recorded(0, 0), 100.0),  # a plain step
+        (recorded(0, 0, read=41, passes=1), 100.0 + 28.5),  # one that ended with a rehearsal reading 41 tokens
+        (recorded(2, 2, read=2), 2 * 12.0 + 1.0 + 125.0),  # k = 2, each pass reading one token
+        (recorded(2, 4, read=2), 2 * 12.0 + 1.0 + 150.0),  # translated into 4 target tokens: w = 5
+        # its first pass read 40 tokens (41 read by 2 passes): 16.5 + 31 × 12 / 32 for the pass, less a step
+        (recorded(2, 2, read=41), 2 * 12.0 + (16.5 + 31 * 12 / 32 - 12.5) + 1.0 + 125.0),
+        (recorded(3, 3, source="lookup"), 0.02 + 137.5),  # a lookup and the pass over w = 4
+    ],
+)  # fmt: skip
+def test_a_profile_prices_each_recorded_cycle_as_the_run_spent_it(cycle, ms):
+    assert MEASURED.price(cycle) == pytest.approx(ms)
+
+
+def test_measured_costs_give_the_break_even_of_the_k_that_ran():
+    # a k = 2 cycle that costs 1.5 target steps: study 1 + 2α = 1.5; Leviathan 1 + α + α² = 1.5
+    assert break_even_at(1.5, 2, "study") == pytest.approx(0.25)
+    assert break_even_at(1.5, 2) == pytest.approx((math.sqrt(3) - 1) / 2)
+    assert break_even_at(0.9, 3) == 0.0  # cheaper than a step: pays at any acceptance
+    assert break_even_at(3.5, 2, "study") is None and break_even_at(3.5, 2, "study", cap=False) == 1.25
+    with pytest.raises(ValueError, match="k >= 1"):
+        break_even_at(1.5, 0)

@@ -5,8 +5,10 @@ from dataclasses import replace
 
 import pytest
 
+from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
-from uag.core.policy import REHEARSAL_BUDGET, STRETCH_MAX, AdaptiveK, FixedK, replay_drafts
+from uag.core.evidence import CARRY, Counts, Evidence
+from uag.core.policy import REHEARSAL_BUDGET, STRETCH_MAX, AdaptiveK, FixedK, make_policy, replay_drafts, within
 from uag.core.records import Cycle, Rehearsal
 
 CHEAP_DRAFTER = CostProfile({1: 10.0, 2: 10.5, 3: 11.0, 5: 12.0, 9: 14.0}, drafter_ms=0.5, translate_ms=0.1)
@@ -127,8 +129,9 @@ def test_a_rehearsal_waits_until_its_reading_costs_at_most_the_budget_of_the_str
     policy.observe(cycle(0, 0, 0, verify_ms=10.0))
     # reading a token: the wide pass's 0.35 ms per extra token × drafter step / target step (2 / 10)
     read = (12.8 - 10.0) / 8 * 2.0 / 10.0
-    assert policy.read_ms_per_token() == pytest.approx(read)
-    wait = math.ceil((2.0 + read * 100) / (REHEARSAL_BUDGET * 10.0 - read))  # a drafter pass reading it all
+    assert policy.reading_ms(2) == pytest.approx(read)
+    # one drafter pass reads the prompt and the stretch: a step, and `read` for every token after the first
+    wait = math.ceil((2.0 + read * 99) / (REHEARSAL_BUDGET * 10.0 - read))
     assert policy.rehearsal_wait() == wait > policy.rehearse_every
     steps = 1
     while not policy.wants_rehearsal():
@@ -136,8 +139,8 @@ def test_a_rehearsal_waits_until_its_reading_costs_at_most_the_budget_of_the_str
         policy.observe(cycle(0, 0, 0, verify_ms=10.0))
         steps += 1
     assert steps == wait
-    assert 2.0 + read * (100 + wait) <= REHEARSAL_BUDGET * 10.0 * wait  # the prompt and the stretch, within budget
-    policy.rehearsed(rehearsal("." * wait, read=100 + wait, ms=read * (100 + wait)))
+    assert 2.0 + read * (100 + wait - 1) <= REHEARSAL_BUDGET * 10.0 * wait  # the prompt and the stretch, within budget
+    policy.rehearsed(rehearsal("." * wait, read=100 + wait, ms=2.0 + read * (100 + wait - 1)))
     assert policy.rehearsal_wait() < wait  # the backlog is read
 
 
@@ -146,7 +149,7 @@ def test_a_drafter_that_reads_too_slowly_for_the_budget_never_rehearses():
     policy.begin(20)
     policy.observe(cycle(0, 0, 0, verify_ms=10.0))
     # 5 ms per extra token of a wide pass × 6 / 10: 3 ms a token, ten times the budget's 0.3 ms a step
-    assert policy.read_ms_per_token() == pytest.approx(3.0)
+    assert policy.reading_ms(2) == pytest.approx(3.0)
     assert policy.rehearsal_wait() == math.inf
     for _ in range(1000):
         assert policy.next_k() == 0 and not policy.wants_rehearsal()
@@ -161,13 +164,14 @@ def test_what_reading_costs_per_token_is_learned_apart_from_the_drafter_step():
     caught_up = cycle(1, 1, 0, verify_ms=15.0, draft_ms=6.0 + 40 * 0.05)
     caught_up.drafter_read = 41  # it read 40 missed tokens with its one pass
     policy.observe(caught_up)
-    assert policy.drafter_ms == pytest.approx(6.0)
-    assert policy.read_ms_per_token() == pytest.approx(0.05)
+    assert policy.evidence.drafter_ms == pytest.approx(6.0)
+    assert policy.reading_ms(2) == pytest.approx(0.05) and policy.reading_ms(41) == pytest.approx(2.0)
     assert policy.unread == 0
     policy.observe(cycle(0, 0, 0, verify_ms=10.0))
     assert policy.unread == 1 and policy.rehearsal_wait() < math.inf
-    policy.rehearsed(rehearsal("." * 40, read=40, ms=40 * 0.08))  # a rehearsal's reading is learned too
-    assert policy.read_ms_per_token() == pytest.approx(0.05 * 0.8 + 0.08 * 0.2)
+    # a rehearsal's reading is learned too: one pass, its step apart from what each token read added
+    policy.rehearsed(rehearsal("." * 40, read=40, ms=6.0 + 39 * 0.08))
+    assert policy.reading_ms(2) == pytest.approx(0.05 * 0.8 + 0.08 * 0.2)
 
 
 def test_measured_costs_override_the_profile():
@@ -201,12 +205,13 @@ CODER_CPU = CostProfile({1: 450.0, 2: 574.0, 3: 708.0, 4: 832.0, 5: 845.0, 9: 10
 
 
 def test_a_prompt_the_drafter_must_read_first_is_charged_to_drafting_over_the_tokens_left():
-    """Reading a 100-token prompt costs the drafter ~1 s here (2 target steps): a 32-token run could never
-    earn that back at a 50 % guess, a 1000-token run easily does."""
+    """Reading a 100-token prompt costs the drafter ~1 s here (2 target steps; no measured reading curve: the
+    estimate from the target's wide passes): a 32-token run could never earn that back at a 50 % guess, a
+    1000-token run easily does."""
     short, long = AdaptiveK(k_max=4, profile=CODER_CPU), AdaptiveK(k_max=4, profile=CODER_CPU)
     short.begin(100, budget=32)
     long.begin(100, budget=1000)
-    assert short.backlog_ms() == pytest.approx(100 * (1000 - 450) / 8 * 65 / 450)
+    assert short.backlog_ms() == pytest.approx(99 * (1000 - 450) / 8 * 65 / 450)
     assert short.next_k() == 0 and long.next_k() > 0
     after = AdaptiveK(k_max=4, profile=CODER_CPU)
     after.begin(100, budget=32)
@@ -218,9 +223,117 @@ def test_a_prompt_the_drafter_must_read_first_is_charged_to_drafting_over_the_to
 def test_fixed_k_never_changes():
     policy = FixedK(3)
     policy.observe(cycle(3, 3, 0))
-    assert policy.next_k() == 3 and policy.plain_steps() == 1
+    assert policy.choose({"model": 8}) == ("model", 3) and policy.plain_steps() == 1
+    assert policy.choose({"lookup": 8, "model": 8}) == ("lookup", 3)  # lookup costs nothing: where it matches
+    assert policy.choose({"lookup": 2, "model": 8}) == ("lookup", 2) and policy.choose({}) == ("", 0)
+    assert not policy.wants_rehearsal()
 
 
 def test_k_max_must_be_positive():
     with pytest.raises(ValueError, match="k_max"):
         AdaptiveK(k_max=0)
+
+
+# --- the Policy seam ---------------------------------------------------------------------------------------------
+
+
+def test_every_policy_says_its_name_and_keeps_within_the_budget_by_one_clamp():
+    assert (FixedK.name, AdaptiveK.name) == ("fixed", "auto")
+    assert make_policy(GenerationConfig(strategy="context", k=3)) == FixedK(3)
+    auto = make_policy(GenerationConfig(strategy="auto", k=6), CODER_CPU)
+    assert auto.name == "auto" and auto.k_max == 6 and auto.profile is CODER_CPU
+    assert within(("model", 4), 3) == ("model", 2) and within(("lookup", 2), 1) == ("", 0)
+    assert within(("model", 4), None) == ("model", 4)
+    assert FixedK(4).choose({"model": 8}, left=3) == ("model", 2)
+    assert FixedK(4).choose({"model": 8}, left=1) == ("", 0)  # one token left: the target writes it
+    drafting = AdaptiveK(k_max=8, profile=CHEAP_DRAFTER, evidence=sure(0.95))
+    assert drafting.choose({"model": 8})[1] > 2 and drafting.choose({"model": 8}, left=3) == ("model", 2)
+
+
+def test_choosing_ages_no_evidence_and_passing_lookup_over_ages_its_evidence_once_observed():
+    policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, evidence=sure(0.95))
+    for _ in range(5):
+        policy.observe(replace(cycle(2, 2, 0, verify_ms=11.0), source="lookup", draft_ms=0.0))
+    before = policy.evidence.lookup.to_dict()
+    for _ in range(3):
+        assert policy.choose({"lookup": 4, "model": 4})[0] == "model"  # lookup failed: the model drafts
+    assert policy.evidence.lookup.to_dict() == before  # deciding changed nothing
+    policy.observe(cycle(2, 2, 2, verify_ms=11.0))
+    assert policy.evidence.lookup.rejected[0] == pytest.approx(0.9 * before["rejected"][0])
+
+
+# --- evidence: where a run starts, and how fast it moves ----------------------------------------------------------
+
+# The coder pair on a 2-core CPU (Qwen2.5-Coder-1.5B fp32, SmolLM2-135M): verification over w tokens, a drafter
+# step, and the drafter's one pass over n tokens (reading a prompt costs a pass, not n steps).
+CODER = CostProfile(
+    {1: 444.0, 2: 504.0, 3: 585.0, 4: 650.0, 5: 700.0, 9: 900.0, 16: 1400.0}, drafter_ms=55.0, translate_ms=2.0,
+    read_ms={1: 55.0, 8: 75.0, 32: 120.0, 128: 300.0, 512: 1000.0},
+)  # fmt: skip
+# The demo pair: a drafter that costs half a target step cannot pay at a 50 % guess.
+DEMO = CostProfile({1: 20.0, 2: 21.0, 3: 22.5, 9: 28.0}, drafter_ms=10.0, translate_ms=0.5, read_ms={1: 10.0, 64: 20.0})
+
+
+def sure(alpha: float, n: float = 20.0) -> Evidence:
+    """Evidence of earlier runs that kept `alpha` of the proposals at each of the first three positions."""
+    return Evidence(model=Counts([alpha * n] * 3, [(1 - alpha) * n] * 3))
+
+
+def opening(profile: CostProfile, evidence: Evidence | None = None, prompt: int = 120, budget: int = 48):
+    policy = AdaptiveK(k_max=8, profile=profile, evidence=evidence, learn_costs=False)
+    policy.begin(prompt, budget)
+    return policy, policy.choose({"model": 8}, budget)
+
+
+def test_the_opening_drafts_where_the_calibrated_costs_pay_and_parks_where_they_do_not():
+    # no earlier run: the 50 % guess. Coder: a k = 1 cycle costs 55 + 504 ms for 1.5 tokens; the prompt's
+    # reading, one 120-token pass (~290 ms), is earned back within the run -> it drafts from the first token
+    policy, decision = opening(CODER)
+    assert decision == ("model", 1)
+    assert policy.backlog_ms() == pytest.approx(CODER.drafter_pass(120) - 55.0)
+    assert policy.rates()[1] * 444.0 > 1.1
+    # the demo pair: 10 + 21 ms for 1.5 tokens is 0.97 of the target alone's 20 ms per token -> parks
+    assert opening(DEMO)[1] == ("", 0)
+    # a run too short to earn the prompt's reading back parks
+    assert opening(CODER, budget=2)[1] == ("", 0)
+
+
+def test_the_opening_follows_what_earlier_runs_of_the_pair_accepted():
+    assert opening(CODER, sure(0.8))[1][1] >= 3  # code: long drafts from the first token
+    assert opening(CODER, sure(0.1))[1] == ("", 0)  # an English drafter on Polish: parked from the start
+    assert opening(DEMO, sure(0.25))[1] == ("", 0)
+
+
+def test_evidence_of_earlier_runs_is_overruled_within_a_few_cycles_both_ways():
+    # opened on long drafts that this text rejects: parked within 6 cycles, each draft shorter than the last
+    policy, (_, k) = opening(CODER, sure(0.8), budget=200)
+    ks = []
+    while k:
+        ks.append(k)
+        policy.observe(cycle(k, k, 0, verify_ms=CODER.target_at(k + 1), draft_ms=55.0 * k))
+        k = policy.choose({"model": 8}, 200)[1]
+    assert len(ks) <= 6 and ks == sorted(ks, reverse=True) and ks[0] >= 3
+    # opened parked on a text the drafter guesses well: drafting again from the first rehearsal
+    policy, decision = opening(CODER, sure(0.1), budget=200)
+    assert decision == ("", 0)
+    steps = 0
+    while not policy.wants_rehearsal():
+        policy.observe(Cycle.plain(0, 444.0))
+        steps += 1
+    # reading the 120-token prompt and the stretch fits 3 % of the stretch from here on
+    assert steps == policy.rehearsal_wait() <= 32
+    policy.rehearsed(rehearsal("xxxxxxx.xxxxxxx.xxxxxxxxxx", read=120 + steps, ms=300.0))
+    assert policy.choose({"model": 8}, 200)[1] >= 1
+
+
+def test_a_policy_learns_into_the_evidence_it_was_given_and_the_next_run_starts_from_it():
+    evidence = Evidence()
+    first = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, evidence=evidence)
+    first.begin(10, 100)
+    for _ in range(20):
+        first.observe(cycle(2, 2, 2, verify_ms=11.0))
+    assert first.evidence is evidence and evidence.model.accepted[0] > 5
+    second = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER, evidence=evidence)
+    second.begin(10, 100)  # what the first run taught weighs as CARRY cycles now
+    assert evidence.model.accepted[0] + evidence.model.rejected[0] == pytest.approx(CARRY)
+    assert second.acceptance(0) == pytest.approx((CARRY + 0.5) / (CARRY + 1))

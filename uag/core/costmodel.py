@@ -21,7 +21,6 @@ measured milliseconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,12 +40,14 @@ def _out(x: np.ndarray) -> float | np.ndarray:
     return float(x) if np.ndim(x) == 0 else x
 
 
-def _check_form(form: str) -> None:
+def check_form(form: str) -> None:
+    """Raise ValueError unless `form` is one of FORMS."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS} (got {form!r})")
 
 
-def _check_k(k: Any) -> np.ndarray:
+def draft_lengths(k: Any) -> np.ndarray:
+    """`k` (a number or an array of them) as validated draft lengths: non-negative whole numbers, int64."""
     kk = np.asarray(k)
     if kk.dtype.kind not in "iuf" or np.any(kk < 0) or np.any(kk != np.round(kk)):
         raise ValueError(f"draft length k must be a non-negative integer (got {k!r})")
@@ -60,7 +61,7 @@ def cycle_cost(k: Any, r: float, c: float) -> float | np.ndarray:
     >>> round(cycle_cost(2, 0.07, 0.185), 12)
     1.88
     """
-    kk = _check_k(k)
+    kk = draft_lengths(k)
     return _out(1.0 + kk * r + c * kk.astype(float) ** 2)
 
 
@@ -75,7 +76,7 @@ def speedup(alpha: Any, k: Any, r: float, c: float) -> float | np.ndarray:
     [1.0, 1.0]
     """
     a = np.asarray(alpha, dtype=float)
-    kk = _check_k(k)
+    kk = draft_lengths(k)
     return _out((1.0 + kk * a) / (1.0 + kk * r + c * kk.astype(float) ** 2))
 
 
@@ -89,7 +90,7 @@ def break_even(k: Any, r: float, c: float, *, cap: bool = False) -> float | np.n
     >>> break_even([2, 4, 6, 8], 0.07, 0.185, cap=True).round(12).tolist()
     [0.44, 0.81, 1.0, 1.0]
     """
-    kk = _check_k(k)
+    kk = draft_lengths(k)
     alpha_star = r + c * kk.astype(float)
     if cap:
         alpha_star = np.minimum(alpha_star, 1.0)
@@ -110,7 +111,7 @@ def expected_tokens(alpha: Any, k: Any) -> float | np.ndarray:
     a = np.asarray(alpha, dtype=float)
     if np.any((a < 0) | (a > 1)):
         raise ValueError(f"acceptance α must lie in [0, 1] (got {alpha!r})")
-    kk = _check_k(k)
+    kk = draft_lengths(k)
     a, kk = np.broadcast_arrays(a, kk)
     k_max = int(kk.max()) if kk.size else 0
     # Horner from the top power down; terms above each element's own k are masked out.
@@ -127,7 +128,7 @@ def speedup_leviathan(alpha: Any, k: Any, r: float, c: float) -> float | np.ndar
     >>> round(speedup_leviathan(0.5, 2, 0.07, 0.185), 4)
     0.9309
     """
-    kk = _check_k(k)
+    kk = draft_lengths(k)
     return _out(np.asarray(expected_tokens(alpha, kk)) / (1.0 + kk * r + c * kk.astype(float) ** 2))
 
 
@@ -149,123 +150,56 @@ def _bisect_increasing(f, lo: float = 0.0, hi: float = 1.0) -> float | None:
 def break_even_leviathan(k: int, r: float, c: float, *, cap: bool = True) -> float | None:
     """Leviathan's break-even: the α ≥ 0 where E(α, k) = 1 + α + … + α^k equals the cycle cost 1 + k·r + c·k².
 
-    α^k + … + α + (1 − cost) has one sign change, hence exactly one positive root when the cost is above 1
-    (a cost at or below 1 pays at any α: 0). With `cap` (default) a root above 1 — no acceptance rate pays —
-    is None; without it the root is returned as is, comparable to the study's uncapped α* = r + c·k.
+    With `cap` (default) a root above 1 — no acceptance rate pays — is None; without it the root is returned
+    as is, comparable to the study's uncapped α* = r + c·k.
     Example: k = 2 solves 1 + α + α² = 1.88 -> α = (−1 + √4.52) / 2 = 0.5630...; k = 8 -> None (root 1.05…)
     >>> round(break_even_leviathan(2, 0.07, 0.185), 4)
     0.563
     >>> break_even_leviathan(8, 0.07, 0.185) is None, round(break_even_leviathan(6, 0.07, 0.185, cap=False), 3)
     (True, 1.047)
     """
-    k = int(_check_k(k))
-    cost = 1.0 + k * r + c * k * k
+    k = int(draft_lengths(k))
+    return break_even_at(1.0 + k * r + c * k * k, k, "leviathan", cap=cap)
+
+
+def break_even_at(cost: float, k: int, form: Form = "leviathan", *, cap: bool = True) -> float | None:
+    """The acceptance at which a cycle of k drafts that costs `cost` target steps commits as many tokens as
+    the target alone writes in that time: 1 + k·α = cost (study) or 1 + α + … + α^k = cost (Leviathan).
+    Costs measured in a run explain that run in the k it ran (uag.app.compare_view).
+
+    α^k + … + α + (1 − cost) has one sign change, hence exactly one positive root when the cost is above 1
+    (a cost at or below 1 pays at any α: 0). With `cap` a root above 1 (no acceptance pays) is None.
+    Example: a k = 2 cycle costing 1.5 steps -> study 25 %, Leviathan (−1 + √3) / 2 = 36.6 %
+    >>> break_even_at(1.5, 2, "study"), round(break_even_at(1.5, 2), 3), break_even_at(4.0, 2)
+    (0.25, 0.366, None)
+    """
+    check_form(form)
+    k = int(draft_lengths(k))
+    if k == 0:
+        raise ValueError("break_even_at needs k >= 1: a plain step drafts nothing")
     if cost <= 1:
         return 0.0
-    roots = np.roots([1.0] * k + [1.0 - cost])
-    alpha = float(max(x.real for x in roots if abs(x.imag) < 1e-9 and x.real > 0))
+    if form == "study":
+        alpha = (cost - 1.0) / k
+    else:
+        roots = np.roots([1.0] * k + [1.0 - cost])
+        alpha = float(max(x.real for x in roots if abs(x.imag) < 1e-9 and x.real > 0))
     return None if cap and alpha > 1 else alpha
 
 
-# --- fitting c (and r) --------------------------------------------------------------------------------------
-def fit_c(points: Iterable[tuple[float, float]], r: float) -> float:
-    """Least-squares c in α* = r + c·k from observed (k, α*) pairs, r fixed: c = Σ k(α* − r) / Σ k².
-
-    Example: (2, 0.44), (4, 0.81) with r = 0.07 -> (2·0.37 + 4·0.74) / (4 + 16) = 0.185
-    >>> round(fit_c([(2, 0.44), (4, 0.81)], 0.07), 12)
-    0.185
-    """
-    pts = np.asarray(list(points), dtype=float).reshape(-1, 2)
-    k, alpha_star = pts[:, 0], pts[:, 1]
-    denominator = float(np.sum(k * k))
-    if denominator == 0:
-        raise ValueError(f"fit_c needs at least one point with k > 0 (got {pts.tolist()})")
-    return float(np.sum(k * (alpha_star - r)) / denominator)
-
-
-def fit_r_c(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (r, c) in α* = r + c·k from observed (k, α*) pairs (ordinary line fit).
-
-    Example: the paper's (2, .44), (4, .81), (6, 1.18), (8, 1.55) -> (0.07, 0.185)
-    >>> [round(x, 12) for x in fit_r_c([(2, .44), (4, .81), (6, 1.18), (8, 1.55)])]
-    [0.07, 0.185]
-    """
-    pts = np.asarray(list(points), dtype=float).reshape(-1, 2)
-    k, alpha_star = pts[:, 0], pts[:, 1]
-    if len(np.unique(k)) < 2:
-        raise ValueError(f"fit_r_c needs points at two or more distinct k (got {pts.tolist()})")
-    k_mean = k.mean()
-    c = float(np.sum((k - k_mean) * (alpha_star - alpha_star.mean())) / np.sum((k - k_mean) ** 2))
-    return float(alpha_star.mean() - c * k_mean), c
-
-
-@dataclass(frozen=True, slots=True)
-class CFit:
-    """A fit of the verification-cost coefficient c to observed speedups."""
-
-    c: float
-    rmse: float  # root mean squared residual, in speedup units
-    r2: float  # 1 − SS_res / SS_tot (nan when the observed speedups do not vary)
-    n: int  # observations used (non-finite rows are dropped)
-    form: str
-
-
-def fit_c_from_speedups(alpha: Any, k: Any, speedup: Any, r: float, *, form: Form = "study") -> CFit:
-    """Least-squares c from per-run (α, k, speedup) observations, r fixed.
-
-    Minimises Σ (speedup − N(α, k) / (1 + k·r + c·k²))², N = 1 + k·α (``form="study"``) or E(α, k)
-    (``"leviathan"``). Starts from the linearised fit (N / speedup = 1 + k·r + c·k² is linear in c) and
-    refines it with scipy's least_squares. Rows with k = 0 carry no information on c.
-    """
-    from scipy.optimize import least_squares  # comes with statsmodels; imported here to keep imports light
-
-    _check_form(form)
-    a, kk, s = (np.asarray(x, dtype=float).ravel() for x in (alpha, k, speedup))
-    if not (len(a) == len(kk) == len(s)):
-        raise ValueError(f"alpha, k and speedup differ in length ({len(a)}, {len(kk)}, {len(s)})")
-    keep = np.isfinite(a) & np.isfinite(kk) & np.isfinite(s)
-    a, kk, s = a[keep], _check_k(kk[keep]), s[keep]
-    if not np.any(kk > 0):
-        raise ValueError("fit_c_from_speedups needs at least one finite observation with k > 0")
-    numerator = np.asarray(1.0 + kk * a if form == "study" else expected_tokens(np.clip(a, 0, 1), kk))
-    k2 = kk.astype(float) ** 2
-    base = 1.0 + kk * r
-
-    # Linearised start, over rows that say something about c.
-    informative = (kk > 0) & (s > 0)
-    if np.any(informative):
-        y = numerator[informative] / s[informative] - base[informative]
-        c0 = float(np.sum(k2[informative] * y) / np.sum(k2[informative] ** 2))
-    else:
-        c0 = 0.0
-    # The cost must stay positive for every observed k.
-    c_floor = float(np.max(-base[kk > 0] / k2[kk > 0])) + 1e-9
-    c0 = max(c0, c_floor + 1e-6)
-
-    def residuals(p: np.ndarray) -> np.ndarray:
-        return s - numerator / (base + p[0] * k2)
-
-    fit = least_squares(residuals, x0=[c0], bounds=([c_floor], [np.inf]), xtol=1e-15, ftol=1e-15, gtol=1e-15)
-    res = residuals(fit.x)
-    ss_res = float(np.sum(res**2))
-    ss_tot = float(np.sum((s - s.mean()) ** 2))
-    return CFit(
-        c=float(fit.x[0]),
-        rmse=math.sqrt(ss_res / len(s)),
-        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
-        n=int(len(s)),
-        form=form,
-    )
-
-
 # --- measured costs -----------------------------------------------------------------------------------------
+LOOKUP_MS = 0.02  # what a prompt lookup costs (a dictionary lookup), where none was timed
+
+
 @dataclass(slots=True)
 class CostProfile:
-    """Measured costs of one target × drafter pair on one machine, in milliseconds.
-
-    ``target_ms[w]`` is one target forward over w new tokens with a filled cache (w = 1 is a plain decode
-    step; verifying k drafts is w = k + 1). ``form`` picks the tokens a cycle is expected to commit:
-    Leviathan's E(α, k) (default) or the study's 1 + k·α.
+    """Measured costs of one target × drafter pair on one machine, in milliseconds, timed as a run spends them
+    (uag.study.calibrate): ``target_ms[w]`` is the target's verification over w new tokens with a filled
+    cache (a plain step is w = 1; verifying k drafts is w = k + 1), ``drafter_ms`` one drafter step while
+    drafting, ``read_ms[n]`` one drafter pass over n new tokens (reading a prompt or a parked stretch in
+    one batched pass: a fixed cost and a small one per token, not n steps; None in profiles saved before
+    it was measured: then estimated). ``form`` picks the tokens a cycle is expected to commit: Leviathan's
+    E(α, k) (default) or the study's 1 + k·α.
 
     Example: target 10 ms/step, 12 ms for w = 3, drafter 1 ms, translation 0.5 ms:
     cycle_ms(2) = 2·1 + 0.5 + 12 = 14.5;  E(0.8, 2) = 2.44 tokens -> 2.44 / 14.5 vs 1 / 10 -> speedup 1.68
@@ -278,31 +212,22 @@ class CostProfile:
     drafter_ms: float
     translate_ms: float = 0.0
     form: str = "leviathan"
+    read_ms: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
-        _check_form(self.form)
-        table = {int(w): float(ms) for w, ms in dict(self.target_ms).items()}
-        bad = {w: ms for w, ms in table.items() if w < 1 or not math.isfinite(ms) or ms <= 0}
-        if bad or 1 not in table:
-            raise ValueError(
-                f"target_ms needs w = 1 and positive finite times for integer w >= 1 (got {self.target_ms!r})"
-            )
+        check_form(self.form)
+        self.target_ms = _curve(self.target_ms, "target_ms")
+        if self.read_ms is not None:
+            self.read_ms = _curve(self.read_ms, "read_ms")
         for name in ("drafter_ms", "translate_ms"):
             value = float(getattr(self, name))
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite non-negative number (got {value!r})")
             setattr(self, name, value)
-        self.target_ms = dict(sorted(table.items()))
 
     @classmethod
     def from_parametric(
-        cls,
-        r: float,
-        c: float,
-        target_ms1: float = 1.0,
-        *,
-        w_max: int = DEFAULT_W_MAX,
-        form: Form = "study",
+        cls, r: float, c: float, target_ms1: float = 1.0, *, w_max: int = DEFAULT_W_MAX, form: Form = "study"
     ) -> CostProfile:
         """The study's model as a profile: cycle_ms(k) / target_ms[1] = 1 + k·r + c·k² exactly.
 
@@ -325,34 +250,65 @@ class CostProfile:
         >>> CostProfile({1: 10.0, 3: 12.0, 4: 14.0}, drafter_ms=1.0).target_at(6)
         18.0
         """
-        w = int(w)
-        if w < 1:
-            raise ValueError(f"w must be >= 1 (got {w})")
-        if w in self.target_ms:
-            return self.target_ms[w]
-        widths = list(self.target_ms)
-        if w < widths[-1]:
-            return float(np.interp(w, widths, list(self.target_ms.values())))
-        if len(widths) == 1:
-            return self.target_ms[widths[0]]
-        w1, w2 = widths[-2], widths[-1]
-        slope = max(0.0, (self.target_ms[w2] - self.target_ms[w1]) / (w2 - w1))
-        return self.target_ms[w2] + slope * (w - w2)
+        return _at(self.target_ms, w)
 
-    def cycle_ms(self, k: int, w: int | None = None) -> float:
-        """One cycle: k drafter steps + translation + a target pass over w (default k + 1) tokens.
+    def drafter_pass(self, n: int) -> float:
+        """One drafter pass over n new tokens: the measured reading curve, or without one a step plus, per
+        extra token, what the target's wide passes cost per extra token scaled by drafter step / target step.
+
+        Example: target 10 ms for 1 token, 14 ms for 9 (0.5 ms per extra token); drafter step 5 ms
+        -> a pass over 41 tokens: 5 + 40 × 0.5 × 5 / 10 = 15 ms
+        >>> CostProfile({1: 10.0, 9: 14.0}, drafter_ms=5.0).drafter_pass(41)
+        15.0
+        """
+        if self.read_ms is not None:
+            return _at(self.read_ms, n)
+        widths = list(self.target_ms)
+        wide = widths[-1]
+        per_token = (self.target_ms[wide] - self.target_ms[1]) / (wide - 1) if wide > 1 else 0.1 * self.target_ms[1]
+        return self.drafter_ms + max(0, int(n) - 1) * max(0.0, per_token) * self.drafter_ms / self.target_ms[1]
+
+    def reading_ms(self, n: int) -> float:
+        """What reading n tokens adds to the drafter pass that reads them (nothing for n <= 1): the prompt on
+        the first draft, a parked stretch on the next. Example: as above, n = 41 -> 15 − 5 = 10 ms"""
+        return max(0.0, self.drafter_pass(n) - self.drafter_pass(1)) if n > 1 else 0.0
+
+    def cycle_ms(self, k: int, w: int | None = None, read: int = 1) -> float:
+        """One cycle: k drafter steps (the first reading `read` tokens: its pending token and any backlog)
+        + translation + a target pass over w (default k + 1) tokens.
 
         k = 0 is a plain target step: target_ms[1], no drafter and no translation. Pass w when translation
         yields a different number of target tokens than k (w = proposed + 1).
         """
-        k = int(_check_k(k))
+        k = int(draft_lengths(k))
         if k == 0:
             return self.target_at(w or 1)
-        return k * self.drafter_ms + self.translate_ms + self.target_at(w or k + 1)
+        return k * self.drafter_ms + self.reading_ms(read) + self.translate_ms + self.target_at(w or k + 1)
+
+    def price(self, cycle: Any, lookup_ms: float = LOOKUP_MS) -> float:
+        """What a recorded cycle (uag.core.records.Cycle) costs by this profile: a model draft as `cycle_ms`
+        with the width it verified and what its first drafter pass read; a lookup's proposal a lookup and
+        the target's pass; a plain step one target step, plus one drafter pass over what a rehearsal read
+        where it ended one. Summed over a run's cycles it predicts the run's time (benchmarks/cost_truth.py).
+
+        Example: the class example's profile (no read curve: a token read costs 1 ms per extra target token
+        × drafter step / target step = 0.1 ms); k = 2 drafts that translate into 3 target tokens, the first
+        pass reading 2 tokens -> 2 × 1 + 0.1 + 0.5 + target_at(4) = 13 -> 15.6
+        >>> from types import SimpleNamespace as Cycle
+        >>> p = CostProfile({1: 10.0, 2: 11.0, 3: 12.0}, drafter_ms=1.0, translate_ms=0.5)
+        >>> round(p.price(Cycle(k=2, source="model", proposed_ids=[7, 8, 9], drafter_passes=2, drafter_read=3)), 9)
+        15.6
+        """
+        w = len(cycle.proposed_ids) + 1
+        if cycle.k and cycle.source == "model":
+            first = max(1, cycle.drafter_read - (cycle.drafter_passes - 1))  # the passes after it read one each
+            return self.cycle_ms(cycle.drafter_passes or cycle.k, w, first)
+        ms = self.target_at(w) + (lookup_ms if cycle.k else 0.0)
+        return ms + (self.drafter_pass(cycle.drafter_read) if cycle.drafter_read else 0.0)
 
     def tokens_per_cycle(self, alpha: Any, k: int) -> float | np.ndarray:
         """Expected committed tokens per cycle under this profile's form (1 for k = 0)."""
-        k = int(_check_k(k))
+        k = int(draft_lengths(k))
         if self.form == "study":
             return _out(1.0 + k * np.asarray(alpha, dtype=float))
         return expected_tokens(alpha, k)
@@ -382,22 +338,51 @@ class CostProfile:
         return int(np.argmax(rates))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; target_ms keys become strings."""
-        return {
+        """JSON-ready; width keys become strings."""
+        out = {
             "target_ms": {str(w): ms for w, ms in self.target_ms.items()},
             "drafter_ms": self.drafter_ms,
             "translate_ms": self.translate_ms,
             "form": self.form,
         }
+        if self.read_ms is not None:
+            out["read_ms"] = {str(n): ms for n, ms in self.read_ms.items()}
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostProfile:
+        read = data.get("read_ms")
         return cls(
             target_ms={int(w): float(ms) for w, ms in data["target_ms"].items()},
             drafter_ms=float(data["drafter_ms"]),
             translate_ms=float(data.get("translate_ms", 0.0)),
             form=data.get("form", "leviathan"),
+            read_ms=None if read is None else {int(n): float(ms) for n, ms in read.items()},
         )
+
+
+def _curve(table: Any, name: str) -> dict[int, float]:
+    """A width → milliseconds table, checked (w = 1 present, positive finite times) and sorted by width."""
+    out = {int(w): float(ms) for w, ms in dict(table).items()}
+    if 1 not in out or any(w < 1 or not math.isfinite(ms) or ms <= 0 for w, ms in out.items()):
+        raise ValueError(f"{name} needs w = 1 and positive finite times for integer w >= 1 (got {table!r})")
+    return dict(sorted(out.items()))
+
+
+def _at(table: dict[int, float], w: int) -> float:
+    """The table at width w: exact, interpolated, or past the widest entry at the slope of the last two."""
+    w = int(w)
+    if w < 1:
+        raise ValueError(f"w must be >= 1 (got {w})")
+    if w in table:
+        return table[w]
+    widths = list(table)
+    if w < widths[-1]:
+        return float(np.interp(w, widths, list(table.values())))
+    if len(widths) == 1:
+        return table[widths[0]]
+    w1, w2 = widths[-2], widths[-1]
+    return table[w2] + max(0.0, (table[w2] - table[w1]) / (w2 - w1)) * (w - w2)
 
 
 # --- a target sharded over a link ---------------------------------------------------------------------------
@@ -444,6 +429,7 @@ def over_link(profile: CostProfile, hops: int, latency_ms: float, exchanges: int
         drafter_ms=profile.drafter_ms,
         translate_ms=profile.translate_ms + exchanges * latency_ms,
         form=profile.form,
+        read_ms=profile.read_ms,
     )
 
 

@@ -25,7 +25,7 @@ from uag.core.anatomy import Loss
 from uag.core.config import LOOKUP
 from uag.core.drafters import Draft, Drafter
 from uag.core.lookup import NgramIndex
-from uag.core.policy import MODEL, AdaptiveK, FixedK
+from uag.core.policy import MODEL, Policy
 from uag.core.records import Rehearsal
 from uag.distributed.collective import Link, Watchdog
 
@@ -52,7 +52,7 @@ class LeaderDrafter:
 
     def __init__(self, inner: Drafter, watchdog: Watchdog):
         self.inner, self.watchdog = inner, watchdog
-        self.translation = inner.translation
+        self.name, self.translation = inner.name, inner.translation
         self.committed: list[int] = []
         self.pending: Draft | None = None
 
@@ -88,7 +88,7 @@ class FollowerDrafter:
     it keeps the same n-gram index, so that it ends a plain stretch where rank 0 does (the stretch ends when
     a lookup match turns up: a function of the committed tokens, which every rank shares)."""
 
-    translation = "relayed from rank 0"
+    name = translation = "relayed from rank 0"
 
     def __init__(self, lookup: bool, watchdog: Watchdog):
         self.lookup, self.watchdog = lookup, watchdog
@@ -128,16 +128,17 @@ class FollowerDrafter:
 
 
 class RankPolicy:
-    """The policy on every rank: rank 0's own policy decides, one exchange carries the decision (and a
-    cycle's proposal) to all, and every rank returns the same (source, k) and stretch length to the engine.
+    """The policy on every rank (a `uag.core.policy.Policy`): rank 0's own policy (`inner`) decides, one
+    exchange carries the decision (and a cycle's proposal) to all, and every rank returns the same (source, k)
+    and stretch length to the engine. Other ranks have no policy of their own: `name` says which rank 0 runs.
     With `check_every` = N, every N decisions the ranks compare hashes of their committed tokens."""
 
     def __init__(
-        self, link: Link, drafter: LeaderDrafter | FollowerDrafter, inner: FixedK | AdaptiveK | None, *,
-        k_max: int, budget: int, n_prompt: int, check_every: int = 0, cancel: threading.Event | None = None,
+        self, link: Link, drafter: LeaderDrafter | FollowerDrafter, inner: Policy | None, *, name: str = "",
+        check_every: int = 0, cancel: threading.Event | None = None,
     ):  # fmt: skip
         self.link, self.drafter, self.inner = link, drafter, inner
-        self.k, self.budget, self.n_prompt = k_max, budget, n_prompt
+        self.name = inner.name if inner is not None else name
         self.check_every, self.cancel = check_every, cancel
         self.decisions = 0
         self._stretch = 1
@@ -159,8 +160,8 @@ class RankPolicy:
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         self.inner.rehearsed(rehearsal)
 
-    def choose(self, offer) -> tuple[str, int]:
-        message = self._decide(offer) if self.link.rank == 0 else None
+    def choose(self, offer, left: int | None = None) -> tuple[str, int]:
+        message = self._decide(offer, left) if self.link.rank == 0 else None
         tic = time.perf_counter()
         op, a, b, n, *ids = self.link.exchange(message)
         self.decisions += 1
@@ -178,16 +179,14 @@ class RankPolicy:
             self.drafter.pending = Draft(SOURCES[a], ids[:n])
         return SOURCES[a], b
 
-    def _decide(self, offer) -> list[int]:
-        """Rank 0: the inner policy's choice, as the engine would act on it, and the draft it calls for."""
-        generated = len(self.drafter.committed) - self.n_prompt
-        if generated and self.cancel is not None and self.cancel.is_set():
+    def _decide(self, offer, left: int | None) -> list[int]:
+        """Rank 0: the inner policy's choice within the tokens `left` to write, and the draft it calls for."""
+        if self.decisions and self.cancel is not None and self.cancel.is_set():  # the first token is written
             return [STOP]
-        source, k = self.inner.choose(offer)
-        k = min(k, self.budget - generated - 1)  # what speculative_steps does with it
-        if k <= 0:
+        source, k = self.inner.choose(offer, left)
+        if k == 0:
             return [PLAIN, self.inner.plain_steps()]
-        draft = self.drafter.inner.propose(source, k, self.budget - generated - 1)
+        draft = self.drafter.inner.propose(source, k, k * PROPOSAL_SPAN if left is None else left - 1)
         # Rank 0 verifies exactly what the others receive (a translation longer than 4·k is cut: still lossless).
         draft.proposed = draft.proposed[: self.link.width - HEADER]
         self.drafter.pending = draft

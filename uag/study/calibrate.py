@@ -1,10 +1,13 @@
 """`python -m uag calibrate`: measure what a speculative cycle costs on this machine, and save it.
 
 The study modelled verification as 1 + c·k² target steps. Real costs are not that smooth (on an H200 a
-Bielik-11B-shaped target verifies 9 tokens faster than 7: a kernel switch), so we measure instead:
-the target's forward time over w = 1..16 new tokens with a filled cache, one drafter step, and the
+Bielik-11B-shaped target verifies 9 tokens faster than 7: a kernel switch), so we measure instead, each
+the way a run spends it: the target's verification over w = 1..16 new tokens with a filled cache (every
+row scored, as a cycle scores it), a drafter step (pipelined, as drafting runs k of them), the drafter's
+one pass over n new tokens (reading a prompt or a parked stretch: a batched pass, not n steps), and the
 translation's bookkeeping per cycle. The profile is saved per (device, backend, model pair, dtype) in
-the user cache; `--strategy auto` and the app use it.
+the user cache; `--strategy auto` and the app use it. `--reset` forgets what was saved for a pair: its
+profile and what earlier auto runs of it accepted (uag.study.profiles).
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ import mlx.core as mx
 
 from uag.command import CommandParser, run, whole
 from uag.core.costmodel import CostProfile
+from uag.core.passes import logprobs, settle_allocator
 from uag.core.translate import DEFAULT_WINDOW, make_translator, text_after
 from uag.errors import UserError
 from uag.models.store import LoadedModel, ModelStore, Pair, check_pair
-from uag.study.profiles import Calibration, profile_key, save, target_key
+from uag.study.profiles import Calibration, forget, profile_key, save, target_key
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
 DEFAULT_WIDTHS = tuple(range(1, 17))
+READ_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # drafter passes over n tokens (past 256: their slope)
+DRAFT_STEPS = 4  # drafter steps timed in a row, pipelined as a draft runs them
 QUICK = {"widths": tuple(range(1, 10)), "repeats": 3}  # on first use of auto: verifying up to k = 8 drafts
 CALIBRATION_TEXT = (
     "Kraków – miasto na prawach powiatu w południowej Polsce, położone nad Wisłą. W latach 1038–1596 "
@@ -44,42 +50,81 @@ def filled_cache(model: LoadedModel, context: int) -> tuple[list, list[int]]:
     return cache, ids
 
 
-def time_forward(model: LoadedModel, cache: list, ids: list[int], width: int, repeats: int) -> float:
-    """The least milliseconds of `repeats` forward passes over `width` new tokens (after one warm-up pass:
-    kernel selection, allocation); the cache is rewound after each. The least, not the median: on a shared
+def verify_pass(model: LoadedModel, cache: list, tokens: mx.array) -> None:
+    """A target pass as a cycle's verification runs it (uag.core.engine): every row's logits normalised and
+    its greedy choice read back."""
+    mx.argmax(logprobs(model.model(tokens, cache=cache)[0]), axis=-1).tolist()
+    settle_allocator()
+
+
+def read_pass(model: LoadedModel, cache: list, tokens: mx.array) -> None:
+    """A drafter pass as a draft's first pass runs it (uag.core.drafters): it reads every token, and its
+    guess after the last is read back."""
+    mx.argmax(model.model(tokens, cache=cache)[:, -1, :], axis=-1).tolist()
+    settle_allocator()
+
+
+def time_forward(
+    model: LoadedModel, cache: list, ids: list[int], width: int, repeats: int, run_pass=verify_pass
+) -> float:  # fmt: skip
+    """The least milliseconds of `repeats` passes over `width` new tokens (after one warm-up pass: kernel
+    selection, allocation); the cache is rewound after each. The least, not the median: on a shared
     machine other work only ever adds time, so the fastest pass is the best estimate of the pass itself."""
-    return min(_time_passes(model, cache, ids, width, repeats + 1)[1:])
+    return min(_time_passes(model, cache, ids, width, repeats + 1, run_pass)[1:])
 
 
-def _time_passes(model: LoadedModel, cache: list, ids: list[int], width: int, passes: int) -> list[float]:
+def time_draft(model: LoadedModel, cache: list, ids: list[int], repeats: int, steps: int = DRAFT_STEPS) -> float:
+    """The least milliseconds per drafter step of `repeats` drafts of `steps` tokens, run as ModelDrafter
+    drafts: each pass reads the previous guess, queued without waiting, the guesses read back at the end."""
+    offset, times = cache[0].offset, []
+    for _ in range(repeats + 1):  # the first warms up
+        y, guesses = mx.array(ids[-1:]), []
+        tic = time.perf_counter()
+        for _ in range(steps):
+            y = mx.argmax(model.model(y[None], cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(y)
+            guesses.append(y)
+        mx.concatenate(guesses).tolist()
+        settle_allocator()
+        times.append((time.perf_counter() - tic) * 1000 / steps)
+        for layer in cache:
+            layer.trim(layer.offset - offset)
+    return min(times[1:])
+
+
+def _time_passes(model: LoadedModel, cache: list, ids: list[int], width: int, passes: int, run_pass) -> list[float]:
     tokens = mx.array(ids[-width:])[None]
     offset = cache[0].offset
     times = []
     for _ in range(passes):
         tic = time.perf_counter()
-        mx.eval(model.model(tokens, cache=cache)[:, -1, :].argmax(axis=-1))
+        run_pass(model, cache, tokens)
         times.append((time.perf_counter() - tic) * 1000)
         for layer in cache:
             layer.trim(layer.offset - offset)
     return times
 
 
-def target_curve(model: LoadedModel, cache: list, ids: list[int], widths, repeats: int, say) -> dict[int, float]:
-    """Target forward time per width, robust to a busy machine: `repeats` rounds over every width (so that
-    a burst of other work lands on one round, not on one width), the least time per width, then made
-    non-decreasing in w (a wider pass never costs less than a narrower one: cost(w) = min over w' >= w).
+def target_curve(
+    model: LoadedModel, cache: list, ids: list[int], widths, repeats: int, say, run_pass=verify_pass,
+    label: str = "target",
+) -> dict[int, float]:  # fmt: skip
+    """Time per width of `run_pass` (a verification, by default), robust to a busy machine: `repeats`
+    rounds over every width (so that a burst of other work lands on one round, not on one width), the
+    least time per width, then made non-decreasing in w (a wider pass never costs less than a narrower
+    one: cost(w) = min over w' >= w).
 
     Measured on a loaded 2-core machine, medians of 2 gave {1: 1662, 5: 8082, 6: 2920} ms for a model
     whose step takes ~105 ms when quiet; the cost model then never drafted more than one token.
     """
-    widths = sorted(widths)
+    widths = sorted(w for w in widths if w <= len(ids))
     for w in widths:  # warm-up: kernel selection and allocation for every shape
-        _time_passes(model, cache, ids, w, 1)
+        _time_passes(model, cache, ids, w, 1, run_pass)
     times = {w: math.inf for w in widths}
     for i in range(repeats):
         for w in widths:
-            times[w] = min(times[w], *_time_passes(model, cache, ids, w, 1))
-            say(f"target, {w} new token(s): {times[w]:.2f} ms (round {i + 1} of {repeats})")
+            times[w] = min(times[w], *_time_passes(model, cache, ids, w, 1, run_pass))
+            say(f"{label}, {w} new token(s): {times[w]:.2f} ms (round {i + 1} of {repeats})")
     curve, least = {}, math.inf
     for w in reversed(widths):
         least = min(least, times[w])
@@ -119,11 +164,12 @@ def calibrate(
     cache, ids = filled_cache(pair.target, context)
     target_ms = target_curve(pair.target, cache, ids, widths, repeats, say)
     d_cache, d_ids = filled_cache(pair.drafter, context)
-    drafter_ms = time_forward(pair.drafter, d_cache, d_ids, 1, repeats)
+    drafter_ms = time_draft(pair.drafter, d_cache, d_ids, repeats)
     say(f"drafter step: {drafter_ms:.2f} ms")
+    read_ms = target_curve(pair.drafter, d_cache, d_ids, READ_WIDTHS, repeats, say, read_pass, "drafter reading")
     translate_ms = time_translation(pair)
     say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
-    profile = CostProfile(target_ms=target_ms, drafter_ms=drafter_ms, translate_ms=translate_ms, form="study")
+    profile = CostProfile(target_ms, drafter_ms, translate_ms, form="study", read_ms=read_ms)
     return Calibration(profile_key(pair), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)
 
 
@@ -150,6 +196,8 @@ def summary(calibration: Calibration, ks=(1, 2, 4, 8)) -> str:
         f"drafter step {p.drafter_ms:.2f} ms (r = {p.drafter_ms / p.target_ms[1]:.3f} target steps); "
         f"translation {p.translate_ms:.3f} ms/cycle"
     )
+    if p.read_ms:
+        lines.append("drafter pass over n tokens: " + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in p.read_ms.items()))
     for k in ks:
         alpha = p.break_even(k)
         lines.append(f"k={k}: break-even α* = {'unreachable' if alpha is None else f'{alpha:.0%}'}")
@@ -164,11 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-width", type=whole, default=16, help="largest verification width w to time, 1..64")
     parser.add_argument("--repeats", type=whole, default=5, help="timed rounds over all widths (least kept)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--reset", action="store_true", help="forget the pair's saved costs and what earlier auto runs accepted"
+    )
     return parser
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     from uag.core.loading import load_model
+
+    if args.reset:  # no models to load: the saved files name them
+        removed = forget(args.target, args.drafter)
+        lines = [f"removed {path}" for path in removed] or [f"nothing saved for {args.target} ← {args.drafter} here"]
+        print(json.dumps({"removed": [str(path) for path in removed]}) if args.json else "\n".join(lines))
+        return 0
 
     problems = [
         f"{flag} must be {bound} (got {value})"

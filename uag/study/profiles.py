@@ -1,21 +1,34 @@
-"""Saved cost profiles: what a speculative cycle costs for one pair on one machine (uag.study.calibrate
-measures them). Stored as JSON in the user cache, keyed by device, backend, models and dtypes.
+"""What auto knows about a pair on this machine, saved as JSON in the user cache, keyed by device, backend,
+models and dtypes:
 
-The engine never reads this store by itself: callers look a profile up here and pass it in
-(`GenerationConfig` runs take a `CostProfile | None`).
+- profiles/: what a speculative cycle costs (uag.study.calibrate measures it), timed the way runs spend it
+  (`METHOD`: a profile timed another way is not found, so the next auto run measures it again);
+- evidence/: what earlier runs of the pair accepted (uag.core.evidence.Evidence), the prior of the next
+  run's opening decision. `forget` (`uag calibrate --reset`) removes both; deleting the files does too.
+
+The engine never reads this store by itself: callers look a profile and evidence up here and pass them in.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
 from uag.core.config import LOOKUP
 from uag.core.costmodel import CostProfile
+from uag.core.evidence import Evidence
 from uag.machine import backend, cache_dir, device_name
+
+log = logging.getLogger(__name__)
+
+# How a profile was timed. 2: verification scored as a cycle scores it (every row), drafter steps pipelined
+# as drafting runs them, and the drafter's reading curve (one pass over n tokens).
+METHOD = 2
 
 
 class _Model(Protocol):
@@ -39,6 +52,7 @@ def profile_key(pair: _Pair) -> dict:
         "drafter": pair.drafter.name,
         "target_dtype": pair.target.dtype,
         "drafter_dtype": pair.drafter.dtype,
+        "method": METHOD,
     }
 
 
@@ -51,13 +65,23 @@ def target_key(target: _Model) -> dict:
         "drafter": LOOKUP,
         "target_dtype": target.dtype,
         "drafter_dtype": "",
+        "method": METHOD,
     }
 
 
 def profile_path(key: dict) -> Path:
+    return _path("profiles", key)
+
+
+def evidence_path(key: dict) -> Path:
+    """Where the pair's evidence is kept: beside its profile, whichever way that was timed."""
+    return _path("evidence", {name: value for name, value in key.items() if name != "method"})
+
+
+def _path(folder: str, key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     slug = "-".join(Path(key[role]).name for role in ("target", "drafter"))
-    return cache_dir() / "profiles" / f"{slug}-{key['backend']}-{digest}.json"
+    return cache_dir() / folder / f"{slug}-{key['backend']}-{digest}.json"
 
 
 @dataclass(frozen=True)
@@ -94,9 +118,49 @@ def find_profile(pair: _Pair | dict) -> CostProfile | None:
 
 def save(calibration: Calibration) -> Path:
     """Write atomically (a reader never sees half a file)."""
-    path = profile_path(calibration.key)
+    return _write(profile_path(calibration.key), calibration.to_dict())
+
+
+def find_evidence(pair: _Pair | dict) -> Evidence | None:
+    """What earlier runs of this pair (or profile key) on this machine accepted, if any were saved. A damaged
+    file is logged and ignored (auto then starts from its default guess; `forget` removes it)."""
+    path = evidence_path(pair if isinstance(pair, dict) else profile_key(pair))
+    if not path.exists():
+        return None
+    try:
+        return Evidence.from_dict(json.loads(path.read_text())["evidence"])
+    except (OSError, ValueError, KeyError, TypeError):
+        log.warning("ignoring the damaged auto evidence in %s (uag calibrate --reset removes it)", path, exc_info=True)
+        return None
+
+
+def save_evidence(pair: _Pair | dict, evidence: Evidence) -> Path:
+    """Keep what this pair's runs accepted for the next process (written atomically)."""
+    key = pair if isinstance(pair, dict) else profile_key(pair)
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return _write(evidence_path(key), {"key": key, "updated_at": stamp, "evidence": evidence.to_dict()})
+
+
+def forget(target: str, drafter: str) -> list[Path]:
+    """Remove every saved profile and evidence of `target` with `drafter` (a model name or "lookup") on this
+    machine, whatever their dtypes or timing method; return the files removed. Unreadable files are left."""
+    removed = []
+    for path in sorted([*(cache_dir() / "profiles").glob("*.json"), *(cache_dir() / "evidence").glob("*.json")]):
+        try:
+            key = json.loads(path.read_text())["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        here = key.get("device") == device_name() and key.get("backend") == backend()
+        if here and key.get("target") == target and key.get("drafter") == drafter:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _write(path: Path, data: dict) -> Path:
+    """Write JSON atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{id(calibration)}")
-    tmp.write_text(json.dumps(calibration.to_dict(), indent=2))
+    tmp = path.with_suffix(f".tmp{id(data)}")
+    tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
     return path

@@ -1,0 +1,135 @@
+"""What auto learns about a pair, kept per pair and machine beside its profile, and how it is reset; the
+calibration that times costs the way runs spend them (tiny models: what is checked is the shape, not the speed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from tests.support.tiny_models import tiny_pair
+from uag.core.costmodel import CostProfile
+from uag.core.evidence import Counts, Evidence
+from uag.models.store import Pair, check_pair
+from uag.study import calibrate as calibration
+from uag.study.profiles import (
+    METHOD,
+    Calibration,
+    evidence_path,
+    find_calibration,
+    find_evidence,
+    forget,
+    profile_key,
+    profile_path,
+    save,
+    save_evidence,
+)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A user cache of the test's own."""
+    monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def fake_pair(target: str = "org/target", drafter: str = "org/drafter", dtype: str = "float32") -> Pair:
+    """What a key needs of a loaded pair, without loading models."""
+    model = lambda name: SimpleNamespace(name=name, dtype=dtype, weight_bytes=1000)  # noqa: E731
+    return Pair(model(target), model(drafter), shared_vocabulary=False)
+
+
+def learned() -> Evidence:
+    return Evidence(model=Counts([2.5, 1.0], [0.5, 1.5]), lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0)
+
+
+def test_evidence_keeps_what_earlier_runs_accepted_but_not_their_costs():
+    back = Evidence.from_dict(json.loads(json.dumps(learned().to_dict())))
+    assert back.model == learned().model and back.lookup == learned().lookup and back.expansion == 0.8
+    assert back.drafter_ms is None and back.verify_ms == {}  # costs are the calibration's, relearned in a run
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model": {"accepted": [1.0], "rejected": []}, "lookup": {"accepted": [], "rejected": []}},
+        {"model": {"accepted": [-1.0], "rejected": [1.0]}, "lookup": {"accepted": [], "rejected": []}},
+        {"model": {"accepted": [], "rejected": []}, "lookup": {"accepted": ["nan"], "rejected": [1.0]}},
+        {"model": {"accepted": [], "rejected": []}, "lookup": {"accepted": [], "rejected": []}, "expansion": 0},
+    ],
+)
+def test_damaged_evidence_is_refused(bad):
+    with pytest.raises(ValueError):
+        Evidence.from_dict(bad)
+
+
+def test_evidence_is_kept_per_pair_and_machine_and_found_again(cache):
+    pair, other = fake_pair(), fake_pair(drafter="org/other")
+    assert find_evidence(pair) is None
+    path = save_evidence(pair, learned())
+    assert path == evidence_path(profile_key(pair)) and path.parent == cache / "evidence"
+    assert find_evidence(pair).model == learned().model and find_evidence(other) is None
+    assert find_evidence(fake_pair(dtype="bfloat16")) is None  # another dtype accepts differently
+
+
+def test_a_damaged_evidence_file_is_ignored_and_logged(cache, caplog):
+    pair = fake_pair()
+    save_evidence(pair, learned()).write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert find_evidence(pair) is None
+    assert "damaged auto evidence" in caplog.text and "--reset" in caplog.text
+
+
+def saved_both(pair: Pair) -> list:
+    """A profile and evidence saved for the pair; their paths."""
+    profile = CostProfile({1: 10.0, 2: 11.0}, drafter_ms=1.0)
+    return [
+        save(Calibration(profile_key(pair), profile, "2026-11-25T00:00:00+00:00", 256)),
+        save_evidence(pair, learned()),
+    ]
+
+
+def test_forget_removes_the_pair_profile_and_evidence_and_nothing_else(cache):
+    pair, other = fake_pair(), fake_pair(drafter="org/other")
+    kept, gone = saved_both(other), saved_both(pair)
+    assert sorted(forget("org/target", "org/drafter")) == sorted(gone)
+    assert not any(p.exists() for p in gone) and all(p.exists() for p in kept)
+    assert find_calibration(pair) is None and find_evidence(pair) is None
+    assert forget("org/target", "org/drafter") == []
+
+
+def test_a_profile_timed_another_way_is_not_found_so_auto_measures_again(cache):
+    pair = fake_pair()
+    old_key = {k: v for k, v in profile_key(pair).items() if k != "method"}
+    save(Calibration(old_key, CostProfile({1: 10.0}, drafter_ms=1.0), "2026-11-01T00:00:00+00:00", 256))
+    assert profile_key(pair)["method"] == METHOD and profile_path(old_key) != profile_path(profile_key(pair))
+    assert find_calibration(pair) is None
+    assert evidence_path(old_key) == evidence_path(profile_key(pair))  # what runs accepted outlives it
+
+
+def test_calibrate_reset_forgets_without_loading_models(cache, capsys):
+    pair = fake_pair()
+    save_evidence(pair, learned())
+    assert calibration.main(["--target", "org/target", "--drafter", "org/drafter", "--reset"]) == 0
+    assert "removed" in capsys.readouterr().out and find_evidence(pair) is None
+    assert calibration.main(["--target", "org/target", "--drafter", "org/drafter", "--reset"]) == 0
+    assert "nothing saved for org/target ← org/drafter" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_calibration_times_what_a_run_spends(store, cache):
+    """Tiny random models: every cost the policy prices a run by is measured and saved, curves never falling."""
+    target, drafter = tiny_pair("qwen2.5", "mistral-v1")
+    pair = check_pair(store.get(str(target)), store.get(str(drafter)))
+    said = []
+    result = calibration.calibrate(pair, context=64, widths=range(1, 5), repeats=1, progress=said.append)
+    profile = result.profile
+    assert set(profile.target_ms) == {1, 2, 3, 4} and profile.drafter_ms > 0
+    assert set(profile.read_ms) == {n for n in calibration.READ_WIDTHS if n <= 64}  # passes over the cached text
+    for curve in (profile.target_ms, profile.read_ms):
+        widths = sorted(curve)
+        assert all(curve[a] <= curve[b] for a, b in zip(widths, widths[1:]))
+    assert result.key["method"] == METHOD and any("drafter step" in line for line in said)
+    assert "drafter pass over n tokens: 1: " in calibration.summary(result)

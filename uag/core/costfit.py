@@ -1,0 +1,106 @@
+"""Fitting the study's cost model to observations: c (and r) from break-evens, c from per-run speedups. No mlx.
+
+The model itself (S(α, k), α*, Leviathan's E) is uag.core.costmodel; uag.study.analyze and the app's history
+fit it to measured runs here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from uag.core.costmodel import Form, check_form, draft_lengths, expected_tokens
+
+
+def fit_c(points: Iterable[tuple[float, float]], r: float) -> float:
+    """Least-squares c in α* = r + c·k from observed (k, α*) pairs, r fixed: c = Σ k(α* − r) / Σ k².
+
+    Example: (2, 0.44), (4, 0.81) with r = 0.07 -> (2·0.37 + 4·0.74) / (4 + 16) = 0.185
+    >>> round(fit_c([(2, 0.44), (4, 0.81)], 0.07), 12)
+    0.185
+    """
+    pts = np.asarray(list(points), dtype=float).reshape(-1, 2)
+    k, alpha_star = pts[:, 0], pts[:, 1]
+    denominator = float(np.sum(k * k))
+    if denominator == 0:
+        raise ValueError(f"fit_c needs at least one point with k > 0 (got {pts.tolist()})")
+    return float(np.sum(k * (alpha_star - r)) / denominator)
+
+
+def fit_r_c(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (r, c) in α* = r + c·k from observed (k, α*) pairs (ordinary line fit).
+
+    Example: the paper's (2, .44), (4, .81), (6, 1.18), (8, 1.55) -> (0.07, 0.185)
+    >>> [round(x, 12) for x in fit_r_c([(2, .44), (4, .81), (6, 1.18), (8, 1.55)])]
+    [0.07, 0.185]
+    """
+    pts = np.asarray(list(points), dtype=float).reshape(-1, 2)
+    k, alpha_star = pts[:, 0], pts[:, 1]
+    if len(np.unique(k)) < 2:
+        raise ValueError(f"fit_r_c needs points at two or more distinct k (got {pts.tolist()})")
+    k_mean = k.mean()
+    c = float(np.sum((k - k_mean) * (alpha_star - alpha_star.mean())) / np.sum((k - k_mean) ** 2))
+    return float(alpha_star.mean() - c * k_mean), c
+
+
+@dataclass(frozen=True, slots=True)
+class CFit:
+    """A fit of the verification-cost coefficient c to observed speedups."""
+
+    c: float
+    rmse: float  # root mean squared residual, in speedup units
+    r2: float  # 1 − SS_res / SS_tot (nan when the observed speedups do not vary)
+    n: int  # observations used (non-finite rows are dropped)
+    form: str
+
+
+def fit_c_from_speedups(alpha: Any, k: Any, speedup: Any, r: float, *, form: Form = "study") -> CFit:
+    """Least-squares c from per-run (α, k, speedup) observations, r fixed.
+
+    Minimises Σ (speedup − N(α, k) / (1 + k·r + c·k²))², N = 1 + k·α (``form="study"``) or E(α, k)
+    (``"leviathan"``). Starts from the linearised fit (N / speedup = 1 + k·r + c·k² is linear in c) and
+    refines it with scipy's least_squares. Rows with k = 0 carry no information on c.
+    """
+    from scipy.optimize import least_squares  # comes with statsmodels; imported here to keep imports light
+
+    check_form(form)
+    a, kk, s = (np.asarray(x, dtype=float).ravel() for x in (alpha, k, speedup))
+    if not (len(a) == len(kk) == len(s)):
+        raise ValueError(f"alpha, k and speedup differ in length ({len(a)}, {len(kk)}, {len(s)})")
+    keep = np.isfinite(a) & np.isfinite(kk) & np.isfinite(s)
+    a, kk, s = a[keep], draft_lengths(kk[keep]), s[keep]
+    if not np.any(kk > 0):
+        raise ValueError("fit_c_from_speedups needs at least one finite observation with k > 0")
+    numerator = np.asarray(1.0 + kk * a if form == "study" else expected_tokens(np.clip(a, 0, 1), kk))
+    k2 = kk.astype(float) ** 2
+    base = 1.0 + kk * r
+
+    # Linearised start, over rows that say something about c.
+    informative = (kk > 0) & (s > 0)
+    if np.any(informative):
+        y = numerator[informative] / s[informative] - base[informative]
+        c0 = float(np.sum(k2[informative] * y) / np.sum(k2[informative] ** 2))
+    else:
+        c0 = 0.0
+    # The cost must stay positive for every observed k.
+    c_floor = float(np.max(-base[kk > 0] / k2[kk > 0])) + 1e-9
+    c0 = max(c0, c_floor + 1e-6)
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        return s - numerator / (base + p[0] * k2)
+
+    fit = least_squares(residuals, x0=[c0], bounds=([c_floor], [np.inf]), xtol=1e-15, ftol=1e-15, gtol=1e-15)
+    res = residuals(fit.x)
+    ss_res = float(np.sum(res**2))
+    ss_tot = float(np.sum((s - s.mean()) ** 2))
+    return CFit(
+        c=float(fit.x[0]),
+        rmse=math.sqrt(ss_res / len(s)),
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
+        n=int(len(s)),
+        form=form,
+    )

@@ -1,0 +1,143 @@
+"""What auto has learned about a pair: per source and target position the acceptance counts, the target
+tokens per drafter token, and the running cost estimates (`Evidence`); and how a rehearsal's guesses replay
+the drafts a parked stretch could have had (`replay_drafts`). `uag.core.policy.AdaptiveK` decides by it and
+updates it in place; a caller that keeps it (the server per pair, uag.study.profiles per pair and machine)
+starts the next run with what this one learned. Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from uag.core.config import LOOKUP
+from uag.core.costmodel import LOOKUP_MS
+
+MODEL = "model"
+
+DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
+PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
+CARRY = 3.0  # the most observations per position a run inherits from earlier runs (its own soon outweigh them)
+
+
+@dataclass
+class Counts:
+    """One source's acceptance evidence: per target position of its proposals, the decayed counts of
+    proposals that reached it (every position before it kept) and kept it or not."""
+
+    accepted: list[float] = field(default_factory=list)
+    rejected: list[float] = field(default_factory=list)
+
+    def add(self, tried: int, kept: int) -> None:
+        """Decay the counts of every position the target looked at, then count this outcome there.
+
+        Example: Counts().add(3, 1) -> accepted [1, 0], rejected [0, 1] (position 3 was never looked at)
+        """
+        for i in range(min(tried, kept + 1)):
+            while len(self.accepted) <= i:
+                self.accepted.append(0.0)
+                self.rejected.append(0.0)
+            self.accepted[i] = self.accepted[i] * DECAY + (i < kept)
+            self.rejected[i] = self.rejected[i] * DECAY + (i >= kept)
+
+    def age(self) -> None:
+        """Older by one observation everywhere (a source not tried while the text moved on)."""
+        self.accepted[:] = [c * DECAY for c in self.accepted]
+        self.rejected[:] = [c * DECAY for c in self.rejected]
+
+    def limit(self, weight: float) -> None:
+        """Scale each position down to at most `weight` observations, keeping its ratio."""
+        for i, (a, b) in enumerate(zip(self.accepted, self.rejected)):
+            if a + b > weight:
+                self.accepted[i], self.rejected[i] = a * weight / (a + b), b * weight / (a + b)
+
+    def chances(self, n: int, prior: float) -> list[float]:
+        """P(position i kept | the ones before it kept) for i < n: the counts shrunk toward the previous
+        position's estimate (later positions are tried only after earlier ones held: little evidence).
+
+        Example: no counts -> [0.5, 0.5] at prior 0.5; 10 kept at position 0 only -> [10.5/11, 10.5/11]
+        """
+        out = []
+        for i in range(n):
+            a = self.accepted[i] if i < len(self.accepted) else 0.0
+            b = self.rejected[i] if i < len(self.rejected) else 0.0
+            prior = (a + PRIOR_WEIGHT * prior) / (a + b + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
+    def valid(self) -> bool:
+        """One accepted and one rejected count per position, each finite and non-negative."""
+        counts = [*self.accepted, *self.rejected]
+        return len(self.accepted) == len(self.rejected) and all(math.isfinite(c) and c >= 0 for c in counts)
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {"accepted": list(self.accepted), "rejected": list(self.rejected)}
+
+
+@dataclass
+class Evidence:
+    """What auto has learned about one pair: per source the acceptance `Counts`, the target tokens per
+    drafter token, and the running cost estimates. `AdaptiveK` starts from it and updates it in place, so a
+    caller that keeps it (the server per pair, uag.study.profiles per pair and machine) starts the next run
+    with what this one learned."""
+
+    model: Counts = field(default_factory=Counts)
+    lookup: Counts = field(default_factory=Counts)
+    expansion: float = 1.0  # target tokens per drafter token (cross-tokenizer translation)
+    verify_ms: dict[int, float] = field(default_factory=dict)  # target pass over w tokens, per w
+    drafter_ms: float | None = None  # one drafter pass in a drafting cycle
+    read_ms: float | None = None  # what each token read adds to a drafter pass (prompt, parked stretch)
+    overhead_ms: float | None = None  # translate + re-sync per drafting cycle
+    lookup_ms: float = LOOKUP_MS
+    scale: float = 1.0  # this machine's target passes now ÷ the profile's
+
+    def counts(self, source: str) -> Counts:
+        return self.lookup if source == LOOKUP else self.model
+
+    def carry(self) -> None:
+        """A new run starts from this: what earlier runs accepted weighs at most `CARRY` cycles per position."""
+        self.model.limit(CARRY)
+        self.lookup.limit(CARRY)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What is worth keeping across processes: acceptance and expansion. Costs are the calibration's
+        (a later process may run under another load); they are relearned within a run."""
+        return {"model": self.model.to_dict(), "lookup": self.lookup.to_dict(), "expansion": self.expansion}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Evidence:
+        counts = {s: Counts([float(x) for x in data[s]["accepted"]], [float(x) for x in data[s]["rejected"]])
+                  for s in (MODEL, LOOKUP)}  # fmt: skip
+        if not all(c.valid() for c in counts.values()):
+            raise ValueError("evidence counts must be non-negative, one accepted and one rejected per position")
+        expansion = float(data.get("expansion", 1.0))
+        if not (math.isfinite(expansion) and expansion > 0):
+            raise ValueError(f"evidence expansion must be positive (got {expansion!r})")
+        return cls(model=counts[MODEL], lookup=counts[LOOKUP], expansion=expansion)
+
+
+def replay_drafts(hits: list[bool], k: int, expansion: float = 1.0) -> list[tuple[int, int]]:
+    """The drafts of k drafter tokens that drafting through a stretch would have made, from the drafter's
+    guesses there (`hits[i]`: its guess at drafter position i was the next token), as (target positions
+    proposed, target positions kept). A draft from position j holds while the guesses from j on are
+    right; then the target writes one token of its own (1 / expansion drafter tokens: `expansion` is
+    target tokens per drafter token) and the next draft starts after it. A draft still undecided when
+    the stretch ends is left out.
+
+    Example: hits = [T, T, F, T, F, F, T, T, T], k = 2 -> [(2, 2), (2, 1), (2, 0), (2, 2)]
+    (drafts from positions 0, 3, 5 and 6: kept 2, then 1 — position 4 was wrong — then 0, then 2)
+    """
+    out, j = [], 0
+    tried = max(1, round(k * expansion))
+    step = max(1, round(1 / expansion)) if expansion > 0 else 1
+    while j < len(hits):
+        held = 0
+        while held < k and j + held < len(hits) and hits[j + held]:
+            held += 1
+        if held < k and j + held == len(hits):
+            break
+        out.append((tried, tried if held == k else min(tried, int(held * expansion))))
+        j += held + step
+    return out
