@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.coder import needs_coder_pair
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice
-from uag.core.engine import generate, prompt_ids, stream
+from uag.core.engine import Seams, generate, prompt_ids, stream
 
 pytestmark = needs_coder_pair
 PROMPTS = ["def quicksort(arr):", "# Zwraca silnię liczby n\ndef silnia(n):"]
@@ -77,7 +77,7 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(coder, store):
 
     config = GenerationConfig(strategy="context", k=3, max_tokens=MAX_TOKENS, temperature=0.7, seed=7)
     ids = prompt_ids(target, PROMPTS[0])
-    run = list(stream(target, store.get("demo-drafter"), ids, config, sampler=recording))[-1].run
+    run = list(stream(target, store.get("demo-drafter"), ids, config, seams=Seams(sampler=recording)))[-1].run
     assert len(calls) == len(run.cycles) and run.opening == run.cycles[0].emitted  # the prompt pass verified a draft
     position = 0
     for cycle, sampled in zip(run.cycles, calls):

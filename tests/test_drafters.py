@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.core.config import DrafterSpec, GenerationConfig
 from uag.core.drafters import DrafterChoice, load_drafter
-from uag.core.engine import generate, prompt_ids, stream
+from uag.core.engine import PromptCaches, Seams, generate, prompt_ids, stream
 from uag.core.lookup import NgramIndex
 from uag.core.translate import make_translator
 from uag.errors import InputError
@@ -117,7 +117,8 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(tiny, kind):
     for k in KS:
         calls.clear()
         config = GenerationConfig(strategy="context", k=k, max_tokens=30, temperature=0.7, seed=5)
-        run = list(stream(target, choice, prompt_ids(target, PROMPTS[0]), config, sampler=recording))[-1].run
+        events = stream(target, choice, prompt_ids(target, PROMPTS[0]), config, seams=Seams(sampler=recording))
+        run = list(events)[-1].run
         # one target pass (one sampler call) per cycle, and one for the prompt pass unless it verified a draft
         position = len(calls) - len(run.cycles)
         assert position in (0, 1)
@@ -148,7 +149,7 @@ def test_a_lookup_proposal_that_runs_past_eos_stops_at_the_first_eos(tiny):
 
     config = GenerationConfig(k=8, max_tokens=60)
     ids = prompt_ids(target, PROMPTS[1])
-    run = list(stream(target, DrafterChoice(lookup=True), ids, config, sampler=greedy_then_eos))[-1].run
+    run = list(stream(target, DrafterChoice(lookup=True), ids, config, seams=Seams(sampler=greedy_then_eos)))[-1].run
     assert run.finish_reason == "eos" and run.token_ids[-1] == eos and run.token_ids.count(eos) == 1
 
 
@@ -167,7 +168,10 @@ def test_hybrid_leaves_both_caches_exact_after_a_run_and_an_early_stop(tiny, sto
     translator = make_translator("context", target.vocab, model.vocab, window=config.window, shared=False)
     caches = (target.make_cache(), model.make_cache())
     choice = DrafterChoice(lookup=True, model=model)
-    events = stream(target, choice, prompt_ids(target, PROMPTS[0]), config, translator=translator, caches=caches)
+    events = stream(
+        target, choice, prompt_ids(target, PROMPTS[0]), config,
+        caches=PromptCaches(target_cache=caches[0], drafter_cache=caches[1]), seams=Seams(translator=translator),
+    )  # fmt: skip
     for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
         if stop_after is not None and n == stop_after:
             break

@@ -15,7 +15,7 @@ from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.cli import main
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice, make_drafter
-from uag.core.engine import GenerationConfig, generate, prompt_ids, stream
+from uag.core.engine import GenerationConfig, PromptCaches, Seams, generate, prompt_ids, stream
 from uag.core.policy import AdaptiveK
 from uag.core.translate import make_translator
 from uag.models.store import ModelError
@@ -78,7 +78,7 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(tiny):
     config = GenerationConfig(strategy="context", k=3, max_tokens=30, temperature=0.9, seed=3)
     # the target drafts for itself: shared vocabulary, drafts get accepted, so both paths are exercised
     ids = prompt_ids(target, PROMPTS[0])
-    run = list(stream(target, target, ids, config, sampler=recording))[-1].run
+    run = list(stream(target, target, ids, config, seams=Seams(sampler=recording)))[-1].run
     assert run.accepted > 0 and any(c.accepted < c.proposed for c in run.cycles)
     assert run.opening == run.cycles[0].emitted and run.cycles[0].proposed  # the prompt pass verified a draft
     assert len(calls) == len(run.cycles)
@@ -146,7 +146,10 @@ def test_caches_hold_the_committed_sequences_after_a_run_and_after_an_early_stop
     config = GenerationConfig(strategy=strategy, k=3, max_tokens=24)
     translator = make_translator(strategy, target.vocab, drafter.vocab, window=config.window, shared=False)
     caches = (target.make_cache(), drafter.make_cache())
-    events = stream(target, drafter, prompt_ids(target, PROMPTS[2]), config, translator=translator, caches=caches)
+    events = stream(
+        target, drafter, prompt_ids(target, PROMPTS[2]), config,
+        caches=PromptCaches(target_cache=caches[0], drafter_cache=caches[1]), seams=Seams(translator=translator),
+    )  # fmt: skip
     for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
         if stop_after is not None and n == stop_after:
             break
@@ -166,7 +169,7 @@ def test_auto_drafts_long_when_a_profile_says_drafts_are_cheap_and_stays_lossles
     config = GenerationConfig(strategy="auto", k=4, max_tokens=40)
     policy = AdaptiveK(k_max=4, profile=cheap, learn_costs=False)  # the profile's costs, not this machine's load
     ids = prompt_ids(target, PROMPTS[0])
-    run = list(stream(target, target, ids, config, policy=policy))[-1].run
+    run = list(stream(target, target, ids, config, seams=Seams(policy=policy)))[-1].run
     assert run.token_ids == baseline_ids(target, PROMPTS[0], 40)
     assert run.policy == "auto" and [c.k for c in run.cycles].count(4) >= 5
 
@@ -201,9 +204,8 @@ def test_parked_stretches_and_rehearsals_are_lossless_and_keep_the_caches_exact(
         drafter,
         prompt_ids(target, PROMPTS[2]),
         config,
-        translator=translator,
-        policy=ParkedRehearsingEvery5(k_max=4),
-        caches=caches,
+        caches=PromptCaches(target_cache=caches[0], drafter_cache=caches[1]),
+        seams=Seams(policy=ParkedRehearsingEvery5(k_max=4), translator=translator),
     )
     for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
         if stop_after is not None and n == stop_after:
@@ -261,7 +263,9 @@ def test_eos_stops_the_run_and_max_tokens_is_exact(tiny):
         return mx.full(y.shape, eos, y.dtype) if len(calls) == 4 else y
 
     config = GenerationConfig(strategy="context", k=2, max_tokens=50)
-    events = stream(target, drafters["qwen"], prompt_ids(target, PROMPTS[0]), config, sampler=greedy_then_eos)
+    events = stream(
+        target, drafters["qwen"], prompt_ids(target, PROMPTS[0]), config, seams=Seams(sampler=greedy_then_eos)
+    )
     run = list(events)[-1].run
     assert run.finish_reason == "eos" and run.token_ids[-1] == eos and run.token_ids.count(eos) == 1
     for max_tokens in (1, 2, 7):

@@ -22,9 +22,9 @@ from uag.core import anatomy
 from uag.core.anatomy import Loss
 from uag.core.config import LOOKUP, DrafterSpec, GenerationConfig
 from uag.core.lookup import NGRAMS, NgramIndex
-from uag.core.passes import PREFILL_STEP, prefill, settle_allocator, trim_to
+from uag.core.passes import PREFILL_STEP, PromptCaches, prefill, reuse, settle_allocator, trim_to
 from uag.core.prompt_input import check_context
-from uag.core.records import Rehearsal
+from uag.core.records import Cycle, Rehearsal
 from uag.core.translate import IntersectionTranslator, Proposal, Resync, TextTranslator, Translator, make_translator
 from uag.core.verify import IdMap, draft_distribution
 from uag.models.store import LoadedModel, ModelStore
@@ -90,14 +90,44 @@ class Draft:
     resync_absorbed: bool = False
     proposal: Proposal | None = None  # the translator's proposal (model drafts), for the loss anatomy
 
+    def cycle(
+        self, k: int, accepted: int, emitted: int, *, verify_ms: float, resync_ms: float, resync_absorbed: bool,
+        loss: Loss,
+    ) -> Cycle:  # fmt: skip
+        """The record of the cycle this draft went into, once verified (`accepted` of it, `emitted` tokens
+        committed) and committed (`resync_ms`, `resync_absorbed`: the drafter's re-sync after the commit, to
+        which its catch-up before drafting adds)."""
+        return Cycle(
+            index=0,
+            k=k,
+            draft_ids=self.draft_ids,
+            proposed_ids=self.proposed,
+            accepted=accepted,
+            emitted=emitted,
+            draft_ms=self.draft_ms,
+            translate_ms=self.translate_ms,
+            verify_ms=verify_ms,
+            resync_ms=resync_ms + self.sync_ms,
+            drafter_passes=self.passes,
+            drafter_read=self.read,
+            absorbed=self.absorbed,
+            fallback=self.fallback,
+            empty=self.empty,
+            resync_absorbed=resync_absorbed or self.resync_absorbed,
+            source=self.source,
+            loss={name: n for name, n in loss.as_dict().items() if n},
+        )
+
 
 class Drafter(Protocol):
     """What the speculative cycle needs from whatever drafts. Proposals are in target ids."""
 
+    name: str  # what drafts, as a user names it: a model, "lookup", "lookup+<model>"
     translation: str  # how its drafts become target ids: a translator's name, or "lookup" (none needed)
 
     def start(self, prompt: Sequence[int]) -> int:
-        """Begin a run on the target's prompt ids; return the tokens a first draft must read first."""
+        """Begin a run on the target's prompt ids; return the tokens a first draft must read first (fewer
+        where a conversation's cache already holds the start of them)."""
 
     def offer(self, k_max: int) -> dict[str, int]:
         """The sources that can draft now and how many tokens each could propose at most."""
@@ -115,20 +145,20 @@ class Drafter(Protocol):
         """Read what was committed while parked and say where drafts would have held (None: cannot)."""
 
     def restore(self) -> None:
-        """Leave any cache holding exactly what was committed (the run is over or paused)."""
+        """Leave any cache holding exactly what was committed, and say so in the run's `PromptCaches`."""
 
 
 class LookupDrafter:
     """Prompt lookup over everything committed: no model, no translation."""
 
-    translation = LOOKUP
+    name = translation = LOOKUP
 
     def __init__(self, vocab: Vocab, ngrams: Sequence[int] = NGRAMS):
         self.vocab = vocab  # the target's: lookup's proposals are target tokens
         self.index = NgramIndex(ngrams)
 
     def start(self, prompt: Sequence[int]) -> int:
-        self.index = NgramIndex(self.index.ngrams)
+        self.index = NgramIndex(self.index.ngrams)  # rebuilt for every run: microseconds per thousand tokens
         self.index.extend(prompt)
         return 0
 
@@ -161,23 +191,29 @@ class ModelDrafter:
     """A drafter model through a translator. Its cache has read translator.drafter_ids[:seen]; the rest
     (the prompt, the target's corrections, tokens committed while parked) is fed with its next draft, or
     read earlier by a rehearsal, so a fully accepted draft costs no extra drafter pass and a run that never
-    drafts or rehearses never pays."""
+    drafts or rehearses never pays. A conversation's later run starts from the cache its `PromptCaches`
+    keeps, trimmed to the longest common prefix of the drafter ids it holds and this run's drafter prompt."""
 
-    def __init__(self, model: LoadedModel, translator: Translator, config: GenerationConfig, cache: list | None):
+    def __init__(
+        self, model: LoadedModel, translator: Translator, config: GenerationConfig, caches: PromptCaches | None = None
+    ):
         self.model, self.translator, self.config = model, translator, config
-        self.cache = model.make_cache() if cache is None else cache
+        self.caches = PromptCaches() if caches is None else caches
+        self.cache: list | None = None  # the run's cache, from `caches` or fresh (`start`)
         self.seen = 0
         self.unsynced: list[int] = []  # committed target tokens the translator has not been given yet
         self.tli = isinstance(translator, IntersectionTranslator)
         self.id_map: IdMap | None = None  # built on the first drafter pass, which tells its logits' size
-        self.translation = translator.name
+        self.name, self.translation = model.name, translator.name
         self.prompt_length = 0
 
     def start(self, prompt: Sequence[int]) -> int:
         ids = self.translator.start(prompt)
         check_context(len(ids), self.model.context_length, "drafter", self.model.name)
         self.prompt_length = len(ids)
-        return len(ids)
+        held = self.caches.drafter_cache if self.caches.drafter_model in (None, self.model.name) else None
+        self.cache, self.seen = reuse(held, self.caches.drafter_ids, ids, self.model.make_cache)
+        return len(ids) - self.seen
 
     def offer(self, k_max: int) -> dict[str, int]:
         return {"model": k_max}
@@ -297,10 +333,15 @@ class ModelDrafter:
         return Rehearsal(hits, end - start, (time.perf_counter() - tic) * 1000, target_tokens)
 
     def restore(self) -> None:
+        if self.cache is None:
+            return  # never started
         if self.unsynced and self.translator.target_ids:
             self._sync()
-        if self.translator.drafter_ids:
-            trim_to(self.cache, min(self.seen, len(self.translator.drafter_ids) - 1))
+        self.seen = max(0, min(self.seen, len(self.translator.drafter_ids) - 1))
+        trim_to(self.cache, self.seen)
+        held = self.caches
+        held.drafter_cache, held.drafter_ids = self.cache, self.translator.drafter_ids[: self.seen]
+        held.drafter_model = self.model.name
 
 
 class HybridDrafter:
@@ -308,6 +349,7 @@ class HybridDrafter:
 
     def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
         self.lookup, self.model = lookup, model
+        self.name = str(DrafterSpec(True, model.name))
         self.translation = model.translation
 
     def start(self, prompt: Sequence[int]) -> int:
@@ -340,15 +382,17 @@ def make_drafter(
     config: GenerationConfig,
     *,
     translator: Translator | None = None,
-    cache: list | None = None,
+    caches: PromptCaches | None = None,
     shared: bool = False,
 ) -> Drafter:
-    """The stateful drafter of one run for a loaded choice (the translation strategy applies to the model)."""
+    """The stateful drafter of one run for a loaded choice (the translation strategy applies to the model;
+    `caches` is the conversation's, whose drafter side the model reads from and leaves ready)."""
     lookup = LookupDrafter(target.vocab) if choice.lookup else None
     if choice.model is None:
         return lookup
     if translator is None:
-        translation = "context" if config.strategy == "auto" else config.strategy
-        translator = make_translator(translation, target.vocab, choice.model.vocab, window=config.window, shared=shared)
-    model = ModelDrafter(choice.model, translator, config, cache)
+        translator = make_translator(
+            config.translation, target.vocab, choice.model.vocab, window=config.window, shared=shared
+        )
+    model = ModelDrafter(choice.model, translator, config, caches)
     return model if lookup is None else HybridDrafter(lookup, model)

@@ -10,6 +10,10 @@ Layers, as in mlx-lm's generate.py:
    the `finally` that leaves both caches holding exactly the committed tokens. It yields `Event`s.
 3. `generate()` drains a stream into its `Run`.
 
+A conversation keeps its caches between runs (`PromptCaches`, uag.core.passes): each run trims them to
+what its prompt shares with what they hold and reads only the rest, on the target's side and on the
+drafter model's (through the translator's drafter-side prompt).
+
 A speculative cycle: the drafter proposes up to k target tokens (a model's drafts translated, or a
 lookup's); the target scores its pending token plus the proposal in one forward pass; the longest
 prefix it agrees with is kept, plus the target's own next token (uag.core.verify); both sides are trimmed
@@ -29,13 +33,14 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from uag.core.config import LOOKUP, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
-from uag.core.passes import logprobs, prefill, settle_allocator, trim_to
-from uag.core.policy import AdaptiveK, FixedK
+from uag.core.passes import PromptCaches, logprobs, prefill, reuse, settle_allocator, trim_to
+from uag.core.policy import Evidence, Policy, make_policy
 from uag.core.records import Cycle, Event, Run, Token
 from uag.core.translate import Translator
 from uag.core.verify import accept_greedy, accept_rejection
@@ -43,6 +48,16 @@ from uag.errors import InputError, ModelError
 from uag.models.store import LoadedModel, check_pair
 
 Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass(frozen=True, slots=True)
+class Seams:
+    """Replacements for what a run builds itself (tests, benchmarks): the policy that picks k, the translator
+    of a drafter model's tokens, the target's sampler on speculative runs."""
+
+    policy: Policy | None = None
+    translator: Translator | None = None
+    sampler: Sampler | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +80,21 @@ def prompt_ids(target: LoadedModel, prompt: str, *, chat: bool = False) -> list[
         ids = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = target.tokenizer.encode(prompt)
+    return _fitting(target, ids)
+
+
+def _fitting(target: LoadedModel, ids: Sequence[int]) -> list[int]:
+    """The prompt's ids, where there are some and they leave the target room to write."""
+    if not ids:
+        raise InputError("the prompt is empty")
     limit = target.context_length
     if limit is not None and len(ids) >= limit:
         raise InputError(f"the prompt is {len(ids)} tokens; {target.name!r} has a context of {limit}")
     return list(ids)
 
 
-def _token_budget(target: LoadedModel, n_prompt: int, max_tokens: int) -> int:
+def token_budget(target: LoadedModel, n_prompt: int, max_tokens: int) -> int:
+    """The tokens a run may write: max_tokens, or fewer where the target's context ends first."""
     limit = target.context_length
     return max_tokens if limit is None else min(max_tokens, limit - n_prompt)
 
@@ -80,19 +103,22 @@ def _token_budget(target: LoadedModel, n_prompt: int, max_tokens: int) -> int:
 
 
 def baseline_steps(
-    target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, cache: list, budget: int
+    target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, cache: list, cached: int, budget: int
 ) -> Iterator[Step]:
-    """The target alone, through mlx-lm's `generate_step`; the cache is left holding what was committed."""
+    """The target alone, through mlx-lm's `generate_step`, reading the prompt after the `cached` tokens the
+    cache holds; the cache is left holding every committed token but the newest."""
+    sampler = make_sampler(config.temperature)
     steps = generate_step(
-        mx.array(prompt), target.model, max_tokens=budget, sampler=make_sampler(config.temperature), prompt_cache=cache
+        mx.array(prompt[cached:]), target.model, max_tokens=budget, sampler=sampler, prompt_cache=cache
     )
     generated = 0
     try:
         tic = time.perf_counter()
         for token, _ in steps:
             now = time.perf_counter()
-            yield Step([token], 0, Cycle.plain(0, (now - tic) * 1000) if generated else None, opening=not generated)
-            generated += 1
+            generated += 1  # before the yield: a consumer may stop at it
+            opening = generated == 1
+            yield Step([token], 0, None if opening else Cycle.plain(0, (now - tic) * 1000), opening=opening)
             tic = time.perf_counter()
     finally:
         steps.close()
@@ -104,24 +130,24 @@ def baseline_steps(
 
 class Speculation:
     """One speculative run's target side: its cache, the committed tokens, and the drafter that serves it.
-    The target's cache has read every committed token but the newest."""
+    The target's cache has read committed[:seen]: at the start the `cached` tokens a conversation's cache
+    held, after every step every committed token but the newest."""
 
     def __init__(
-        self, target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, drafter: Drafter, *,
-        cache: list | None = None, sampler: Sampler | None = None,
+        self, target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, drafter: Drafter, cache: list,
+        cached: int = 0, *, sampler: Sampler | None = None,
     ):  # fmt: skip
-        self.target, self.config, self.drafter = target, config, drafter
-        self.cache = target.make_cache() if cache is None else cache
+        self.target, self.config, self.drafter, self.cache = target, config, drafter, cache
         self.sampler = sampler or make_sampler(config.temperature)
         self.committed = list(prompt)  # target ids: prompt, then every generated token
-        self.seen = 0
+        self.seen = cached
         self.eos = target.eos_ids
 
     def open(self, source: str, k: int, budget: int) -> Step:
         """The prompt pass with a first draft: the target reads the prompt but its last token, then
         verifies a draft made from the prompt alone together with that token (one pass fewer than
         reading the whole prompt and drafting after the target's first token)."""
-        prefill(self.target.model, self.cache, self.committed[:-1])
+        prefill(self.target.model, self.cache, self.committed[self.seen : -1])
         self.seen = len(self.committed) - 1
         return replace(self.cycle(source, k, budget), opening=True)
 
@@ -139,26 +165,10 @@ class Speculation:
         loss = self.drafter.loss(draft, accepted, new)
         resync_absorbed = self._commit(draft, new)
         t2 = time.perf_counter()
-        cycle = Cycle(
-            index=0,
-            k=k,
-            draft_ids=draft.draft_ids,
-            proposed_ids=draft.proposed,
-            accepted=accepted,
-            emitted=len(new),
-            draft_ms=draft.draft_ms,
-            translate_ms=draft.translate_ms,
-            verify_ms=(t1 - t0) * 1000,
-            resync_ms=(t2 - t1) * 1000 + draft.sync_ms,
-            drafter_passes=draft.passes,
-            drafter_read=draft.read,
-            absorbed=draft.absorbed,
-            fallback=draft.fallback,
-            empty=draft.empty,
-            resync_absorbed=resync_absorbed or draft.resync_absorbed,
-            source=draft.source,
-            loss={name: n for name, n in loss.as_dict().items() if n},
-        )
+        cycle = draft.cycle(
+            k, accepted, len(new), verify_ms=(t1 - t0) * 1000, resync_ms=(t2 - t1) * 1000,
+            resync_absorbed=resync_absorbed, loss=loss,
+        )  # fmt: skip
         return Step(new, accepted, cycle)
 
     def _verify(self, draft: Draft):
@@ -173,7 +183,7 @@ class Speculation:
         settle_allocator()
         return verdict
 
-    def _commit(self, draft: Draft | None, new: list[int]) -> bool:
+    def _commit(self, draft: Draft, new: list[int]) -> bool:
         """Append committed tokens, trim the target's cache to all but the newest, tell the drafter."""
         self.committed += new
         self.seen = min(self.seen, len(self.committed) - 1)
@@ -215,20 +225,21 @@ class Speculation:
 
     def restore(self) -> None:
         """Leave both caches holding exactly the committed sequences, however the run ended."""
-        trim_to(self.cache, min(self.seen, len(self.committed) - 1))
+        self.seen = min(self.seen, len(self.committed) - 1)
+        trim_to(self.cache, self.seen)
         self.drafter.restore()
 
 
-def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int) -> Iterator[Step]:
-    """Cycles where the policy drafts, pipelined plain stretches where it parks; up to `budget` tokens."""
+def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int) -> Iterator[Step]:
+    """Cycles where the policy drafts, pipelined plain stretches where it parks; up to `budget` tokens, each
+    proposal offered up to `k_max` (the policy may ask for fewer)."""
     generated = 0
-    offer = lambda: spec.drafter.offer(policy.k_max if isinstance(policy, AdaptiveK) else policy.k)  # noqa: E731
+    offer = lambda: spec.drafter.offer(k_max)  # noqa: E731
     lookup_pending = lambda: LOOKUP in offer()  # noqa: E731  a lookup match turned up: stop the stretch
     stretch = None
     try:
         policy.begin(spec.drafter.start(spec.committed), budget)
-        source, k = policy.choose(offer())
-        k = min(k, budget - 1)
+        source, k = policy.choose(offer(), budget)  # the policy keeps within the budget (uag.core.policy.within)
         if k == 0:  # parked from the start: the prompt pass opens a stretch
             stretch = spec.plain_steps(min(policy.plain_steps(), budget), lookup_pending)
             generated += 1
@@ -239,8 +250,7 @@ def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int
             generated += len(step.ids)
             yield step
         while generated < budget and spec.committed[-1] not in spec.eos:
-            source, k = ("", 0) if stretch is not None else policy.choose(offer())
-            k = min(k, budget - generated - 1)
+            source, k = ("", 0) if stretch is not None else policy.choose(offer(), budget - generated)
             if k == 0:  # plain target steps, as many in a row as the policy wants
                 stretch = stretch or spec.plain_steps(min(policy.plain_steps(), budget - generated), lookup_pending)
                 t0 = time.perf_counter()
@@ -268,21 +278,13 @@ def speculative_steps(spec: Speculation, policy: FixedK | AdaptiveK, budget: int
         spec.restore()
 
 
-def _rehearse(drafter: Drafter, policy: FixedK | AdaptiveK, cycle: Cycle) -> None:
+def _rehearse(drafter: Drafter, policy: Policy, cycle: Cycle) -> None:
     """The drafter catches up on the parked stretch and the policy learns from its guesses there; the
     plain step's record carries what that reading cost."""
     rehearsal = drafter.rehearse()
     if rehearsal is not None:
         cycle.draft_ms, cycle.drafter_passes, cycle.drafter_read = rehearsal.ms, 1, rehearsal.read
         policy.rehearsed(rehearsal)
-
-
-def make_policy(config: GenerationConfig, profile: CostProfile | None = None, r: float = 0.1) -> FixedK | AdaptiveK:
-    """Fixed k, or for strategy "auto" the adaptive policy with k ≤ config.k, seeded by `profile` (the
-    pair's measured costs on this machine, uag.study.profiles) when there is one."""
-    if config.strategy != "auto":
-        return FixedK(config.k)
-    return AdaptiveK(k_max=config.k, profile=profile, r=r)
 
 
 # --- the stream ----------------------------------------------------------------------------------
@@ -312,68 +314,76 @@ class _Pieces:
 
 def stream(
     target: LoadedModel,
-    drafter: DrafterChoice | LoadedModel | None,
+    drafter: DrafterChoice | LoadedModel | Drafter | None,
     prompt: str | Sequence[int],
     config: GenerationConfig,
     *,
     profile: CostProfile | None = None,
     cancel: threading.Event | None = None,
-    policy: FixedK | AdaptiveK | None = None,
-    translator: Translator | None = None,
-    caches: tuple[list, list | None] | None = None,
-    sampler: Sampler | None = None,
-    drafting: Drafter | None = None,
+    caches: PromptCaches | None = None,
+    evidence: Evidence | None = None,
+    seams: Seams | None = None,
 ) -> Iterator[Event]:
     """Baseline or speculative generation for a text prompt (or ready token ids), one `Event` per step.
 
-    `drafter`: a loaded model, a `DrafterChoice` (lookup, or lookup+model), or None for the baseline.
-    `profile`: the pair's measured costs (uag.study.profiles.find_profile), which seed strategy "auto".
-    `policy`, `translator`, `caches`, `sampler` replace the defaults (tests, benchmarks); `drafting`, a
-    ready `Drafter`, replaces the one built from `drafter` (uag.distributed.sharded: ranks that only relay drafts).
+    `drafter`: a loaded model, a `DrafterChoice` (lookup, or lookup+model), a ready `Drafter` (ranks of a
+    sharded target that only relay drafts: uag.distributed.sharded), or None for the baseline.
+    `profile`: the pair's measured costs (uag.study.profiles.find_profile), which seed strategy "auto";
+    `evidence`: what auto learned in earlier runs of this pair, carried on and updated in place.
+    `caches`: the conversation's caches; the run reads only the prompt tokens they do not hold already
+    (`Run.cached_tokens` counts those that they do) and leaves them ready for the next run.
+    `seams`: replacements for the policy, translator or sampler (tests, benchmarks).
     """
     config.validate()
-    ids = prompt_ids(target, prompt, chat=config.chat) if isinstance(prompt, str) else list(prompt)
-    budget = _token_budget(target, len(ids), config.max_tokens)
-    t_cache, d_cache = caches if caches is not None else (None, None)
+    ids = prompt_ids(target, prompt, chat=config.chat) if isinstance(prompt, str) else _fitting(target, prompt)
+    budget = token_budget(target, len(ids), config.max_tokens)
+    caches = PromptCaches() if caches is None else caches
+    seams = seams or Seams()
     common = dict(temperature=config.temperature, seed=config.seed, max_tokens=config.max_tokens, prompt_ids=ids)
     if config.strategy == "baseline":
         run = Run("baseline", target.name, **common)
-        cache = target.make_cache() if t_cache is None else t_cache
-        steps = baseline_steps(target, ids, config, cache, budget)
     else:
-        if drafter is None and drafting is None:
-            raise InputError(f"strategy {config.strategy!r} needs a drafter")
-        choice = None if drafter is None else DrafterChoice.of(drafter)
-        notes, shared, r = (), False, 0.0
-        if choice is not None and choice.model is not None:
-            pair = check_pair(target, choice.model)
-            notes, shared, r = pair.notes, pair.shared_vocabulary, pair.r
-        if drafting is None:
-            drafting = make_drafter(choice, target, config, translator=translator, cache=d_cache, shared=shared)
-        policy = policy or make_policy(config, profile, r)
-        spec = Speculation(target, ids, config, drafting, cache=t_cache, sampler=sampler)
-        run = Run(
-            drafting.translation,
-            target.name,
-            drafting.translation if choice is None else choice.name,
-            k=config.k,
-            window=config.window,
-            notes=list(notes),
-            policy="auto" if isinstance(policy, AdaptiveK) else "fixed",
-            **common,
-        )
-        steps = speculative_steps(spec, policy, budget)
-    return _drive(run, steps, _Pieces(target), target.eos_ids, config.seed, cancel)
+        drafting, notes, r = _drafter(target, drafter, config, caches, seams.translator)
+        policy = seams.policy or make_policy(config, profile, r, evidence)
+        run = Run(drafting.translation, target.name, drafting.name, k=config.k, window=config.window,
+                  notes=list(notes), policy=policy.name, **common)  # fmt: skip
+    # Last, once nothing can refuse the run: the target's cache trimmed to what this prompt shares with it.
+    held = caches.target_cache if caches.target_model in (None, target.name) else None
+    cache, run.cached_tokens = reuse(held, caches.target_ids, ids, target.make_cache)
+    caches.target_cache, caches.target_ids, caches.target_model = cache, ids[: run.cached_tokens], target.name
+    if config.strategy == "baseline":
+        steps = baseline_steps(target, ids, config, cache, run.cached_tokens, budget)
+    else:
+        spec = Speculation(target, ids, config, drafting, cache, run.cached_tokens, sampler=seams.sampler)
+        steps = speculative_steps(spec, policy, config.k, budget)
+    return _drive(run, steps, _Pieces(target), target.eos_ids, config.seed, cancel, caches)
+
+
+def _drafter(
+    target: LoadedModel, drafter: DrafterChoice | LoadedModel | Drafter | None, config: GenerationConfig,
+    caches: PromptCaches, translator: Translator | None,
+) -> tuple[Drafter, tuple[str, ...], float]:  # fmt: skip
+    """The run's drafter, the pair's notes, and r (drafter/target bytes, auto's prior for the drafter's cost)."""
+    if drafter is None:
+        raise InputError(f"strategy {config.strategy!r} needs a drafter")
+    if not isinstance(drafter, (DrafterChoice, LoadedModel)):
+        return drafter, (), 0.0  # ready made
+    choice = DrafterChoice.of(drafter)
+    if choice.model is None:
+        return make_drafter(choice, target, config), (), 0.0
+    pair = check_pair(target, choice.model)
+    made = make_drafter(choice, target, config, translator=translator, caches=caches, shared=pair.shared_vocabulary)
+    return made, pair.notes, pair.r
 
 
 def _drive(
     run: Run, steps: Iterator[Step], pieces: _Pieces, eos: frozenset[int], seed: int | None,
-    cancel: threading.Event | None,
+    cancel: threading.Event | None, caches: PromptCaches,
 ) -> Iterator[Event]:  # fmt: skip
     """The one loop that turns steps into a run: timing, text, EOS, cancel, and the final record."""
     if seed is not None:
         mx.random.seed(seed)
-    reason = "length"
+    reason, failed = "length", True
     tic = time.perf_counter()
     try:
         for step in steps:
@@ -395,19 +405,34 @@ def _drive(
                 reason = "stopped"
             if reason != "length":
                 break
+        failed = False
     except GeneratorExit:
-        reason = "stopped"
+        reason, failed = "stopped", False
         raise
     finally:
         steps.close()  # the step generator's own `finally` leaves the caches exact
+        _keep(caches, [*run.prompt_ids, *run.token_ids], failed)
         run.finish_reason = reason
         tail = pieces.flush()
         if tail and run.tokens:  # text held back by the detokenizer (an incomplete final character)
             run.tokens[-1] = replace(run.tokens[-1], text=run.tokens[-1].text + tail)
 
 
+def _keep(caches: PromptCaches, committed: list[int], failed: bool) -> None:
+    """Say what the target's cache holds after a run: every committed token but the newest. After a failure
+    (a pass that raised part way) neither cache's contents are known: both are dropped. So is a cache
+    mlx-lm cannot trim, which the next run could not cut back to what it shares with its prompt."""
+    cache = caches.target_cache
+    if failed:
+        caches.clear()
+    elif cache and can_trim_prompt_cache(cache) and cache[0].offset == len(committed) - 1:
+        caches.target_ids = committed[:-1]
+    else:
+        caches.target_cache, caches.target_ids, caches.target_model = None, [], None
+
+
 def generate(
-    target: LoadedModel, drafter: DrafterChoice | LoadedModel | None, prompt, config: GenerationConfig, **kw
+    target: LoadedModel, drafter: DrafterChoice | LoadedModel | Drafter | None, prompt, config: GenerationConfig, **kw
 ) -> Run:
     """Run a stream to the end and return its record."""
     run = None

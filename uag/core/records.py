@@ -12,9 +12,10 @@ the same numbers. Definitions (also in the README):
   over the time from the prompt pass's tokens to the last token, so prompt processing is excluded. The
   prompt pass commits one token, or, where it verified a first draft, that draft's accepted tokens and
   the target's next one (`opening`). None when nothing came after the prompt pass.
-- prompt tokens/s = prompt tokens / time to the prompt pass's tokens (the target's prompt pass; a drafter
-  reads its prompt with its first draft, which that cycle's draft time includes, and where the prompt
-  pass verified that draft, its time is in there too).
+- prompt tokens/s = prompt tokens read / time to the prompt pass's tokens (the target's prompt pass; a
+  drafter reads its prompt with its first draft, which that cycle's draft time includes, and where the
+  prompt pass verified that draft, its time is in there too). Tokens a conversation's cache already held
+  (`cached_tokens`, uag.core.passes.PromptCaches) are not read again and not counted.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ class Cycle:
 @dataclass(frozen=True, slots=True)
 class Rehearsal:
     """What a parked stretch would have given the drafter: at each of its drafter positions, whether the
-    drafter's greedy guess there was the token that came next (uag.core.policy replays drafting over them)."""
+    drafter's greedy guess there was the token that came next (uag.core.evidence.replay_drafts replays drafting
+    over them)."""
 
     hits: list[bool]
-    read: int  # tokens the drafter's pass read (the stretch, and its prompt on a first read)
+    read: int  # tokens the drafter's pass read (the stretch, and on a first read what it had not of its prompt)
     ms: float
     target_tokens: int  # target tokens the stretch committed (the hits are over their drafter tokens)
 
@@ -98,6 +100,7 @@ class Run:
     seed: int | None = None
     max_tokens: int = 0
     prompt_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # leading prompt tokens the target's cache already held (0: the whole prompt was read)
     prompt_ms: float = 0.0  # start → the prompt pass's tokens
     opening: int = 1  # tokens the prompt pass committed (more than 1 where it verified a first draft)
     tokens: list[Token] = field(default_factory=list)
@@ -164,7 +167,8 @@ class Run:
 
     @property
     def prompt_tps(self) -> float | None:
-        return len(self.prompt_ids) / (self.prompt_ms / 1000) if self.prompt_ms else None
+        read = len(self.prompt_ids) - self.cached_tokens
+        return read / (self.prompt_ms / 1000) if self.prompt_ms else None
 
     @property
     def drafter_passes(self) -> int:
@@ -220,6 +224,7 @@ class Run:
             "temperature": self.temperature,
             "seed": self.seed,
             "prompt_tokens": len(self.prompt_ids),
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated,
             "finish_reason": self.finish_reason,
             "cycles": len(self.cycles),

@@ -33,8 +33,8 @@ import mlx.core as mx
 from uag.core.config import MAX_SEED, DrafterSpec, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice, make_drafter
-from uag.core.engine import _token_budget, make_policy, prompt_ids, stream
-from uag.core.policy import AdaptiveK
+from uag.core.engine import PromptCaches, Seams, prompt_ids, stream
+from uag.core.policy import make_policy
 from uag.core.records import Event, Run
 from uag.distributed.collective import (
     Link,
@@ -53,7 +53,7 @@ from uag.distributed.options import (  # noqa: F401  add_shard_options: uag.cli'
     add_shard_options,
 )
 from uag.errors import InputError, ModelError
-from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore, _resolve, check_pair, default_dtype
+from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore, check_pair, default_dtype, resolve
 
 LOAD_TIMEOUT_S = 900.0  # reading a 70B shard from disk takes minutes; a hang beyond this is a lost rank
 
@@ -126,7 +126,7 @@ def load_sharded(name: str, shard: str, ranks: Ranks, *, progress: Callable[[str
     """This rank's shard of the target `name` (hub id, local mlx-lm folder, offline model name)."""
     from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
-    source = _resolve(name, progress)
+    source = resolve(name, progress)
     path = source if isinstance(source, Path) else None
     if path is not None:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -211,7 +211,6 @@ def generate_sharded(
     if config.speculative and ranks.rank == 0 and drafter is None:
         raise InputError(f"strategy {config.strategy!r} needs a drafter")
     ids = prompt_ids(target, prompt, chat=config.chat) if isinstance(prompt, str) else list(prompt)
-    budget = _token_budget(target, len(ids), config.max_tokens)
     link = Link(ranks.group, message_width(config.k), ranks.watchdog)
     ranks.watchdog.arm(
         ranks.timeout_s,
@@ -221,28 +220,28 @@ def generate_sharded(
     seed, lookup = _agree(link, ids, config, bool(drafter is not None and drafter.lookup))
     if config.temperature > 0 and config.seed is None:
         config = config.replace(seed=seed)  # the default seed differs per rank: take rank 0's
-    cache = target.make_cache() if cache is None else cache
-    policy = None
+    caches = PromptCaches(target_cache=target.make_cache() if cache is None else cache)
+    policy, notes = None, ()
     if not config.speculative:
-        events = stream(target, None, ids, config, caches=(cache, None))
+        events = stream(target, None, ids, config, caches=caches)
     elif ranks.rank == 0:
         pair = check_pair(target, drafter.model) if drafter.model is not None else None
         inner = make_drafter(drafter, target, config, shared=pair is not None and pair.shared_vocabulary)
         leader = LeaderDrafter(inner, ranks.watchdog)
         own = make_policy(config, profile, pair.r if pair else 0.0)
-        policy = RankPolicy(link, leader, own, k_max=config.k, budget=budget, n_prompt=len(ids),
-                            check_every=check_every, cancel=cancel)  # fmt: skip
-        events = stream(target, drafter, ids, config, policy=policy, drafting=leader, caches=(cache, None))
+        policy = RankPolicy(link, leader, own, check_every=check_every, cancel=cancel)
+        notes = pair.notes if pair else ()
+        events = stream(target, leader, ids, config, caches=caches, seams=Seams(policy=policy))
     else:
         follower = FollowerDrafter(lookup, ranks.watchdog)
-        policy = RankPolicy(link, follower, None, k_max=config.k, budget=budget, n_prompt=len(ids),
-                            check_every=check_every)  # fmt: skip
-        events = stream(target, None, ids, config, policy=policy, drafting=follower, caches=(cache, None))
-    return _drive(events, link, policy, on_event, ranks)
+        policy = RankPolicy(link, follower, None, name=make_policy(config).name, check_every=check_every)
+        events = stream(target, follower, ids, config, caches=caches, seams=Seams(policy=policy))
+    return _drive(events, link, policy, on_event, ranks, notes)
 
 
-def _drive(events, link: Link, policy: RankPolicy | None, on_event, ranks: Ranks) -> Run:
-    """Drain a rank's stream; a collective that fails in a model pass or an exchange names the lost rank."""
+def _drive(events, link: Link, policy: RankPolicy | None, on_event, ranks: Ranks, notes: Sequence[str] = ()) -> Run:
+    """Drain a rank's stream; a collective that fails in a model pass or an exchange names the lost rank.
+    `notes`: what check_pair said about the pair (the engine hears of rank 0's drafter ready made)."""
     run = None
     link.phase = "generating (the prompt pass)"
     try:
@@ -261,7 +260,6 @@ def _drive(events, link: Link, policy: RankPolicy | None, on_event, ranks: Ranks
         ranks.watchdog.arm(0, "")  # between runs nothing is awaited
     if run is None or run.finish_reason is None:
         raise RuntimeError("generation ended without a final record")
-    if policy is not None and policy.inner is not None:
-        run.policy = "auto" if isinstance(policy.inner, AdaptiveK) else "fixed"
+    run.notes[:0] = notes
     run.notes.append(f"target sharded over {ranks.size} ranks; {link.exchanges} decision exchanges")
     return run
