@@ -89,6 +89,9 @@ CASES = [
     ("bench-word-for-n", ["-m", "uag.study.bench", "--target", "t", "--drafters", "d", "--n", "few", "--out", "{root}/r.db"], None, "argument --n: must be a whole number"),
     ("bench-out-is-a-folder", ["-m", "uag.study.bench", "--target", "t", "--drafters", "d", "--n", "1", "--out", "{folder}"], None, "is a directory, not a results file"),
     ("calibrate-word-for-repeats", ["-m", "uag.study.calibrate", "--repeats", "many"], None, "argument --repeats: must be a whole number"),
+    ("unknown-command", ["-m", "uag", "generat", "Ala"], None, "unknown command 'generat': choose one of generate, serve, app"),
+    ("app-word-for-port", ["-m", "uag", "app", "--port", "abc"], None, "argument --port: must be a whole number (got 'abc')"),
+    ("bench-through-uag-word-for-n", ["-m", "uag", "bench", "--target", "t", "--drafters", "d", "--n", "few", "--out", "{root}/r.db"], None, "argument --n: must be a whole number"),
 ]  # fmt: skip
 
 
@@ -140,3 +143,75 @@ def test_an_internal_error_is_not_blamed_on_the_user(tmp_path, monkeypatch, caps
     assert "error:" not in err[0].split("internal error:")[0] and "Please report it" in err[0]
     log = (tmp_path / "logs" / "errors.log").read_text()
     assert "Traceback" in log and "TypeError: unsupported operand" in log
+
+
+# --- the one `uag` command ---------------------------------------------------------------------------------
+
+COMMANDS = ("generate", "serve", "app", "calibrate", "bench", "analyze", "models")
+
+
+def _python(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_every_command_and_a_bare_uag_shows_it_as_an_error():
+    from uag.cli import COMMANDS as dispatched
+
+    assert tuple(dispatched) == COMMANDS
+    shown = _python("-m", "uag", "--help")
+    assert shown.returncode == 0 and shown.stderr == ""
+    listed = [line.split()[0] for line in shown.stdout.splitlines() if line.startswith("  ")]
+    assert listed == list(COMMANDS)
+    bare = _python("-m", "uag")
+    assert bare.returncode == 2 and bare.stdout == "" and bare.stderr.strip() == shown.stdout.strip()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_its_help(command):
+    import importlib.util
+
+    done = _python("-m", "uag", command, "--help")
+    if command == "serve" and importlib.util.find_spec("uag.server") is None:  # until the server lands
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert (
+            done.stderr.strip() == "error: `uag serve` is not part of this installation of uag (no module uag.server)"
+        )
+        return
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: python -m uag {command} ")
+
+
+@pytest.mark.parametrize(
+    "argv, usage",
+    [
+        (["-m", "uag.bench", "--help"], "usage: python -m uag bench "),
+        (["-m", "uag.analyze", "--help"], "usage: python -m uag analyze "),
+        (["-m", "uag.calibrate", "--help"], "usage: python -m uag calibrate "),
+        (["-m", "uag.demo", "--help"], "usage: python -m uag models "),
+        (["app.py", "--help"], "usage: python -m uag app "),
+    ],
+)
+def test_the_old_entry_points_still_work(argv, usage):
+    done = _python(*argv)
+    assert done.returncode == 0 and done.stdout.startswith(usage), done.stderr
+
+
+def test_a_command_whose_package_is_missing_says_which(monkeypatch, capsys):
+    """A command module that cannot be imported is one line, not a traceback: missing from this installation,
+    or needing a package that is not installed."""
+    from uag import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "serve", ("uag.no_such_server", "main", "a server"))
+    assert cli.main(["serve", "--port", "8000"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: `uag serve` is not part of this installation of uag (no module uag.no_such_server)"
+    )
+
+    def needs_a_package(name):
+        raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+
+    monkeypatch.setattr("importlib.import_module", needs_a_package)
+    assert cli.main(["serve"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: `uag serve` needs the Python package 'fastapi'") and "\n" not in err

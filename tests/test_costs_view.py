@@ -109,6 +109,23 @@ def test_a_damaged_profile_is_reported_not_raised(cache):
     assert view.figure is None and "damaged and could not be read" in view.caption and "Error" not in view.caption
 
 
+def test_auto_reads_a_damaged_profile_as_none_and_a_saved_one_as_it_is(cache, monkeypatch, caplog):
+    """The one reader of a pair's saved costs (uag.study.pair_costs, behind uag.saved_profile and the app's
+    Loaded): a damaged file is logged and read as none, so auto measures again instead of failing."""
+    from uag.study import pair_costs
+
+    pair = _fake_pair()
+    monkeypatch.setattr(pair_costs, "check_pair", lambda target, drafter: pair)  # a fake pair: nothing to check
+    path = profile_path(profile_key(pair))
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert pair_costs.saved_profile(pair.target, DrafterChoice(model=pair.drafter)) is None
+    assert _as_loaded(pair).saved_profile() is None and "could not be read" in caplog.text
+    save(Calibration(profile_key(pair), PROFILE, MEASURED_AT, context=256))
+    assert _as_loaded(pair).saved_profile() == PROFILE == find_profile(pair)
+    assert pair_costs.saved_profile(pair.target, None) is None
+
+
 # --- calibrating from the app ----------------------------------------------------------------------------------
 
 

@@ -87,3 +87,42 @@ def test_a_damaged_folder_gets_a_message_the_user_can_act_on(tiny, tmp_path, dam
         ModelStore().get(str(folder))
     text = str(err.value)
     assert message in text and "Error" not in text and "Traceback" not in text
+
+
+def test_the_api_loads_a_damaged_folder_with_the_same_message(tiny, tmp_path, monkeypatch):
+    """`uag.load` goes through uag.core.loading, as the command line and the app do: one line, a UserError."""
+    import uag
+    from uag import api
+
+    monkeypatch.setattr(api, "_store", ModelStore())  # not the process-wide one other tests share
+    folder = _broken_copy(tiny, tmp_path, "corrupt-config")
+    (folder / "config.json").write_text("{oops")
+    with pytest.raises(uag.UserError) as err:
+        uag.load(str(folder))
+    assert isinstance(err.value, ModelError) and "config.json is not valid JSON" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ModelError, match="config.json is not valid JSON"):
+        uag.load_drafter(f"lookup+{folder}")
+
+
+def test_the_api_says_what_is_wrong_with_a_broken_hub_model(tmp_path):
+    """A hub model whose config.json names no architecture: mlx-lm's KeyError('model_type') becomes the user's
+    message (uag.core.loading), not a KeyError."""
+    import subprocess
+    import sys
+
+    from tests.support.broken_models import BROKEN_HUB_ID, broken_hub_cache
+
+    script = (
+        "import uag, sys\n"
+        "try:\n"
+        f"    uag.load({BROKEN_HUB_ID!r})\n"
+        "except uag.UserError as err:\n"
+        "    print(type(err).__name__, '|', err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=broken_hub_cache(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    kind, _, message = done.stdout.strip().partition(" | ")
+    assert kind == "ModelError" and f"cannot load the model {BROKEN_HUB_ID!r}" in message and "model_type" in message

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -225,6 +229,58 @@ def test_a_model_that_cannot_load_is_reported(tmp_path):
     updates = list(session.compare("Hej", Settings(target=str(tmp_path / "missing")), access=LOCAL))
     assert updates[-1].state == "error" and "no model directory at" in updates[-1].status
     session.worker.close(timeout=5)
+
+
+def test_a_damaged_model_folder_is_the_users_to_fix(tmp_path):
+    from tests.support.tiny_models import build_tiny
+
+    folder = tmp_path / "corrupt-config"
+    shutil.copytree(build_tiny("llama", "llama-3.2"), folder)
+    (folder / "config.json").write_text("{oops")
+    session = Session(worker=MLXWorker(name="test-worker"))
+    final = list(session.compare("Hej", Settings(target=str(folder), drafter="lookup"), access=LOCAL))[-1]
+    session.worker.close(timeout=5)
+    assert final.state == "error" and final.status.startswith("**Cannot run:**")
+    assert "config.json is not valid JSON" in final.status
+
+
+def test_a_broken_hub_model_is_the_users_message_not_an_internal_error(tmp_path):
+    """mlx-lm's KeyError('model_type') for a hub model without an architecture: the app loads through
+    uag.core.loading, so the user reads what to fix, not "Internal error"."""
+    from tests.support.broken_models import BROKEN_HUB_ID, broken_hub_cache
+
+    script = (
+        "import json\n"
+        "from uag.app.session import Session\n"
+        "from uag.app.settings import Settings\n"
+        "session = Session()\n"
+        f"settings = Settings(target={BROKEN_HUB_ID!r}, drafter='lookup')\n"
+        "final = list(session.compare('Hej', settings))[-1]\n"
+        "print(json.dumps({'state': final.state, 'status': final.status}))\n"
+        "session.worker.close(timeout=5)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=broken_hub_cache(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    final = json.loads(done.stdout.strip().splitlines()[-1])
+    assert final["state"] == "error" and final["status"].startswith("**Cannot run:**"), final
+    assert f"cannot load the target {BROKEN_HUB_ID!r}" in final["status"] and "model_type" in final["status"]
+
+
+def test_a_prompt_beyond_the_drafters_context_is_refused_before_the_target_runs():
+    """The same check as the command line's and the sweeps' (uag.core.loading.check_drafter_fits)."""
+    from tests.support.tiny_models import build_tiny
+
+    target = str(build_tiny("llama", "llama-3.2"))
+    drafter = str(build_tiny("llama", "llama-3.2", seed=3, max_position_embeddings=16))
+    session = Session(worker=MLXWorker(name="test-worker"))
+    settings = Settings.parse(target=target, drafter=drafter, strategy="context", max_tokens=4)
+    updates = list(session.compare("Ala ma kota, a kot ma Alę. " * 4, settings, access=LOCAL))
+    session.worker.close(timeout=5)
+    assert updates[-1].state == "error" and updates[-1].status.startswith("**Cannot run:**")
+    assert "whose context is 16 tokens: shorten the prompt" in updates[-1].status
+    assert not any(u.baseline_text for u in updates)  # refused before the target alone ran
 
 
 def test_an_internal_error_is_logged_with_its_traceback_and_shown_as_such(caplog):

@@ -21,8 +21,9 @@ import sys
 
 from uag.command import USER_ERROR, CommandParser, add_generation_options, decoding_config, literal, run, say
 from uag.core.config import MODES, DrafterSpec, GenerationConfig
-from uag.core.prompt_input import check_context, read_prompt
+from uag.core.prompt_input import read_prompt
 from uag.errors import InputError
+from uag.models.dtypes import add_dtype_options, parse_dtype, slow_dtype_note
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,24 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
         "translated; auto = context with k re-decided each cycle",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and records")
+    add_dtype_options(gen)
+    gen.add_argument(
+        "--compare",
+        action="store_true",
+        help="run the target alone too, and say whether (and why) greedy outputs differ (JSON: baseline, "
+        "speculative, divergence)",
+    )
     gen.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
     gen.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from stdin")
     from uag.distributed.options import add_shard_options
 
     add_shard_options(gen)
     return gen
-
-
-def drafter_prompt_length(target, drafter, ids: list[int], config: GenerationConfig) -> int:
-    """How many tokens the drafter model reads for the target's prompt `ids`: the translator's own
-    drafter-side prompt, so exactly what the run will feed it."""
-    from uag.core.translate import make_translator
-    from uag.models.vocab import same_vocabulary
-
-    translation = "context" if config.strategy == "auto" else config.strategy
-    shared = same_vocabulary(target.vocab, drafter.vocab)
-    translator = make_translator(translation, target.vocab, drafter.vocab, window=config.window, shared=shared)
-    return len(translator.start(ids))
 
 
 def _stats_line(stats: dict) -> str:
@@ -75,7 +71,8 @@ def _stats_line(stats: dict) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     from uag.api import generate  # strategy auto: seeded with the pair's saved cost profile
     from uag.core.engine import prompt_ids
-    from uag.core.loading import load_drafter_choice, load_model
+    from uag.core.loading import check_drafter_fits, check_memory, load_drafter_choice, load_model
+    from uag.machine import backend
     from uag.models.store import ModelStore
 
     config = decoding_config(args, strategy=args.strategy, k=literal(args.k))
@@ -84,23 +81,61 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt, args.prompt_file, sys.stdin.buffer)
     if not prompt.strip():
         raise InputError("the prompt is empty")
+    target_dtype = parse_dtype(args.target_dtype, flag="--target-dtype")
+    drafter_dtype = parse_dtype(args.drafter_dtype, flag="--drafter-dtype")
     if getattr(args, "shard", None):  # a target split over the ranks of mlx.launch
+        if target_dtype or drafter_dtype or args.compare:
+            raise InputError("--shard loads the models as stored and runs once: drop --*-dtype and --compare")
         return _print_run(args, _generate_sharded(args, config, prompt))
+    if args.compare and not config.speculative:
+        raise InputError("--compare sets a speculative run against the target alone: pick a --strategy but baseline")
     spec = DrafterSpec.parse(args.drafter) if config.speculative else None
     store = ModelStore()
     progress = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
-    target = load_model(store, args.target, role="target", progress=progress)
-    choice = None if spec is None else load_drafter_choice(store, spec, progress=progress)
+    check_memory(store, [("target", args.target, target_dtype), ("drafter", spec and spec.model, drafter_dtype)])
+    target = load_model(store, args.target, role="target", progress=progress, dtype=target_dtype)
+    choice = None if spec is None else load_drafter_choice(store, spec, progress=progress, dtype=drafter_dtype)
     ids = prompt_ids(target, prompt, chat=config.chat)  # checks the target's context
-    if choice is not None and choice.model is not None:
-        n = drafter_prompt_length(target, choice.model, ids, config)
-        check_context(n, choice.model.context_length, "drafter", choice.model.name)
+    check_drafter_fits(target, choice, ids, config)
+    if config.speculative and (note := slow_dtype_note(target.dtype, backend())):
+        say(f"note: {note}")  # before the run: it may take a while
+    if args.compare:
+        return _print_comparison(args, target, choice, ids, config)
     return _print_run(args, generate(target, choice, ids, config))
+
+
+def _print_comparison(args: argparse.Namespace, target, choice, ids: list[int], config: GenerationConfig) -> int:
+    """The target alone, then the speculative run, and the verdict on their greedy outputs (uag.study.margins)."""
+    from dataclasses import replace
+
+    from uag.api import generate
+    from uag.study.margins import compare_runs
+
+    baseline = generate(target, None, ids, replace(config, strategy="baseline"))
+    speculative = generate(target, choice, ids, config)
+    verdict = compare_runs(target, baseline, speculative)
+    if args.json:
+        out = {"baseline": baseline.to_dict(), "speculative": speculative.to_dict()}
+        json.dump({**out, "divergence": None if verdict is None else verdict.to_dict()}, sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+        return 0
+    _print_run(args, speculative)
+    print(f"target alone: {_stats_line(baseline.stats())}", file=sys.stderr)
+    if verdict is None:
+        say("note: sampled or stopped runs are not compared token for token")
+    elif verdict.kind == "identical":
+        print("same output as the target alone, token for token", file=sys.stderr)
+    else:
+        p = verdict.position
+        piece = lambda run: run.tokens[p].text if p < len(run.tokens) else None  # noqa: E731
+        say(verdict.message(piece(baseline), piece(speculative)))
+    return 0
 
 
 def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt: str):
     """`generate --shard …` on one rank (uag.distributed.sharded): the run on rank 0, None on the others."""
     from uag.core.engine import prompt_ids
+    from uag.core.loading import check_drafter_fits, user_facing_load_errors
     from uag.distributed.sharded import connect, generate_sharded, load_rank0_drafter, load_sharded
     from uag.models.store import ModelStore
 
@@ -108,14 +143,13 @@ def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt
         raise InputError("--shard-timeout must be above 0 and --shard-check at least 0")
     ranks = connect(timeout_s=args.shard_timeout)
     try:
-        say = None if args.json or ranks.rank else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
-        target = load_sharded(args.target, args.shard, ranks, progress=say)
+        progress = None if args.json or ranks.rank else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
+        with user_facing_load_errors("target", args.target):
+            target = load_sharded(args.target, args.shard, ranks, progress=progress)
         spec = DrafterSpec.parse(args.drafter) if config.speculative else None
-        choice = None if spec is None else load_rank0_drafter(ModelStore(), spec, ranks, progress=say)
+        choice = None if spec is None else load_rank0_drafter(ModelStore(), spec, ranks, progress=progress)
         ids = prompt_ids(target, prompt, chat=config.chat)
-        if choice is not None and choice.model is not None:  # before any collective: no rank waits on a refusal
-            n = drafter_prompt_length(target, choice.model, ids, config)
-            check_context(n, choice.model.context_length, "drafter", choice.model.name)
+        check_drafter_fits(target, choice, ids, config)  # before any collective: no rank waits on a refusal
         run = generate_sharded(target, choice, ids, config, ranks, check_every=args.shard_check)
     finally:
         ranks.close()
@@ -178,4 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         say(f"error: unknown command {argv[0]!r}: choose one of {', '.join(COMMANDS)} (see uag --help)")
         return USER_ERROR
     module, function, _ = COMMANDS[argv[0]]
-    return getattr(importlib.import_module(module), function)(argv[1:])
+    try:
+        command = getattr(importlib.import_module(module), function)
+    except ModuleNotFoundError as err:  # an installation without the command's module, or without a package it needs
+        if err.name and module.startswith(err.name):
+            say(f"error: `uag {argv[0]}` is not part of this installation of uag (no module {err.name})")
+        else:
+            say(
+                f"error: `uag {argv[0]}` needs the Python package {err.name!r}, which is not installed: "
+                "pip install -r requirements.txt"
+            )
+        return USER_ERROR
+    return command(argv[1:])

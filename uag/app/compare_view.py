@@ -2,14 +2,15 @@
 why speculation did or did not pay, and the items the worker hands over while it runs.
 
 Plain data in and out; no mlx, no gradio. `CompareView` accumulates the worker's items on the consumer's
-thread and renders an `Update` from them whenever the UI should refresh.
+thread and renders an `Update` from them whenever the UI should refresh (`uag.app.session.Session` feeds it).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from uag.app.history import history_row, speedup_of
@@ -17,10 +18,13 @@ from uag.app.settings import Settings
 from uag.core.costmodel import break_even
 from uag.core.highlight import TARGET, spans
 from uag.core.records import Cycle, Run, Token
+from uag.runtime.jobs import OutOfTime, Status, Tick, Waiting
+from uag.study.divergence import IDENTICAL, NEAR_TIE, Divergence
 from uag.study.plots import STUDY_C, cycle_ribbon, position_acceptance
 
 PHASES = {"draft": "draft", "translate": "translate", "verify": "verify", "resync": "re-sync"}
 RIBBON_TITLE = "Speculative run, per cycle: proposed vs accepted"
+RENDER_EVERY_S = 0.25  # full re-renders at most this often: rendering competes with MLX for the CPU
 
 
 # --- what the worker hands back during a comparison (built on the worker thread, complete when handed over) ---
@@ -37,7 +41,9 @@ class Started:
 
 
 @dataclass(frozen=True)
-class Step:
+class Streamed:
+    """The tokens one step of a run committed (`Step` in the engine), as the view takes them."""
+
     mode: str
     tokens: tuple[Token, ...]
     cycle: Cycle | None
@@ -47,6 +53,14 @@ class Step:
 class Finished:
     mode: str
     run: Run
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How the greedy outputs compare (uag.study.margins.compare_runs), handed over before the speculative run's
+    `Finished`, so that a difference is never shown unexplained; None when the runs cannot be compared."""
+
+    divergence: Divergence | None
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,7 @@ class Update:
     positions: Any = None  # plotly Figure of per-position acceptance (when the engine reports it)
     stats: dict | None = None
     stats_md: str | None = None
-    warning: str | None = None  # "" clears; non-empty: greedy outputs differ (a bug)
+    warning: str | None = None  # "" clears; non-empty: greedy outputs differ (a near-tie explained, or a bug)
     row: dict | None = None  # the history row, on the final update of a completed comparison
     baseline: Run | None = None
     speculative: Run | None = None
@@ -79,12 +93,21 @@ def labelled_spans(tokens: Sequence[Token]) -> list[tuple[str, str]]:
     return [(text, label or TARGET) for text, label in spans(tokens)]
 
 
-def mismatch(baseline: Run, speculative: Run) -> str:
-    """A loud warning when greedy speculative output differs from the target alone ("" when it may not).
+def mismatch(baseline: Run, speculative: Run, divergence: Divergence | None = None) -> str:
+    """What to say when greedy speculative output differs from the target alone ("" when it may not).
 
-    Speculative decoding is lossless: at temperature 0 both runs must produce the same token ids. Runs that
-    were stopped or sampled (temperature > 0) are not compared.
+    Speculative decoding is lossless: at temperature 0 both runs must produce the same token ids, up to
+    rounding at a near-tie in low precision. With `divergence` (the target's margin where they part,
+    uag.study.divergence) a near-tie is explained and a real mismatch is a loud bug report; without it any
+    difference is. Runs that were stopped or sampled (temperature > 0) are not compared.
     """
+    if divergence is not None and divergence.kind != IDENTICAL:
+        p = divergence.position
+        piece = lambda run: run.tokens[p].text if p < len(run.tokens) else None  # noqa: E731
+        text = divergence.message(piece(baseline), piece(speculative))
+        if divergence.kind == NEAR_TIE:
+            return f"ℹ **Outputs part at a near-tie — not a bug.** {text}"
+        return f"⚠ **Outputs differ — this is a bug.** {text}"
     if (
         baseline.temperature
         or speculative.temperature
@@ -148,13 +171,27 @@ def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
         text += f" Most of a cycle went to {PHASES.get(phase, phase)} ({ms / total:.0%})."
     alpha = speculative.acceptance_rate
     sources = speculative.sources()
-    if alpha is not None and r is not None and speculative.k and (sources.get("model") or not sources.get("lookup")):
-        alpha_star = float(break_even(speculative.k, r, STUDY_C))
-        where = f"α* = {alpha_star:.0%}" if alpha_star <= 1 else f"α* = {alpha_star:.0%}, unreachable"
+    drafted = [c for c in cycles if c.k and c.source != "lookup"]  # the model's drafts, in the k each ran
+    ks = sorted({c.k for c in drafted}, key=lambda k: (-sum(c.k == k for c in drafted), k))
+    if speculative.policy == "auto" and ks:
+        text += " auto drafted " + ", ".join(f"k = {k} in {sum(c.k == k for c in drafted)}" for k in ks) + " cycles."
+    if alpha is not None and ks:  # explained in the k that ran most, at the costs this run measured
+        k, proposed = ks[0], [c for c in drafted if c.k == ks[0]]
+        ms = sum(c.ms for c in proposed) / len(proposed)
+        tokens = sum(c.proposed for c in proposed) / len(proposed)  # target tokens a cycle put up
+        alpha_star = (ms / base_ms - 1) / tokens if tokens else math.inf
+        where = f"α* = {max(alpha_star, 0):.0%}" + (", unreachable" if alpha_star > 1 else "")
         text += (
-            f" The study's cost model (r = {r:.2f} from the weights' bytes, c = {STUDY_C}) puts break-even at "
-            f"{where} for k = {speculative.k}; this run's α was {alpha:.0%}."
+            f" At the costs this run measured, a k = {k} cycle took {ms:.0f} ms ({ms / base_ms:.2f} target steps) "
+            f"for {tokens:.1f} proposed tokens: break-even at {where}"
         )
+        if r is not None:
+            study = float(break_even(k, r, STUDY_C))
+            text += (
+                f". The study's cost model (r = {r:.2f} from the weights' bytes, c = {STUDY_C}) puts break-even at "
+                f"α* = {study:.0%}{', unreachable' if study > 1 else ''} for k = {k}"
+            )
+        text += f"; this run's α was {alpha:.0%}."
     if sources.get("lookup"):
         text += f" Prompt lookup drafted {sources['lookup']} of {sum(sources.values())} cycles at no drafter cost."
     parked = [c for c in speculative.cycles if not c.k]
@@ -178,7 +215,12 @@ def _k_and_strategy(run: Run) -> str:
 
 
 def stats_of(
-    settings: Settings, baseline: Run | None, speculative: Run | None, *, r: float | None = None
+    settings: Settings,
+    baseline: Run | None,
+    speculative: Run | None,
+    *,
+    r: float | None = None,
+    divergence: Divergence | None = None,
 ) -> dict[str, Any]:
     """The numbers of a comparison, JSON-ready (also what the /compare API returns)."""
     out: dict[str, Any] = {
@@ -202,6 +244,7 @@ def stats_of(
         }
     if baseline is not None and speculative is not None:
         out["identical"] = baseline.token_ids == speculative.token_ids
+        out["divergence"] = None if divergence is None else divergence.to_dict()  # kind, position, margins, message
         out["verdict"] = explain(baseline, speculative, r=r)
     notes = list(speculative.notes) if speculative else []
     if settings.generation.temperature > 0:
@@ -280,6 +323,29 @@ class CompareView:
         self.r: float | None = None
         self.mode: str | None = None
         self.status = "Waiting for the MLX worker…"
+        self.out_of_time: float | None = None  # the time budget that stopped the job, if one did
+        self.divergence: Divergence | None = None  # the verdict on the greedy outputs, once both runs are done
+        self._rendered = 0.0  # time.monotonic() of the last full render
+
+    def take(self, item: Any) -> Update | None:
+        """The refresh an item from the job calls for, or None: progress lines at once, the streamed texts
+        at most every RENDER_EVERY_S (and at once when a phase begins or ends)."""
+        if isinstance(item, Waiting):
+            return Update(item.text)
+        if isinstance(item, Status):
+            self.status = item.text
+            return Update(item.text)
+        if isinstance(item, Tick):
+            return Update(self.progress())
+        if isinstance(item, OutOfTime):
+            self.out_of_time = item.seconds
+            return None
+        boundary = self.apply(item)
+        now = time.monotonic()
+        if boundary or now - self._rendered >= RENDER_EVERY_S:
+            self._rendered = now
+            return self.update()
+        return None
 
     def apply(self, item: Any) -> bool:
         """Take in one item; True when it ends a phase (always worth showing at once)."""
@@ -290,7 +356,10 @@ class CompareView:
         if isinstance(item, Started):
             self.mode = mode
             return True
-        if isinstance(item, Step):
+        if isinstance(item, Verdict):
+            self.divergence = item.divergence
+            return False
+        if isinstance(item, Streamed):
             self.tokens[mode].extend(item.tokens)
             if mode == "speculative" and item.cycle is not None:
                 self.cycles.append(item.cycle)
@@ -318,11 +387,11 @@ class CompareView:
 
     def update(self, state: str = "running", status: str | None = None) -> Update:
         baseline, speculative = self.runs.get("baseline"), self.runs.get("speculative")
-        stats = stats_of(self.settings, baseline, speculative, r=self.r)
+        stats = stats_of(self.settings, baseline, speculative, r=self.r, divergence=self.divergence)
         row = None
         warning = ""
         if baseline is not None and speculative is not None:
-            warning = mismatch(baseline, speculative)
+            warning = mismatch(baseline, speculative, self.divergence)
             if state == "done":
                 row = history_row(self.prompt, self.settings, baseline, speculative, r=self.r)
         positions = positions_of(speculative)
@@ -341,9 +410,14 @@ class CompareView:
             speculative=speculative,
         )
 
-    def finished(self, *, out_of_time: float | None = None) -> Update:
-        """The last update: done, or stopped (by the user, or by the time budget of `out_of_time` seconds)."""
+    def failed(self, message: str) -> Update:
+        """The last update of a comparison that failed: what was shown so far, and why it ended."""
+        return replace(self.update("error"), status=message)
+
+    def finished(self) -> Update:
+        """The last update: done, or stopped (by the user, or by the job's time budget)."""
         baseline, speculative = self.runs.get("baseline"), self.runs.get("speculative")
+        out_of_time = self.out_of_time
         stopped = (
             baseline is None or speculative is None or "stopped" in (baseline.finish_reason, speculative.finish_reason)
         )

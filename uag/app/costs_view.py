@@ -1,13 +1,20 @@
-"""What the app shows of a pair's measured costs on this machine: a figure and a caption. No mlx, no gradio."""
+"""What the app shows of a pair's measured costs on this machine: a figure and a caption, and the progress of
+a calibration. No mlx, no gradio."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from uag.runtime.jobs import Status, Waiting
+from uag.study.plots import verify_cost
 from uag.study.profiles import Calibration
+
+if TYPE_CHECKING:
+    from uag.models.store import Pair
 
 BREAK_EVEN_KS = (1, 2, 4, 8)  # draft lengths the cost caption gives α* for
 
@@ -29,6 +36,57 @@ class CalibrationUpdate:
     status: str
     state: str = "running"  # "running", "done", "stopped", "error"
     view: CostView | None = None
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """What a calibration job hands back once it saved its measurement."""
+
+    calibration: Calibration
+    path: Path
+    pair: Pair
+
+
+def cost_view(calibration: Calibration, pair: Pair) -> CostView:
+    """A calibration of `pair` as the Costs panel shows it: the verify-cost figure and its caption."""
+    title = f"Costs on this machine: {pair.target.name} ← {pair.drafter.name}"
+    return CostView(
+        verify_cost(calibration.profile, title=title), cost_caption(calibration, r_bytes=pair.r), calibration
+    )
+
+
+class CalibrationView:
+    """What a calibration shows while it runs, fed the job's items on the consumer's thread
+    (`uag.app.session.Session` feeds it): progress lines, then the new costs, or why it ended without them."""
+
+    def __init__(self, target: str, drafter: str, *, remote: bool):
+        self.pair_name = f"{target} ← {drafter}"
+        self.remote = remote
+        self.done: Calibrated | None = None
+
+    def take(self, item: Any) -> CalibrationUpdate | None:
+        """The refresh an item from the job calls for, or None."""
+        if isinstance(item, Waiting):
+            return CalibrationUpdate(item.text)
+        if isinstance(item, Status):
+            return CalibrationUpdate(f"Calibrating {self.pair_name}: {item.text}")
+        if isinstance(item, Calibrated):
+            self.done = item
+        return None
+
+    def finished(self) -> CalibrationUpdate:
+        if self.done is None:
+            return CalibrationUpdate("Stopped: nothing was saved.", state="stopped")
+        where = "on the server" if self.remote else f"to `{self.done.path}`"  # no paths for remote users
+        return CalibrationUpdate(
+            f"Calibrated {self.pair_name}; saved {where}.",
+            state="done",
+            view=cost_view(self.done.calibration, self.done.pair),
+        )
+
+    @staticmethod
+    def failed(message: str) -> CalibrationUpdate:
+        return CalibrationUpdate(message, state="error")
 
 
 def _measured_at(stamp: str) -> str:

@@ -14,10 +14,10 @@ from typing import Any
 import pandas as pd
 
 from uag.app.settings import Settings
-from uag.core.costmodel import fit_c_from_speedups
+from uag.core.costfit import fit_c_from_speedups
 from uag.core.records import Run
 from uag.study.plots import STUDY_C, STUDY_R, speedup_vs_alpha
-from uag.study.results import short_name
+from uag.study.runspec import short_name
 
 HISTORY_COLUMNS = (
     "time", "prompt", "target", "drafter", "strategy", "k", "window", "max_tokens", "temperature", "seed", "chat",

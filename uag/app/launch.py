@@ -1,5 +1,5 @@
-"""`python app.py`: the app's command line. Options, the login (never only on the command line), the port,
-the limits (models kept, time per request, requests per client), then serve.
+"""`python -m uag app` (or `python app.py`): the app's command line. Options, the login (never only on the
+command line), the port, the limits (models kept, time per request, requests per client), then serve.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from uag.app.session import Session
 from uag.app.ui import api_defaults, build, launch
+from uag.command import CommandParser, number, whole
 from uag.errors import UserError
 from uag.models.store import ModelStore
 from uag.runtime.access import REMOTE_MODELS
@@ -24,12 +25,12 @@ AUTH_ENV = "UAG_AUTH"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python app.py",
+    parser = CommandParser(
+        prog="python -m uag app",
         description="Serve the uag app: the target alone vs speculative decoding, side by side.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    parser.add_argument("--port", type=whole, default=7860, help="port (default 7860)")
     parser.add_argument("--share", action="store_true", help="public link through Gradio's tunnel; needs a login")
     parser.add_argument(
         "--auth",
@@ -49,21 +50,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--allow-any-model", action="store_true", help="the same as --remote-models any")
     parser.add_argument(
         "--max-models",
-        type=int,
+        type=whole,
         default=DEFAULT_MAX_MODELS,
         help=f"models kept loaded; the least recently used is unloaded beyond it (default {DEFAULT_MAX_MODELS})",
     )
-    parser.add_argument("--max-gb", type=float, help="also unload beyond this many GB of weights (default: no limit)")
+    parser.add_argument("--max-gb", type=number, help="also unload beyond this many GB of weights (default: no limit)")
     parser.add_argument(
         "--time-budget",
-        type=float,
+        type=number,
         default=DEFAULT_BUDGET_S,
         metavar="SECONDS",
         help=f"generation time one request may take before it is stopped (default {DEFAULT_BUDGET_S:.0f})",
     )
     parser.add_argument(
         "--per-client",
-        type=int,
+        type=whole,
         default=DEFAULT_PER_CLIENT,
         metavar="N",
         help=f"requests one client may have queued or running at once (default {DEFAULT_PER_CLIENT})",

@@ -16,24 +16,26 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from uag.app.compare_view import CompareView, Finished, Ready, Started, Step, Update
-from uag.app.costs_view import CalibrationUpdate, CostView, cost_caption
+from uag.app.compare_view import CompareView, Finished, Ready, Started, Streamed, Update, Verdict
+from uag.app.costs_view import Calibrated, CalibrationUpdate, CalibrationView, CostView, cost_view
 from uag.app.files import Exports, load_results
 from uag.app.history import C_FITTED, PlotView, plot_view
-from uag.app.loaded import Loaded, profile_for, saved_profile
+from uag.app.loaded import Loaded
 from uag.app.settings import Settings, check_prompt
 from uag.core.config import DrafterSpec, GenerationConfig
-from uag.core.drafters import load_drafter
 from uag.core.engine import generate, prompt_ids, stream
-from uag.errors import InputError, ModelError, UserError
+from uag.core.loading import check_drafter_fits, check_memory, load_drafter_choice, load_model
+from uag.errors import InputError, UserError
+from uag.machine import backend
 from uag.models import demo
-from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore, Pair, check_pair
+from uag.models.dtypes import slow_dtype_note
+from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore, check_pair
 from uag.runtime.access import (
     LOCAL,
     Access,
@@ -50,33 +52,24 @@ from uag.runtime.jobs import (
     JobRunner,
     OutOfTime,
     Status,
-    Tick,
-    Waiting,
     failure,
-    say,
+    report,
 )
 from uag.runtime.presets import DEFAULT, PRESETS
 from uag.runtime.worker import Job, MLXWorker
 from uag.study.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
-from uag.study.plots import verify_cost
-from uag.study.profiles import Calibration, find_calibration
+from uag.study.margins import compare_runs
+from uag.study.profiles import find_calibration
 from uag.study.profiles import save as save_calibration
 
 log = logging.getLogger(__name__)
 
 CALIBRATION_REPEATS = 5  # timed passes per width (after a warm-up), as `python -m uag calibrate`
-RENDER_EVERY_S = 0.25  # full re-renders at most this often: rendering competes with MLX for the CPU
 WARM_UP_PROMPT = "Hello"
 
 
 class _Cancelled(Exception):
     """Raised from a calibration's progress callback when its job was cancelled."""
-
-
-@dataclass(frozen=True)
-class _Calibrated:
-    calibration: Calibration
-    path: Path
 
 
 class Session:
@@ -172,36 +165,47 @@ class Session:
         except Exception:
             log.exception("preloading failed")
 
-    def _model(self, job: Job, role: str, name: str, keep: Sequence[str] = ()) -> LoadedModel:
-        if name not in self.store:
-            if name in DEMO_NAMES and not demo.is_ready(name):
-                say(job, f"First use: converting the offline demo model {name} from its packaged GGUF file, once "
-                    "(about a minute on a CPU; later starts take seconds)…")  # fmt: skip
-            else:
-                say(job, f"Loading the {role} {name}…")
-            tic = time.perf_counter()
-            model = self.store.get(name, progress=lambda msg: say(job, f"{role}: {msg}…"), keep=keep)
-            say(job, f"Loaded the {role} {name} ({model.dtype}, {model.weight_bytes / 1e6:.0f} MB) "
-                f"in {time.perf_counter() - tic:.0f} s.")  # fmt: skip
-        return self.store.get(name, keep=keep)
+    def _model(self, job: Job, role: str, name: str, keep: Sequence[str] = (), dtype: str | None = None) -> LoadedModel:
+        """The model in `dtype`, loaded through uag.core.loading (a broken folder is the user's message, not an
+        internal error), with what loading it does said to the user."""
+        if self.store.has(name, dtype):
+            return load_model(self.store, name, role=role, keep=keep, dtype=dtype)
+        if name in DEMO_NAMES and not demo.is_ready(name):
+            report(job, f"First use: converting the offline demo model {name} from its packaged GGUF file, once "
+                   "(about a minute on a CPU; later starts take seconds)…")  # fmt: skip
+        else:
+            report(job, f"Loading the {role} {name}…")
+        tic = time.perf_counter()
+        model = load_model(
+            self.store, name, role=role, progress=lambda msg: report(job, f"{role}: {msg}…"), keep=keep, dtype=dtype
+        )
+        report(job, f"Loaded the {role} {name} ({model.dtype}, {model.weight_bytes / 1e6:.0f} MB) "
+               f"in {time.perf_counter() - tic:.0f} s.")  # fmt: skip
+        return model
 
     def _prepare(self, job: Job, settings: Settings) -> Loaded:
         """Load the target and the drafter (reporting progress), check the pair, warm it up once."""
-        target = self._model(job, "target", settings.target)
         spec = DrafterSpec.parse(settings.drafter)
+        t_dtype, d_dtype = settings.target_dtype, settings.drafter_dtype
+        check_memory(self.store, [("target", settings.target, t_dtype), ("drafter", spec.model, d_dtype)])
+        target = self._model(job, "target", settings.target, dtype=t_dtype)
         if spec.model is not None:
-            self._model(job, "drafter", spec.model, keep=[settings.target])
-        choice = load_drafter(self.store, spec)
-        target = self.store.get(settings.target, keep=[spec.model or settings.target])
+            self._model(job, "drafter", spec.model, keep=[settings.target], dtype=d_dtype)
+        choice = load_drafter_choice(self.store, spec, dtype=d_dtype)
+        target = load_model(
+            self.store, settings.target, role="target", keep=[spec.model or settings.target], dtype=t_dtype
+        )
         pair = check_pair(target, choice.model) if choice.model is not None else None
         if pair is None:
             target.check_trimmable("target")
         loaded = Loaded(target, choice, pair)
         key = (settings.target, settings.drafter)
+        if t_dtype or d_dtype:  # a pair in other dtypes is another pair (its r, its costs, its warm-up)
+            key = (settings.target, settings.drafter, t_dtype, d_dtype)
         self._loaded[key] = loaded
         if key not in self._warm:
             # The first passes through a model are slower (allocation, kernel set-up): keep them out of the timings.
-            say(job, "Warming up the pair (once) so that the timings are fair…")
+            report(job, "Warming up the pair (once) so that the timings are fair…")
             warm = GenerationConfig("context", k=2, max_tokens=4)
             generate(target, None, WARM_UP_PROMPT, warm.replace(strategy="baseline"))
             generate(target, loaded.drafter, WARM_UP_PROMPT, warm)
@@ -214,17 +218,19 @@ class Session:
 
     def _compare_job(self, job: Job, prompt: str, settings: Settings) -> Iterator[Any]:
         loaded = self._prepare(job, settings)
-        if settings.generation.chat and not loaded.target.tokenizer.has_chat_template:
-            raise ModelError(f"the target {settings.target!r} has no chat template: turn the chat template off")
-        ids = prompt_ids(loaded.target, prompt, chat=settings.generation.chat)
+        ids = prompt_ids(loaded.target, prompt, chat=settings.generation.chat)  # the target's template and context
+        check_drafter_fits(loaded.target, loaded.choice, ids, settings.generation)
         yield Ready(loaded.r)
+        if note := slow_dtype_note(loaded.target.dtype, backend()):
+            yield Status(f"Note: {note}.")
         extra = {}
         if settings.strategy == "auto":
-            if loaded.pair is not None and saved_profile(loaded) is None:
+            if loaded.pair is not None and loaded.saved_profile() is None:
                 yield Status("Measuring this pair's costs once (auto decides by them; saved for next time) …")
-            extra = {"profile": profile_for(loaded)}
+            extra = {"profile": loaded.profile()}
         job.limit(self.runner.budget_s)  # generation time only: loading the models is not the user's doing
         # Never concurrently: the target alone first, then with the drafter, each timed on its own.
+        baseline = None
         for mode in ("baseline", settings.strategy):
             if job.cancelled.is_set():
                 break
@@ -234,8 +240,11 @@ class Session:
             options = {} if mode == "baseline" else extra
             for event in stream(loaded.target, drafter, ids, settings.config(mode), cancel=job.cancelled, **options):
                 run = event.run
-                yield Step(mode, event.tokens, event.cycle)
+                yield Streamed(mode, event.tokens, event.cycle)
             assert run is not None and run.finish_reason is not None, "a stream ended without a final record"
+            if mode != "baseline" and baseline is not None:  # the verdict before the outputs are shown side by side
+                yield Verdict(compare_runs(loaded.target, baseline, run))
+            baseline = run if mode == "baseline" else baseline
             yield Finished(mode, run)
         if job.out_of_time:
             yield OutOfTime(self.runner.budget_s)
@@ -254,7 +263,7 @@ class Session:
             result = calibrate(loaded.pair, progress=progress, **options)
         except _Cancelled:
             return
-        yield _Calibrated(result, save_calibration(result))
+        yield Calibrated(result, save_calibration(result), loaded.pair)
 
     # --- comparing ---------------------------------------------------------------------------------------
     def compare(
@@ -279,54 +288,25 @@ class Session:
             yield Update(failure(err, "run"), state="error")
             return
         settings = replace(settings, target=target, drafter=drafter)
-        view = CompareView(prompt, settings)
         items = self.runner.run(
             self._compare_job, prompt, settings, label=f"a comparison on {target}", client=client, owner=owner
         )
-        out_of_time = None
+        yield from self._follow(items, CompareView(prompt, settings), "run")
+
+    @staticmethod
+    def _follow(items: Iterator[Any], view: CompareView | CalibrationView, doing: str) -> Iterator[Any]:
+        """The one loop of a user's job: the refreshes `view` makes of the job's items, then its last one;
+        an exception from the job ends in the view's error update (`failure`: the user's or an internal
+        error), never in the consumer. Closing it, or leaving early, cancels the job."""
         try:
-            last = 0.0
             for item in items:
-                if isinstance(item, Waiting):
-                    yield Update(item.text)
-                    continue
-                if isinstance(item, Status):
-                    view.status = item.text
-                    yield Update(item.text)
-                    continue
-                if isinstance(item, Tick):
-                    yield Update(view.progress())
-                    continue
-                if isinstance(item, OutOfTime):
-                    out_of_time = item.seconds
-                    continue
-                boundary = view.apply(item)
-                now = time.monotonic()
-                if boundary or now - last >= RENDER_EVERY_S:
-                    last = now
-                    yield view.update()
-            yield view.finished(out_of_time=out_of_time)
+                if (update := view.take(item)) is not None:
+                    yield update
+            yield view.finished()
         except Exception as err:
-            yield replace(view.update("error"), status=failure(err, "run"))
+            yield view.failed(failure(err, doing))
         finally:
             items.close()  # cancels the job when the consumer left early (Stop, cancel, a closed connection)
-
-    def compare_once(
-        self,
-        prompt: str,
-        settings: Settings,
-        *,
-        access: Access = LOCAL,
-        owner: str | None = None,
-        client: str | None = None,
-    ) -> Update:
-        """The final `Update` of a comparison; UserError with the status line if it failed or was stopped."""
-        final = None
-        for update in self.compare(prompt, settings, access=access, owner=owner, client=client):
-            final = update
-        if final is None or final.state != "done":
-            raise UserError(final.status.replace("**", "") if final else "the comparison produced nothing")
-        return final
 
     def stop(self, owner: str | None) -> bool:
         """Cancel `owner`'s running comparison or calibration within a cycle; False when there is none."""
@@ -364,13 +344,7 @@ class Session:
                 "a target pass over w tokens, a drafter step and translation cost here; the `auto` strategy then "
                 "starts from these costs instead of learning them during the run.",
             )
-        return self._cost_view(calibration, loaded.pair)
-
-    @staticmethod
-    def _cost_view(calibration: Calibration, pair: Pair) -> CostView:
-        title = f"Costs on this machine: {pair.target.name} ← {pair.drafter.name}"
-        figure = verify_cost(calibration.profile, title=title)
-        return CostView(figure, cost_caption(calibration, r_bytes=pair.r), calibration)
+        return cost_view(calibration, loaded.pair)
 
     def calibrate_pair(
         self,
@@ -397,36 +371,9 @@ class Session:
             return
         settings = replace(self.defaults, target=target, drafter=drafter)
         options = {"context": context, "widths": tuple(widths), "repeats": repeats}
-        items = self.runner.run(
-            self._calibrate_job,
-            settings,
-            options,
-            label=f"calibrating {target} ← {drafter}",
-            client=client,
-            owner=owner,
-        )
-        try:
-            done = None
-            for item in items:
-                if isinstance(item, Waiting):
-                    yield CalibrationUpdate(item.text)
-                elif isinstance(item, Status):
-                    yield CalibrationUpdate(f"Calibrating {target} ← {drafter}: {item.text}")
-                elif isinstance(item, _Calibrated):
-                    done = item
-            if done is None:
-                yield CalibrationUpdate("Stopped: nothing was saved.", state="stopped")
-                return
-            where = "on the server" if access.remote else f"to `{done.path}`"  # no paths for remote users
-            yield CalibrationUpdate(
-                f"Calibrated {target} ← {drafter}; saved {where}.",
-                state="done",
-                view=self._cost_view(done.calibration, self._loaded[(target, drafter)].pair),
-            )
-        except Exception as err:
-            yield CalibrationUpdate(failure(err, "calibrate"), state="error")
-        finally:
-            items.close()
+        label = f"calibrating {target} ← {drafter}"
+        items = self.runner.run(self._calibrate_job, settings, options, label=label, client=client, owner=owner)
+        yield from self._follow(items, CalibrationView(target, drafter, remote=access.remote), "calibrate")
 
     # --- history, the plot, files ------------------------------------------------------------------------
     def plot(

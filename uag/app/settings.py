@@ -13,6 +13,7 @@ from typing import Any
 
 from uag.core.config import SPECULATIVE, GenerationConfig
 from uag.errors import InputError
+from uag.models.dtypes import parse_dtype
 from uag.runtime.presets import DEFAULT
 
 MAX_PROMPT_CHARS = 20_000  # the app's bound on a prompt; the target's context bounds it again in tokens
@@ -28,11 +29,15 @@ class Settings:
     target: str = DEFAULT.target
     drafter: str = DEFAULT.drafter
     generation: GenerationConfig = DEFAULT_GENERATION
+    target_dtype: str | None = None  # uag.models.dtypes; None: as stored (the offline models: float32)
+    drafter_dtype: str | None = None
 
     @classmethod
-    def parse(cls, target: Any = None, drafter: Any = None, **raw: Any) -> Settings:
+    def parse(
+        cls, target: Any = None, drafter: Any = None, *, target_dtype: Any = None, drafter_dtype: Any = None, **raw: Any
+    ) -> Settings:
         """Settings from loosely typed input; InputError lists every problem. A setting left out (None for
-        the names) takes the app's default (DEFAULT, DEFAULT_GENERATION).
+        the names and dtypes) takes the app's default (DEFAULT, DEFAULT_GENERATION; dtypes: as stored).
 
         Example: Settings.parse(k=40, strategy="baseline") -> InputError("strategy must be one of …; k …")
         """
@@ -45,6 +50,13 @@ class Settings:
             generation = GenerationConfig.parse(**raw)
         except InputError as err:
             problems.append(str(err))
+        dtypes = {}
+        for role, value in (("target", target_dtype), ("drafter", drafter_dtype)):
+            try:
+                text = value if isinstance(value, str) or value is None else repr(value)
+                dtypes[role] = parse_dtype(text, flag=f"the {role} dtype")
+            except InputError as err:
+                problems.append(str(err))
         if problems:
             raise InputError("; ".join(problems))
         names = {}
@@ -52,7 +64,7 @@ class Settings:
             if value is not None and not isinstance(value, str):
                 raise InputError(f"the {role} must be a name (got {value!r})")
             names[role] = default if value is None else value.strip()
-        return cls(names["target"], names["drafter"], generation)
+        return cls(names["target"], names["drafter"], generation, dtypes["target"], dtypes["drafter"])
 
     @property
     def strategy(self) -> str:
@@ -64,7 +76,8 @@ class Settings:
 
     def flat(self) -> dict[str, Any]:
         """target, drafter and every decoding setting in one flat dict (stats and history rows)."""
-        return {"target": self.target, "drafter": self.drafter, **asdict(self.generation)}
+        dtypes = {"target_dtype": self.target_dtype, "drafter_dtype": self.drafter_dtype}
+        return {"target": self.target, "drafter": self.drafter, **dtypes, **asdict(self.generation)}
 
 
 def check_prompt(prompt: Any) -> str:

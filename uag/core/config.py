@@ -65,6 +65,14 @@ class GenerationConfig:
     def speculative(self) -> bool:
         return self.strategy != "baseline"
 
+    @property
+    def translation(self) -> str:
+        """How a drafter model's tokens are translated: the strategy, except that auto translates in context.
+
+        Example: GenerationConfig("auto").translation -> "context";  GenerationConfig("tli").translation -> "tli"
+        """
+        return "context" if self.strategy == "auto" else self.strategy
+
     def validate(self) -> GenerationConfig:
         """Raise InputError listing every setting out of bounds; return self."""
         GenerationConfig.parse(**asdict(self))

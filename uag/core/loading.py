@@ -1,21 +1,27 @@
-"""Model folders that mlx-lm cannot load, said as what is wrong with the folder and how to fix it.
+"""Loading models for a request and checking that its prompt fits them: what every interface does before
+generating, so that the command line, the app, the API and the server say the same things.
 
 `mlx_lm.load` reports a broken model folder in its own terms: a `KeyError('model_type')` for a config.json
 that names no architecture, a `RuntimeError('[load_safetensors] …')` for a truncated weights file. Those are
-the user's to fix, so every interface loads through `user_facing_load_errors` (or `load_model` /
-`load_drafter_choice`), which turns the known cases into `ModelError` and lets real bugs through.
+the user's to fix, so every interface loads through `load_model` / `load_drafter_choice` (or, around its own
+loading, `user_facing_load_errors`), which turn the known cases into `ModelError` and let real bugs through.
+`check_drafter_fits` refuses a prompt that leaves the drafter model no room (the target's own check is
+`uag.core.engine.prompt_ids`).
 
-    with user_facing_load_errors("target", name):
-        model = store.get(name)
+    target = load_model(store, "demo-target", role="target")
+    choice = load_drafter_choice(store, "lookup+demo-drafter")
+    ids = prompt_ids(target, prompt)
+    check_drafter_fits(target, choice, ids, config)
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 
-from uag.core.config import DrafterSpec
+from uag.core.config import DrafterSpec, GenerationConfig
+from uag.core.prompt_input import check_context
 from uag.errors import ModelError
 
 # mlx's messages for weights it cannot read (mlx/io/safetensors.cpp, gguf.cpp).
@@ -48,16 +54,97 @@ def user_facing_load_errors(role: str, name: str) -> Iterator[None]:
         raise ModelError(f"{what}: a text file in it (config or tokenizer) is not UTF-8: replace it") from None
 
 
-def load_model(store, name: str, *, role: str, progress: Callable[[str], None] | None = None):
-    """`store.get(name)` with load failures said as ModelError (see `user_facing_load_errors`)."""
+def load_model(
+    store,
+    name: str,
+    *,
+    role: str,
+    progress: Callable[[str], None] | None = None,
+    keep: Collection[str] = (),
+    dtype: str | None = None,
+):
+    """`store.get(name, dtype=dtype)` with load failures said as ModelError (see `user_facing_load_errors`);
+    `keep`: the models the store must not unload to make room (uag.models.store.ModelStore.get)."""
     with user_facing_load_errors(role, name):
-        return store.get(name, progress=progress)
+        return store.get(name, dtype=dtype, progress=progress, keep=keep)
 
 
-def load_drafter_choice(store, spec: str | DrafterSpec, *, progress: Callable[[str], None] | None = None):
-    """`uag.core.drafters.load_drafter` with load failures said as ModelError; lookup loads nothing."""
-    from uag.core.drafters import load_drafter
+def load_drafter_choice(
+    store, spec: str | DrafterSpec, *, progress: Callable[[str], None] | None = None, dtype: str | None = None
+):
+    """`uag.core.drafters.load_drafter` (its model in `dtype`) with load failures said as ModelError; lookup
+    loads nothing."""
+    from uag.core.drafters import DrafterChoice, load_drafter
 
     spec = spec if isinstance(spec, DrafterSpec) else DrafterSpec.parse(spec)
     with user_facing_load_errors("drafter", spec.model or str(spec)):
-        return load_drafter(store, spec, progress=progress)
+        if dtype is None or spec.model is None:
+            return load_drafter(store, spec, progress=progress)
+        return DrafterChoice(lookup=spec.lookup, model=store.get(spec.model, dtype=dtype, progress=progress))
+
+
+def check_memory(store, models: Sequence[tuple[str, str | None, str | None]], *, available: int | None = None) -> None:
+    """ModelError naming each model's size and the fix when the `models` — (role, name, dtype); a None name
+    (prompt lookup) loads nothing — that `store` does not hold yet would not fit in memory (uag.models.memory).
+
+    Sizes come from the models' safetensors headers, so nothing is loaded to find out; a model whose files
+    are not here yet (a hub id not downloaded, an offline model not converted) is not counted. `available`
+    replaces what this machine has free (tests).
+    """
+    from uag.models import memory
+
+    needs = []
+    for role, name, dtype in models:
+        if not name:
+            continue
+        with user_facing_load_errors(role, name):
+            identity, dtype = store.key(name, dtype)
+            folder = _local_folder(identity)
+            if folder is not None:
+                needs.append(memory.Need(role, name, dtype, memory.model_bytes(folder, dtype), store.has(name, dtype)))
+    memory.check_fits(needs, memory.available_bytes() if available is None else available)
+
+
+def _local_folder(identity: str):
+    """The folder a model's files are in on this machine, without fetching or converting anything; None if none."""
+    from pathlib import Path
+
+    from uag.models import demo
+    from uag.models.store import DEMO_NAMES
+
+    if identity in DEMO_NAMES:
+        return demo.model_dir(identity) if demo.is_ready(identity) else None
+    if Path(identity).is_absolute():
+        return Path(identity) if (Path(identity) / "config.json").is_file() else None
+    import mlx_lm.utils
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return mlx_lm.utils.hf_repo_to_path(identity)
+    except (LocalEntryNotFoundError, HFValidationError, OSError):  # not downloaded: mlx-lm fetches it, unsized
+        return None
+
+
+def drafter_prompt_length(target, drafter, ids: Sequence[int], config: GenerationConfig) -> int:
+    """How many tokens the drafter model `drafter` reads for the target's prompt `ids`: the translator's own
+    drafter-side prompt, so exactly what the run will feed it."""
+    from uag.core.translate import make_translator
+    from uag.models.vocab import same_vocabulary
+
+    shared = same_vocabulary(target.vocab, drafter.vocab)
+    translator = make_translator(config.translation, target.vocab, drafter.vocab, window=config.window, shared=shared)
+    return len(translator.start(ids))
+
+
+def check_drafter_fits(target, drafter, ids: Sequence[int], config: GenerationConfig) -> None:
+    """InputError when the prompt `ids` (the target's) leaves the drafter model no room to generate in its
+    context; nothing to check for the baseline or prompt lookup alone (`drafter`: a `DrafterChoice`, a loaded
+    model or None)."""
+    from uag.core.drafters import DrafterChoice
+
+    if drafter is None or not config.speculative:
+        return
+    model = DrafterChoice.of(drafter).model
+    if model is None or model.context_length is None:
+        return
+    check_context(drafter_prompt_length(target, model, ids, config), model.context_length, "drafter", model.name)

@@ -25,7 +25,7 @@ from uag import _blas
 from uag.errors import ModelError
 from uag.models.vocab import HFVocab, same_vocabulary
 
-# The offline models uag.models.demo converts on first use (its MODELS); they load in default_dtype().
+# The offline models uag.models.demo converts on first use (uag.models.catalogue); they load in default_dtype().
 DEMO_NAMES = ("demo-target", "demo-drafter", "coder-target", "coder-drafter")
 # Architectures whose sliding-window layers build the window into the attention mask, so those layers
 # can use a plain (always trimmable) KVCache instead of a RotatingKVCache, which stops being trimmable
@@ -110,8 +110,10 @@ class ModelStore:
     """Loads each model once per resolved identity and hands out the same `LoadedModel` afterwards
     (thread-safe). `x`, `x/`, `x//` and `./x` are one folder, so one model.
 
+    A model is held per dtype (`get(name, dtype="q4")`, uag.models.dtypes): each dtype is a model of its own.
+
     With `max_models` or `max_gb` it keeps at most that many models, or that many GB of weights, and
-    unloads the least recently used first (never one named in `keep`, nor the one just loaded).
+    unloads the least recently used first (never one named in `keep`, in any dtype, nor the one just loaded).
     `on_evict` callbacks hear of each model unloaded, so that holders of references can drop them.
     """
 
@@ -122,7 +124,8 @@ class ModelStore:
         self.max_models = max_models
         self.max_bytes = None if max_gb is None else max_gb * 1e9
         self.on_evict: list[Callable[[LoadedModel], None]] = []
-        self._models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
+        # (identity, dtype) -> model, least recently used first; dtype None: as stored
+        self._models: OrderedDict[tuple[str, str | None], LoadedModel] = OrderedDict()
         self._lock = threading.RLock()
 
     @staticmethod
@@ -140,7 +143,25 @@ class ModelStore:
         return name
 
     def __contains__(self, name: str) -> bool:
-        return self.identity(name) in self._models
+        return any(identity == self.identity(name) for identity, _ in list(self._models))
+
+    def key(self, name: str, dtype: str | None = None) -> tuple[str, str | None]:
+        """What `get(name, dtype=dtype)` holds the model under: its identity and the dtype it loads in (None: as
+        stored; an offline model's default is the store's dtype, else default_dtype()).
+
+        Example: key("demo-target") == key("demo-target", "float32") == ("demo-target", "float32")
+        """
+        from uag.models.dtypes import parse_dtype
+
+        identity = self.identity(name)
+        dtype = parse_dtype(dtype)
+        if identity in DEMO_NAMES:
+            dtype = dtype or parse_dtype(self.dtype) or default_dtype()
+        return identity, dtype
+
+    def has(self, name: str, dtype: str | None = None) -> bool:
+        """Whether `get(name, dtype=dtype)` would return a model already loaded."""
+        return self.key(name, dtype) in self._models
 
     @property
     def loaded(self) -> list[str]:
@@ -156,21 +177,28 @@ class ModelStore:
         return any(held is model for held in list(self._models.values()))
 
     def get(
-        self, name: str, *, progress: Callable[[str], None] | None = None, keep: Collection[str] = ()
+        self,
+        name: str,
+        *,
+        dtype: str | None = None,
+        progress: Callable[[str], None] | None = None,
+        keep: Collection[str] = (),
     ) -> LoadedModel:
+        """The model `name` in `dtype` (uag.models.dtypes; None: as stored, an offline model in the store's dtype),
+        loaded on first use; a dtype it is not stored in is converted once into the user cache (uag.models.demo)."""
         name = (name or "").strip()
         if not name:
             raise ModelError("no model given")
-        key = self.identity(name)
+        key = self.key(name, dtype)
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
-            if Path(key).is_absolute():
-                _check_folder(name, Path(key))
-            model = _load(name, dtype=self.dtype, progress=progress)
+            if Path(key[0]).is_absolute():
+                _check_folder(name, Path(key[0]))
+            model = _load(name, dtype=key[1], progress=progress)
             self._models[key] = model
-            self._evict(protected={key, *map(self.identity, keep)})
+            self._evict(protected={key[0], *map(self.identity, keep)})
             return model
 
     def _evict(self, protected: set[str]) -> None:
@@ -181,7 +209,7 @@ class ModelStore:
 
         evicted = []
         while over():
-            key = next((k for k in self._models if k not in protected), None)
+            key = next((k for k in self._models if k[0] not in protected), None)
             if key is None:  # everything left is in use: keep it, over budget or not
                 break
             evicted.append(self._models.pop(key))
@@ -200,7 +228,7 @@ def _check_folder(name: str, path: Path) -> None:
     is not JSON or names no model_type, a safetensors file cut short (a copy or download that stopped)."""
     config = path / "config.json"
     if not config.is_file():
-        return  # _resolve says what is missing
+        return  # resolve says what is missing
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
@@ -227,7 +255,9 @@ def _check_folder(name: str, path: Path) -> None:
             )
 
 
-def _resolve(name: str, progress: Callable[[str], None] | None) -> Path | str:
+def resolve(name: str, progress: Callable[[str], None] | None = None) -> Path | str:
+    """Where mlx-lm loads `name` from: a demo model's folder (converted on first use), a local model folder
+    (ModelError when it is not one), or the hub id itself."""
     if name in DEMO_NAMES:
         from uag.models import demo
 
@@ -247,10 +277,12 @@ def _load(name: str, *, dtype: str | None, progress: Callable[[str], None] | Non
     import mlx_lm
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    source = _resolve(name, progress)
-    if progress:
-        progress(f"loading {name}")
+    source = resolve(name, progress)
     try:
+        if dtype is not None and not (name in DEMO_NAMES and dtype == default_dtype()):
+            source = _in_dtype(name, source, dtype, progress)
+        if progress:
+            progress(f"loading {name}" + (f" ({dtype})" if dtype else ""))
         model, tokenizer, config = mlx_lm.load(str(source), return_config=True)
     except (LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError):
         raise ModelError(
@@ -259,11 +291,24 @@ def _load(name: str, *, dtype: str | None, progress: Callable[[str], None] | Non
         ) from None
     except (FileNotFoundError, ValueError) as err:
         raise ModelError(f"cannot load {name!r}: {err}") from None
-    if name in DEMO_NAMES:
-        model.set_dtype(getattr(mx, dtype or default_dtype()))
+    if name in DEMO_NAMES and dtype == default_dtype():  # the converted folder itself: float32 as it always was
+        model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
     path = source if isinstance(source, Path) else Path(mlx_lm.utils.hf_repo_to_path(name))
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, config=config)
+
+
+def _in_dtype(name: str, source: Path | str, dtype: str, progress: Callable[[str], None] | None) -> Path:
+    """The folder to load `name` from in `dtype`: its own when it is stored so, else a conversion cached in the
+    user cache (uag.models.demo.in_dtype; a hub model is fetched first, as mlx-lm would)."""
+    import mlx_lm.utils
+
+    from uag.models import demo, memory
+
+    folder = source if isinstance(source, Path) else Path(mlx_lm.utils._download(source))
+    if memory.stored_dtype(folder) == dtype:
+        return folder
+    return demo.in_dtype(ModelStore.identity(name), folder, dtype, progress=progress)
 
 
 @dataclass(frozen=True)

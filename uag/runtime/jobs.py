@@ -66,8 +66,8 @@ class Tick:
     """Nothing new from the job for a moment (the consumer may refresh its clock, or be closed)."""
 
 
-def say(job: Job, text: str) -> None:
-    """Report progress from inside a job: to its consumer, and to anyone waiting behind it."""
+def report(job: Job, text: str) -> None:
+    """Tell a job's progress from inside it: to its consumer, and to anyone waiting behind it."""
     job.progress = text
     job.emit(Status(text))
 
