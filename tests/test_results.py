@@ -11,7 +11,8 @@ import pytest
 
 from tests.support.synthetic_runs import BASELINE_MACHINE, MACHINE, TARGET, add_prompt, make_run, spec
 from uag.core.config import GenerationConfig
-from uag.study.results import ResultsDB, RunSpec, load_runs, short_name
+from uag.study.results import ResultsDB, load_runs
+from uag.study.runspec import RunSpec, short_name
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_a_run_must_match_its_spec(db):
 
 BASE = RunSpec("t", "d", GenerationConfig("context", 2, window=16, max_tokens=32), "wiki", "wiki-001")
 SPEC_CHANGES = [dict(target="t2"), dict(drafter="d2"), dict(drafter="lookup+d"), dict(dataset="alpaca"),
-                dict(prompt_id="wiki-002")]  # fmt: skip
+                dict(prompt_id="wiki-002"), dict(target_dtype="q8"), dict(drafter_dtype="q4")]  # fmt: skip
 CONFIG_CHANGES = [dict(strategy="naive"), dict(k=4), dict(window=8), dict(max_tokens=64), dict(temperature=0.7),
                   dict(seed=1), dict(chat=True)]  # fmt: skip
 

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 from uag.core.config import GenerationConfig
 from uag.core.records import Cycle, Run, Token
-from uag.study.results import Machine, ResultsDB, RunSpec
+from uag.study.results import ResultsDB
+from uag.study.runspec import Machine, RunSpec
 
 TARGET = "org/target-11B"
 GENERATED = 33  # tokens per run: tokens/s = 32 / generation seconds

@@ -14,7 +14,9 @@ then ``mlx_lm.load("out")`` -> (model, tokenizer).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import re
 import struct
@@ -291,3 +293,45 @@ def _tokenizer(metadata: dict[str, Any]):
         tokenizer_config[f"{name}_token"] = tokens[token_id] if token_id is not None else None
     backend, _ = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config)
+
+
+def to_dtype(source: Path | str, out: Path, dtype: str, *, progress: Progress | None = None) -> dict[str, Any]:
+    """Write the mlx-lm model at ``source`` (a folder or a hub id mlx-lm can load) into ``out`` in ``dtype``
+    (uag.models.dtypes: float32, bfloat16, float16, q8, q4); return its config.
+
+    The steps are mlx-lm's own (``mlx_lm.convert``): a quantized source is dequantized first, floating
+    parameters are cast (to bfloat16 under a quantisation, as mlx-community's -Nbit models are), then
+    ``quantize_model`` packs what mlx-lm quantises, at its default group size; ``mlx_lm.utils.save`` writes
+    weights, config and tokenizer.
+    Example: ``to_dtype(Path("demo-target-1"), Path("out"), "q4")`` -> config with quantization {"bits": 4, ...}
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.utils import dequantize_model, load, quantize_model, save
+
+    from uag.models.dtypes import FLOATS, QUANTIZED, QUANTIZED_OVER
+
+    if dtype not in (*FLOATS, *QUANTIZED):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    say = progress or (lambda message: None)
+    model, tokenizer, config = load(str(source), return_config=True, lazy=True)
+    if config.get("quantization") or config.get("quantization_config"):
+        say("dequantizing")
+        model = dequantize_model(model)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+    cast_to = getattr(mx, QUANTIZED_OVER if dtype in QUANTIZED else dtype)
+    keep = getattr(model, "cast_predicate", lambda _: True)  # some architectures keep a few parameters as they are
+    model.update(
+        tree_map_with_path(
+            lambda k, v: v.astype(cast_to) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+            model.parameters(),
+        )
+    )
+    config["torch_dtype"] = QUANTIZED_OVER if dtype in QUANTIZED else dtype
+    if dtype in QUANTIZED:
+        say(f"quantizing to {QUANTIZED[dtype]} bits")
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its bits per weight: not on our stdout (--json)
+            model, config = quantize_model(model, config, group_size=None, bits=QUANTIZED[dtype])
+    save(out, source, model, tokenizer, config)
+    return config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from uag.core.config import DrafterSpec
-from uag.models.demo import MODELS as OFFLINE_MODELS
+from uag.models.catalogue import MODELS as OFFLINE_MODELS
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,14 @@ import pandas as pd
 from uag import __version__, _blas
 from uag.command import CommandParser, add_decoding_options, decoding_config, run, whole
 from uag.core.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig
+from uag.core.records import Run
 from uag.errors import InputError
+from uag.models.dtypes import add_dtype_options, parse_dtype
 from uag.study.analyze import k_list, k_table
 from uag.study.datasets import BUNDLED, Prompt, chat_for, load
 from uag.study.report import markdown
-from uag.study.results import Machine, ResultsDB, RunSpec, load_runs, short_name
+from uag.study.results import ResultsDB, load_runs
+from uag.study.runspec import Machine, RunSpec, short_name
 
 WARMUP_TOKENS = 8  # enough for every phase of a cycle to have run once
 DEFAULT_STRATEGIES = ("none", "naive", "context")  # the paper's three
@@ -52,6 +55,8 @@ class Sweep:
     datasets: tuple[str, ...]
     n: int | None  # prompts per dataset; None = all
     config: GenerationConfig
+    target_dtype: str | None = None  # uag.models.dtypes; None: as stored (the offline models: float32)
+    drafter_dtype: str | None = None
 
     def validate(self) -> Sweep:
         """InputError naming the first bad setting; the settings themselves are GenerationConfig's checks."""
@@ -75,19 +80,19 @@ class Sweep:
 
 
 @dataclass(frozen=True)
-class Job:
-    """One planned run: its spec and its prompt."""
+class PlannedRun:
+    """One run of a sweep: its spec and its prompt."""
 
     spec: RunSpec
     prompt: Prompt
 
 
-def plan(sweep: Sweep, prompts: Sequence[Prompt], *, chat_template: bool = True) -> list[Job]:
+def plan(sweep: Sweep, prompts: Sequence[Prompt], *, chat_template: bool = True) -> list[PlannedRun]:
     """Every run of the sweep, prompt by prompt: the baseline, then each drafter × strategy × k.
 
     A prompt that says whether it wants the chat template (the `code` set's records do) gets its way, where the
     target has a template (`chat_template`); --chat decides for the prompts that do not say.
-    Example: 2 prompts, drafters (d,), strategies (none, context), k (1, 2) -> 2 × (1 + 4) = 10 jobs:
+    Example: 2 prompts, drafters (d,), strategies (none, context), k (1, 2) -> 2 × (1 + 4) = 10 planned runs:
     p1 baseline, p1 d·none·1, p1 d·none·2, p1 d·context·1, p1 d·context·2, p2 baseline, …
     """
     jobs = []
@@ -95,10 +100,12 @@ def plan(sweep: Sweep, prompts: Sequence[Prompt], *, chat_template: bool = True)
         where = dict(dataset=prompt.dataset, prompt_id=prompt.id)
         chat = chat_for(prompt, sweep.config.chat) and (chat_template or sweep.config.chat)
         config = sweep.config.replace(chat=chat)
-        jobs.append(Job(RunSpec(sweep.target, None, config.replace(strategy="baseline"), **where), prompt))
+        dtypes = dict(target_dtype=sweep.target_dtype, drafter_dtype=sweep.drafter_dtype)
+        baseline = config.replace(strategy="baseline")
+        jobs.append(PlannedRun(RunSpec(sweep.target, None, baseline, **where, target_dtype=sweep.target_dtype), prompt))
         for drafter, strategy, k in itertools.product(sweep.drafters, sweep.strategies, sweep.ks):
-            spec = RunSpec(sweep.target, drafter, config.replace(strategy=strategy, k=k), **where)
-            jobs.append(Job(spec, prompt))
+            spec = RunSpec(sweep.target, drafter, config.replace(strategy=strategy, k=k), **where, **dtypes)
+            jobs.append(PlannedRun(spec, prompt))
     return jobs
 
 
@@ -164,24 +171,29 @@ def _say(message: str) -> None:
 
 def _load(sweep: Sweep):
     """Load the models and check the pairs."""
-    from uag.core.loading import load_drafter_choice, load_model
+    from uag.core.loading import check_memory, load_drafter_choice, load_model
+    from uag.machine import backend
+    from uag.models.dtypes import slow_dtype_note
     from uag.models.store import ModelStore, check_pair
 
     store = ModelStore()
+    models = [("drafter", DrafterSpec.parse(d).model, sweep.drafter_dtype) for d in sweep.drafters]
+    check_memory(store, [("target", sweep.target, sweep.target_dtype), *models])
     # Drafters first: usually the smaller models, so a bad name fails fast.
-    choices = {d: load_drafter_choice(store, d, progress=_say) for d in sweep.drafters}
-    target = load_model(store, sweep.target, role="target", progress=_say)
+    choices = {d: load_drafter_choice(store, d, progress=_say, dtype=sweep.drafter_dtype) for d in sweep.drafters}
+    target = load_model(store, sweep.target, role="target", progress=_say, dtype=sweep.target_dtype)
+    if note := slow_dtype_note(target.dtype, backend()):
+        _say(f"note: {note}")
     for choice in choices.values():
         if choice.model is not None:
             check_pair(target, choice.model)
     return target, choices
 
 
-def _prompt_ids(target, choices, pending: list[Job]) -> dict:
+def _prompt_ids(target, choices, pending: list[PlannedRun]) -> dict:
     """Every pending prompt's ids for the target, checked against both contexts before any run."""
-    from uag.cli import drafter_prompt_length
     from uag.core.engine import prompt_ids
-    from uag.core.prompt_input import check_context
+    from uag.core.loading import check_drafter_fits
 
     ids = {}
     for job in pending:
@@ -189,23 +201,47 @@ def _prompt_ids(target, choices, pending: list[Job]) -> dict:
         if where not in ids:
             ids[where] = prompt_ids(target, job.prompt.text, chat=job.spec.config.chat)
     for job in pending:
-        choice = choices.get(job.spec.drafter)
-        if choice is not None and choice.model is not None:
-            n = drafter_prompt_length(target, choice.model, ids[job.spec.dataset, job.spec.prompt_id], job.spec.config)
-            where = f"{job.spec.dataset}/{job.spec.prompt_id}"
-            try:
-                check_context(n, choice.model.context_length, "drafter", choice.model.name)
-            except InputError as err:
-                raise InputError(f"prompt {where}: {err}") from None
+        try:
+            check_drafter_fits(
+                target, choices.get(job.spec.drafter), ids[job.spec.dataset, job.spec.prompt_id], job.spec.config
+            )
+        except InputError as err:
+            raise InputError(f"prompt {job.spec.dataset}/{job.spec.prompt_id}: {err}") from None
     return ids
 
 
-def execute(sweep: Sweep, prompts: Sequence[Prompt], db: ResultsDB, *, name: str | None) -> tuple[list[Job], int, int]:
-    """Load and check everything, warm up, then run and store each pending job that no other sweep on the same
-    file has taken. Returns (the sweep's jobs, runs stored here, runs left to another sweep)."""
-    from tqdm import tqdm
+def _generate(target, choice, ids: list[int], config: GenerationConfig):
+    """One run; strategy auto starts from the pair's measured costs (uag.study.pair_costs), as through uag.api."""
+    from uag.core.engine import generate
+    from uag.study.pair_costs import profile_for
 
-    from uag.api import generate  # strategy auto: seeded with the pair's saved cost profile
+    profile = profile_for(target, choice) if config.strategy == "auto" else None
+    return generate(target, choice, ids, config, profile=profile)
+
+
+def _divergence(target, run, spec: RunSpec, baselines: dict, db: ResultsDB) -> str | None:
+    """How a speculative run's greedy output compares with its baseline's (uag.study.divergence's kind: the
+    `divergence` column); None when not comparable (sampled, no baseline stored)."""
+    from uag.core.records import Token
+    from uag.study.margins import compare_runs
+
+    key = spec.baseline_spec().key
+    baseline = baselines.get(key)
+    if baseline is None and (stored := db.tokens(key)) is not None:  # a resumed sweep: the baseline is in the file
+        ids, finish = stored
+        tokens = [Token(i, "", False) for i in ids]
+        baseline = Run("baseline", target.name, temperature=run.temperature, tokens=tokens, finish_reason=finish)
+        baseline.prompt_ids = list(run.prompt_ids)
+    verdict = None if baseline is None else compare_runs(target, baseline, run)
+    return None if verdict is None else verdict.kind
+
+
+def execute(
+    sweep: Sweep, prompts: Sequence[Prompt], db: ResultsDB, *, name: str | None
+) -> tuple[list[PlannedRun], int, int]:
+    """Load and check everything, warm up, then run and store each pending job that no other sweep on the same
+    file has taken. Returns (the sweep's planned runs, runs stored here, runs left to another sweep)."""
+    from tqdm import tqdm
 
     target, choices = _load(sweep)
     has_template = target.tokenizer.has_chat_template
@@ -227,11 +263,12 @@ def execute(sweep: Sweep, prompts: Sequence[Prompt], db: ResultsDB, *, name: str
             warm_ups.setdefault(job.spec.drafter, job.spec)
     for drafter, spec in warm_ups.items():
         _say(f"warm-up with {drafter} (not recorded)")
-        generate(
+        _generate(
             target, choices[drafter], first, spec.config.replace(max_tokens=min(WARMUP_TOKENS, spec.config.max_tokens))
         )
 
     stored = elsewhere = 0
+    baselines: dict[str, Run] = {}  # this sweep's baseline runs by key, to compare the speculative runs with
     total = done + len(pending)
     with tqdm(total=total, initial=done, unit="run", file=sys.stderr, smoothing=0.1, dynamic_ncols=True) as bar:
         for job in pending:
@@ -241,8 +278,12 @@ def execute(sweep: Sweep, prompts: Sequence[Prompt], db: ResultsDB, *, name: str
                 bar.update()
                 continue
             bar.set_postfix_str(_label(spec), refresh=True)
-            result = generate(target, choices.get(spec.drafter), ids[spec.dataset, spec.prompt_id], spec.config)
-            if db.add(result, spec=spec, prompt=job.prompt.text, machine=machines[spec.drafter], sweep=name) is None:
+            result = _generate(target, choices.get(spec.drafter), ids[spec.dataset, spec.prompt_id], spec.config)
+            if spec.drafter is None:
+                baselines[spec.key] = result
+            verdict = None if spec.drafter is None else _divergence(target, result, spec, baselines, db)
+            where = dict(machine=machines[spec.drafter], sweep=name, divergence=verdict)
+            if db.add(result, spec=spec, prompt=job.prompt.text, **where) is None:
                 elsewhere += 1
             else:
                 stored += 1
@@ -276,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, required=True, help="results file (SQLite); created, with its folder, if missing"
     )
     parser.add_argument("--sweep", default=None, help="a label stored with every run of this command")
+    add_dtype_options(parser)
     return parser
 
 
@@ -293,6 +335,8 @@ def sweep_from(args: argparse.Namespace) -> Sweep:
         datasets=_unique(args.datasets),
         n=args.n,
         config=decoding_config(args),
+        target_dtype=parse_dtype(args.target_dtype, flag="--target-dtype"),
+        drafter_dtype=parse_dtype(args.drafter_dtype, flag="--drafter-dtype"),
     )
 
 

@@ -17,7 +17,7 @@ import pandas as pd
 
 from uag.core.config import DrafterSpec
 from uag.study.plots import alpha_by_strategy, speedup_vs_alpha
-from uag.study.results import short_name
+from uag.study.runspec import short_name
 
 
 @dataclass

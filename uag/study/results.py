@@ -2,8 +2,8 @@
 
 Baseline and speculative runs share the ``runs`` table; each run's verification cycles are in ``cycles``.
 A run and its cycles are written in one transaction, so a killed sweep never leaves half a run, and each
-run has a unique ``run_key`` (a hash of what identifies it), so a sweep that is run again skips what is
-there. The file is in WAL mode: the app can read it while a sweep writes it.
+run has a unique ``run_key`` (a hash of what identifies it: uag.study.runspec), so a sweep that is run again
+skips what is there. The file is in WAL mode: the app can read it while a sweep writes it.
 
     with ResultsDB("results.db") as db:
         if not db.has(spec.key):
@@ -13,26 +13,24 @@ there. The file is in WAL mode: the app can read it while a sweep writes it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
 import sqlite3
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
 
 import pandas as pd
 
-from uag.core.config import GenerationConfig
 from uag.core.records import Run
 from uag.errors import InputError
+from uag.study.runspec import BASELINE, Machine, RunSpec, short_name
 
 FORMAT = "uag-results"
 SCHEMA_VERSION = 1
-BASELINE = "baseline"
 
 # The columns of `runs` after `id`, in order. Numbers are Run.stats(); the machine block is `Machine`.
 RUN_COLUMNS = {
@@ -81,6 +79,9 @@ RUN_COLUMNS = {
     "text": "TEXT",
     "token_ids": "TEXT",  # JSON list
     "notes": "TEXT",  # JSON list
+    # greedy output against the baseline's (uag.study.divergence): identical, diverged_near_tie, diverged; NULL
+    # for baselines, sampled runs and files written before the column existed
+    "divergence": "TEXT",
     # where it ran (Machine)
     "platform": "TEXT",
     "python": "TEXT",
@@ -133,87 +134,7 @@ STATS = (
     "drafter_passes", "stalls", "absorptions", "resync_absorptions", "fallbacks", "empty_translations",
 )  # fmt: skip
 # A speculative run's baseline: the target alone on the same prompt with the same decoding settings.
-SAME_PROMPT = ("target", "dataset", "prompt_id", "max_tokens", "temperature", "seed", "chat")
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What identifies a run: the models, the generation settings and the prompt.
-
-    `drafter` is as the sweep names it (a model, "lookup" or "lookup+<model>"); a baseline has none and
-    strategy "baseline" (use `RunSpec.baseline`), and is stored with k = window = 0.
-    """
-
-    target: str
-    drafter: str | None
-    config: GenerationConfig
-    dataset: str
-    prompt_id: str
-
-    @classmethod
-    def baseline(cls, *, target: str, dataset: str, prompt_id: str, **settings) -> RunSpec:
-        """The target alone; `settings` are GenerationConfig fields (max_tokens, temperature, seed, chat …)."""
-        return cls(target, None, GenerationConfig.parse(**{**settings, "strategy": BASELINE}), dataset, prompt_id)
-
-    @property
-    def strategy(self) -> str:
-        return self.config.strategy
-
-    @property
-    def k(self) -> int:
-        return self.config.k if self.config.speculative else 0
-
-    @property
-    def window(self) -> int:
-        return self.config.window if self.config.speculative else 0
-
-    def columns(self) -> dict:
-        """The spec as the `runs` table stores it (and as the run key hashes it)."""
-        c = self.config
-        return {
-            "target": self.target, "drafter": self.drafter, "strategy": c.strategy, "k": self.k,
-            "window": self.window, "max_tokens": c.max_tokens, "temperature": float(c.temperature), "seed": c.seed,
-            "chat": bool(c.chat), "dataset": self.dataset, "prompt_id": self.prompt_id,
-        }  # fmt: skip
-
-    @property
-    def key(self) -> str:
-        """A hash of the stored columns (the same hash as files written before specs held a GenerationConfig,
-        so old results files resume).
-
-        Example: RunSpec.baseline(target="t", max_tokens=8, temperature=0, dataset="wiki", prompt_id="wiki-001").key
-                 == the same with temperature=0.0 -> True
-        """
-        return hashlib.sha256(json.dumps(self.columns(), sort_keys=True).encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class Machine:
-    """Where a run ran: software, device, BLAS, and the models' sizes as loaded (the cost model's r)."""
-
-    platform: str
-    python: str
-    uag_version: str
-    mlx_version: str
-    device: str  # mx.default_device(), e.g. "Device(gpu, 0)"
-    backend: str  # "metal", "cuda" or "cpu"
-    blas: str  # uag._blas.status (matters on the CPU only)
-    target_bytes: int
-    target_dtype: str
-    drafter_bytes: int | None = None
-    drafter_dtype: str | None = None
-
-
-def short_name(model: str) -> str:
-    """The last part of a hub id or a path, for labels; a lookup drafter keeps its "lookup+".
-
-    Example: "mlx-community/Qwen2.5-1.5B-Instruct-4bit" -> "Qwen2.5-1.5B-Instruct-4bit";
-             "/models/drafter/" -> "drafter";  "lookup+org/d-1B" -> "lookup+d-1B";  "lookup" -> "lookup"
-    """
-    head, plus, rest = model.partition("+")
-    if plus and head == "lookup" and rest:
-        return f"lookup+{short_name(rest)}"
-    return model.rstrip("/").rsplit("/", 1)[-1] or model
+SAME_PROMPT = ("target", "target_dtype", "dataset", "prompt_id", "max_tokens", "temperature", "seed", "chat")
 
 
 def _check_matches(run: Run, spec: RunSpec) -> None:
@@ -228,7 +149,9 @@ def _check_matches(run: Run, spec: RunSpec) -> None:
         raise ValueError(f"the run does not match its spec: {detail}")
 
 
-def _run_row(run: Run, spec: RunSpec, *, prompt: str, machine: Machine, sweep: str | None) -> dict:
+def _run_row(
+    run: Run, spec: RunSpec, *, prompt: str, machine: Machine, sweep: str | None, divergence: str | None = None
+) -> dict:
     stats = run.stats()
     row = {
         "run_key": spec.key,
@@ -242,6 +165,7 @@ def _run_row(run: Run, spec: RunSpec, *, prompt: str, machine: Machine, sweep: s
         "text": run.text,
         "token_ids": json.dumps(run.token_ids),
         "notes": json.dumps(run.notes, ensure_ascii=False),
+        "divergence": divergence,
         **asdict(machine),
     }
     assert set(row) == set(RUN_COLUMNS), set(row) ^ set(RUN_COLUMNS)
@@ -298,6 +222,18 @@ def _check_format(conn: sqlite3.Connection, path: Path, *, write: bool) -> None:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute(CLAIMS)
+        _add_missing_columns(conn)
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    """Columns added to `runs` since a file was written (all nullable): an older file gets them when opened for
+    writing, so a sweep can resume into it."""
+    have = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+    for column in [c for c in RUN_COLUMNS if c not in have]:
+        try:
+            conn.execute(f'ALTER TABLE runs ADD COLUMN "{column}" {RUN_COLUMNS[column]}')
+        except sqlite3.OperationalError:  # a concurrent writer added it meanwhile
+            pass
 
 
 def _insert(table: str, columns: dict) -> str:
@@ -374,16 +310,26 @@ class ResultsDB:
         finally:
             self._conn.execute("COMMIT")
 
-    def add(self, run: Run, *, spec: RunSpec, prompt: str, machine: Machine, sweep: str | None = None) -> int | None:
+    def add(
+        self,
+        run: Run,
+        *,
+        spec: RunSpec,
+        prompt: str,
+        machine: Machine,
+        sweep: str | None = None,
+        divergence: str | None = None,
+    ) -> int | None:
         """Store a finished run and its cycles in one transaction and release its claim; return the run's id,
         or None (writing nothing) when a run with the same key is stored already, e.g. by another sweep.
+        `divergence`: how its greedy output compares with the baseline's (uag.study.divergence's kind).
 
         ValueError if the run is unfinished or does not match `spec` (a bug in the caller).
         """
         if run.finish_reason is None:
             raise ValueError("the run is not finished (no finish_reason)")
         _check_matches(run, spec)
-        row = _run_row(run, spec, prompt=prompt, machine=machine, sweep=sweep)
+        row = _run_row(run, spec, prompt=prompt, machine=machine, sweep=sweep, divergence=divergence)
         self._conn.execute("BEGIN IMMEDIATE")
         try:
             self._conn.execute("DELETE FROM claims WHERE run_key = ?", (spec.key,))
@@ -405,6 +351,11 @@ class ResultsDB:
             raise
         self._conn.execute("COMMIT")
         return run_id
+
+    def tokens(self, run_key: str) -> tuple[list[int], str] | None:
+        """A stored run's token ids and finish reason (a baseline to compare a resumed sweep's runs with)."""
+        row = self._conn.execute("SELECT token_ids, finish_reason FROM runs WHERE run_key = ?", (run_key,)).fetchone()
+        return None if row is None else (json.loads(row[0]), row[1])
 
     def runs(self) -> pd.DataFrame:
         """Every stored run, baseline and speculative, in the order written (token_ids and notes as JSON)."""
@@ -438,6 +389,8 @@ def load_runs(path: str | Path) -> pd.DataFrame:
         conn.close()
     if frame.empty:
         raise InputError(f"{path} holds no speculative runs yet ({baselines} baseline runs); run a sweep first")
+    if "divergence" not in frame:  # a file written before the column existed
+        frame["divergence"] = None
     frame["alpha"] = frame["acceptance_rate"].astype(float)
     frame["tps"] = frame["tokens_per_second"].astype(float)
     frame["tps_base"] = frame["tps_base"].astype(float)
