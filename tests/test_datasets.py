@@ -382,3 +382,53 @@ def test_helpers_match_their_docstrings():
     assert ds.record_to_prompt(
         {"prompt": "Ile nóg ma pająk?", "tags": ["biology"]}, dataset="mine", text_field="prompt", default_id="mine-001"
     ) == Prompt("mine-001", "mine", "Ile nóg ma pająk?", ("biology",))
+
+
+# --- the multi-turn edit set (benchmarks/serve.py) ----------------------------------------------------------------
+
+FENCED = re.compile(r"```(\w+)\n(.*?)\n```", re.S)
+
+
+def test_edit_set_is_three_turn_code_conversations_under_cc0():
+    records = raw_records("edit")
+    conversations = ds.load_conversations("edit")
+    assert len(conversations) == len(records) >= 20
+    assert len({c.id for c in conversations}) == len(conversations)
+    readme = (resources.files("uag") / "data" / "README.md").read_text(encoding="utf-8")
+    assert "`edit.jsonl`" in readme and "CC0 1.0" in readme and "these six files" in readme
+    languages = set()
+    for record, conversation in zip(records, conversations):
+        assert set(record) == {"id", "dataset", "system", "turns", "tags"}, record["id"]
+        assert re.fullmatch(r"edit-\d{3}", conversation.id) and conversation.dataset == "edit"
+        assert len(conversation.turns) == 3 and conversation.system
+        assert all(t == t.strip() and unicodedata.is_normalized("NFC", t) for t in conversation.turns)
+        blocks = FENCED.findall(conversation.turns[0])
+        assert len(blocks) == 1, conversation.id  # turn 1 gives the code ...
+        language, code = blocks[0]
+        assert language == conversation.tags[0] and 40 <= code.count("\n") + 1 <= 120, conversation.id
+        if language == "python":
+            ast.parse(code)
+        languages.add(language)
+        # ... and every turn asks for the whole file back; later turns refer to the code already there.
+        assert all(re.search(r"whole file|cały plik", t) for t in conversation.turns), conversation.id
+        assert not any("```" in t for t in conversation.turns[1:]), conversation.id
+        assert ("en" in conversation.tags) != ("pl" in conversation.tags)
+    assert {"python", "javascript", "sql", "bash"} <= languages
+    assert sum(c.tags[0] == "python" for c in conversations) >= 0.6 * len(conversations)
+
+
+def test_a_conversation_replays_with_the_model_s_replies():
+    conversation = ds.load_conversations("edit", 1)[0]
+    first = conversation.messages([])
+    assert [m["role"] for m in first] == ["system", "user"] and first[1]["content"] == conversation.turns[0]
+    third = conversation.messages(["reply 1", "reply 2"], system="another system prompt")
+    assert [m["role"] for m in third] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert third[0]["content"] == "another system prompt" and third[4]["content"] == "reply 2"
+    assert third[-1]["content"] == conversation.turns[2]
+    with pytest.raises(ValueError, match="has 3 turns; got 3 replies"):
+        conversation.messages(["a", "b", "c"])
+    size = len(ds.load_conversations("edit"))
+    with pytest.raises(ValueError, match=rf"has {size} conversations; asked for {size + 1}$"):
+        ds.load_conversations("edit", size + 1)
+    with pytest.raises(ValueError, match="unknown bundled conversation set 'wiki'"):
+        ds.load_conversations("wiki")

@@ -6,6 +6,7 @@ Standard library only; Hugging Face `datasets` is imported lazily (optional extr
     load("my_prompts.jsonl")      # user file: one JSON object per line, text in "prompt"
     load("prompts.csv")           # user file: CSV with a header and a "prompt" column
     load("hf:org/name", n=50)     # Hugging Face dataset (hf:<name> or hf:<name>:<config>)
+    load_conversations("edit")    # bundled multi-turn set: the user turns of each conversation, replayed in order
 
 A record's text may come with an "input" (Alpaca style); the model then gets both, joined by
 `alpaca_text`. A record may also say whether it is meant for a chat template ("chat": true/false);
@@ -28,6 +29,7 @@ from uag.errors import InputError
 from uag.study.prompt_files import csv_rows, jsonl_rows
 
 BUNDLED = ("wiki", "alpaca", "synthetic", "structured", "code")
+CONVERSATIONS = ("edit",)  # multi-turn sets, CC0 1.0 like the prompt sets (uag/data/README.md)
 DEFAULT_TEXT_FIELD = "prompt"
 HF_PREFIX = "hf:"
 DEFAULT_HF_N = 100
@@ -236,6 +238,66 @@ def load_bundled(name: str, n: int | None = None) -> list[Prompt]:
     if result.errors:  # a shipped file is ours: fail loudly rather than skip
         raise RuntimeError(f"bundled dataset '{name}' is corrupt: {result.errors[0]}")
     return take(result.prompts, n, name)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A conversation to replay: the user's turns in order, each sent after the model's reply to the one before
+    (the assistant's turns are whatever the model answers), with an optional system prompt."""
+
+    id: str
+    dataset: str
+    turns: tuple[str, ...]
+    system: str | None = None
+    tags: tuple[str, ...] = ()
+
+    def messages(self, replies: Iterable[str], system: str | None = None) -> list[dict]:
+        """The messages of the next turn after `replies` (the model's answers so far), OpenAI style.
+
+        Example: Conversation("edit-001", "edit", ("Fix it.", "Rename it.")).messages(["Fixed."])
+                 -> [{"role": "user", "content": "Fix it."}, {"role": "assistant", "content": "Fixed."},
+                     {"role": "user", "content": "Rename it."}]
+        """
+        replies = list(replies)
+        if len(replies) >= len(self.turns):
+            raise ValueError(f"conversation {self.id} has {len(self.turns)} turns; got {len(replies)} replies")
+        system = self.system if system is None else system
+        out = [{"role": "system", "content": system}] if system else []
+        for turn, reply in zip(self.turns, [*replies, None]):
+            out.append({"role": "user", "content": turn})
+            if reply is not None:
+                out.append({"role": "assistant", "content": reply})
+        return out
+
+
+def load_conversations(name: str, n: int | None = None) -> list[Conversation]:
+    """The first `n` conversations (all for None) of a bundled multi-turn set: one of CONVERSATIONS."""
+    if name not in CONVERSATIONS:
+        raise InputError(f"unknown bundled conversation set '{name}' (choose from: {', '.join(CONVERSATIONS)})")
+    text = (resources.files("uag") / "data" / f"{name}.jsonl").read_text(encoding="utf-8")
+    out, seen = [], set()
+    for line, record in jsonl_rows(text):
+        try:  # a shipped file is ours: fail loudly rather than skip
+            if isinstance(record, InputError):
+                raise record
+            turns = record.get("turns")
+            if not isinstance(turns, list) or not turns:
+                raise InputError("field 'turns' must be a non-empty list of strings")
+            texts = tuple(_text({"turn": t}, "turn", required=True) for t in turns)
+            system = _text(record, "system", required=False) or None
+            prompt = record_to_prompt({**record, "prompt": texts[0]}, dataset=name, text_field="prompt",
+                                      default_id=f"{name}-{line:03d}")  # fmt: skip
+            if prompt.id in seen:
+                raise InputError(f"duplicate id '{prompt.id}'")
+        except InputError as e:
+            raise RuntimeError(f"bundled conversation set '{name}' is corrupt: line {line}: {e}") from None
+        seen.add(prompt.id)
+        out.append(Conversation(prompt.id, name, texts, system, prompt.tags))
+    if n is not None and n <= 0:
+        raise InputError(f"n must be a positive number of conversations (got {n})")
+    if n is not None and n > len(out):
+        raise InputError(f"conversation set '{name}' has {len(out)} conversations; asked for {n}")
+    return out if n is None else out[:n]
 
 
 def _hf_records(name: str, config: str | None, split: str) -> Iterator[dict]:

@@ -1,0 +1,727 @@
+"""`uag serve` against `mlx_lm.server`, through the `openai` SDK: code-edit conversations and open chat.
+
+Conditions, each a server process this script starts on a free port and stops again:
+- `uag:<drafter>`: `uag serve --target T --drafter <drafter> --strategy auto`, one per `--drafters`;
+- `uag:off`: `uag serve --target T --drafter off`, requests with `"speculative": false` (the target alone);
+- `mlx_lm`: `mlx_lm.server --model <T's converted folder>`, prompt cache on (its default);
+- `mlx_lm:draft<N>`: the same with `--draft-model <--peer-draft's folder> --num-draft-tokens N`, per N.
+Fair to the peer: the same converted float32 folders (`uag.models.demo.ensure`) and the OpenBLAS that uag loads,
+preloaded into mlx_lm.server with LD_PRELOAD (without it MLX on Linux runs its reference BLAS, dozens of times
+slower); each server's /proc/<pid>/maps is checked for it and a short warm-up reply's speed is printed.
+
+One server runs at a time (the coder target in float32 takes ~7 GB), so conditions are interleaved by session:
+every repeat runs each condition once, in an order that rotates from repeat to repeat, and the summary takes
+medians over repeats. A session: warm-up, the `edit` workload (bundled three-turn conversations, each turn sent
+after the server's own reply to the one before, `uag.study.datasets.load_conversations`), the turn-2 cold read
+(below), then open chat (the first `--chat-prompts` Polish `alpaca` and English `code` instructions).
+
+Per turn, one JSON row in `--out`: time to first token (streaming), generation tokens/s (client side, from the
+first content chunk to the last: (completion tokens - 1) / that time), end-to-end time, cached prompt tokens
+(`usage.prompt_tokens_details.cached_tokens`), uag's `speculative` object (acceptance, sources) and the text.
+
+Turn-2 cold read: the second turn of `--ttft-conversation` (~1,700 tokens on the coder target) is read warm,
+after turn 1 (the server keeps the conversation's KV cache), and cold: the same messages once more with the
+system prompt's first letter's case swapped, so that no held cache shares more than the chat template's first
+tokens. Both requests are the same but for that letter (the same max_tokens and speculation); the cold stream
+is closed after its first token (mlx_lm.server logs a BrokenPipeError for it).
+
+Targets (issue 24), printed with the measured values: `edit` turns 2-3 generation tokens/s (pooled) uag >= 3x
+mlx_lm alone and >= 2x mlx_lm with its best N; end to end per turn (median over turns 2-3) >= 2.5x mlx_lm
+alone; open chat uag >= 0.97x mlx_lm alone (pooled); speculation off >= 0.97x mlx_lm alone (all turns,
+pooled); turn-2 time to first token <= 0.25x the cold read; lossless: every uag speculative text equals
+uag:off's text for the same turn (and whether mlx_lm's text agrees, for information: on a target without a
+chat template, such as the demo target, mlx_lm.server joins the messages its own way, so its text differs).
+
+Usage (a smoke run on the demo pair, which has no same-vocabulary drafter for mlx_lm):
+    python benchmarks/serve.py --conversations 1 --chat-prompts 1 --max-tokens 8 --repeats 1
+The issue's run (on a quiet machine; hours: every edit turn writes a whole file back):
+    python benchmarks/serve.py --target coder-target --conversations 22 --chat-prompts 5 --max-tokens 1024 \\
+        --repeats 3 --out serve-coder.jsonl     # drafters lookup+demo-drafter and lookup+coder-drafter; the
+                                                # peer drafts with coder-drafter, N = 2, 3, 4
+    python benchmarks/serve.py --summarize serve-coder.jsonl      # the summary again, from the rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+
+import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
+
+# isort: split
+import httpx
+import openai
+
+from uag import _blas
+from uag.models import demo
+from uag.study.datasets import Conversation, load_bundled, load_conversations
+
+STARTUP_S = 1800  # a server may take this long to come up (loading the coder pair on a busy CPU)
+REQUEST_S = 7200  # one request (a whole file at ~3 tokens/s)
+WARM_UP = [{"role": "user", "content": "Say hello in one short sentence."}]
+WARM_UP_TOKENS = 8
+# The longest file (105 lines): 893 tokens at turn 1 on the coder target, some 1,700 at turn 2 with the file back.
+DEFAULT_TTFT_CONVERSATION = "edit-020"
+SPECULATIVE_GOALS = {"tps_alone": 3.0, "tps_draft": 2.0, "e2e_alone": 2.5, "chat": 0.97, "off": 0.97, "ttft": 0.25}
+
+
+# --- conditions and servers -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Condition:
+    """One server configuration and how requests to it are made."""
+
+    name: str  # "uag:lookup+demo-drafter", "uag:off", "mlx_lm", "mlx_lm:draft3"
+    server: str  # "uag" or "mlx_lm"
+    argv: tuple[str, ...]  # the server's command line, without --port
+    model: str  # the request's `model`
+    extra_body: dict | None = None
+
+
+def folder(name: str) -> str:
+    """A model's converted folder: an offline name through `demo.ensure`, anything else as given."""
+    return str(demo.ensure(name)) if name in demo.MODELS else name
+
+
+def conditions(args: argparse.Namespace) -> list[Condition]:
+    uag_serve = (sys.executable, "-m", "uag", "serve", "--target", args.target, "--no-ui",
+                 "--max-tokens", str(args.max_tokens), "--time-budget", str(REQUEST_S))  # fmt: skip
+    out = [
+        Condition(f"uag:{d}", "uag", (*uag_serve, "--drafter", d, "--drafters", d, "--strategy", "auto"), args.target)
+        for d in args.drafters
+    ]
+    out.append(Condition("uag:off", "uag", (*uag_serve, "--drafter", "off"), args.target, {"speculative": False}))
+    target = folder(args.target)
+    mlx = (sys.executable, "-m", "mlx_lm", "server", "--model", target, "--max-tokens", str(args.max_tokens),
+           "--log-level", "WARNING")  # fmt: skip
+    out.append(Condition("mlx_lm", "mlx_lm", mlx, "default_model"))
+    if args.peer_draft:
+        draft = folder(args.peer_draft)
+        out += [
+            Condition(
+                f"mlx_lm:draft{n}",
+                "mlx_lm",
+                (*mlx, "--draft-model", draft, "--num-draft-tokens", str(n)),
+                "default_model",
+            )
+            for n in args.num_draft_tokens
+        ]
+    if args.only:
+        unknown = sorted(set(args.only) - {c.name for c in out})
+        if unknown:
+            raise SystemExit(f"--only: no condition {', '.join(unknown)} (there are {', '.join(c.name for c in out)})")
+        out = [c for c in out if c.name in args.only]
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def openblas() -> str | None:
+    """The OpenBLAS library uag loaded into this process (None: uag runs without one here)."""
+    return _blas.status.removeprefix("openblas:") if _blas.status.startswith("openblas:") else None
+
+
+class Server:
+    """A condition's server process on a free port, its output in `log`; up once it answers HTTP."""
+
+    def __init__(self, condition: Condition, log: Path):
+        self.condition, self.log_path = condition, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None  # from the start of the process to its first HTTP answer
+        self.openblas: bool | None = None  # whether OpenBLAS is in its memory map (None: cannot tell)
+
+    def __enter__(self) -> Server:
+        env = dict(os.environ)
+        library = openblas()
+        if library and self.condition.server == "mlx_lm":  # uag serve loads it itself
+            env["LD_PRELOAD"] = " ".join(filter(None, [library, env.get("LD_PRELOAD")]))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("w")
+        started = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [*self.condition.argv, "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        log.close()
+        try:
+            self._wait()
+            self.startup_s = time.perf_counter() - started
+            self.openblas = self._maps_openblas()
+            if library and self.openblas is False:
+                raise RuntimeError(f"{self.condition.name} runs without OpenBLAS ({library} is not in its memory map)")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
+    def _wait(self) -> None:
+        """Until /health answers: 200 from uag serve, any status from mlx_lm.server. Both may still be loading
+        their models (uag in the background, mlx_lm.server on its first request): the warm-up replies wait."""
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.condition.name} exited with status {self.proc.returncode} while starting:\n{self.tail()}"
+                )
+            try:
+                response = httpx.get(self.url + "/health", timeout=5)
+                if self.condition.server != "uag" or response.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.condition.name} did not answer within {STARTUP_S} s:\n{self.tail()}")
+
+    def _maps_openblas(self) -> bool | None:
+        """Whether the process has OpenBLAS mapped (None where /proc cannot tell)."""
+        try:
+            return "libopenblas" in Path(f"/proc/{self.proc.pid}/maps").read_text()
+        except OSError:
+            return None
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+# --- one request ------------------------------------------------------------------------------------------------
+@dataclass
+class Reply:
+    text: str
+    ttft_s: float | None
+    generation_s: float | None  # from the first content chunk to the last
+    e2e_s: float
+    usage: dict = field(default_factory=dict)
+    speculative: dict | None = None
+    timings: dict | None = None
+    finish_reason: str | None = None
+
+    @property
+    def completion_tokens(self) -> int | None:
+        return self.usage.get("completion_tokens")
+
+    @property
+    def generation_tps(self) -> float | None:
+        """Tokens after the first ÷ the time from the first content chunk to the last."""
+        n = self.completion_tokens
+        if not n or n < 2 or not self.generation_s:
+            return None
+        return (n - 1) / self.generation_s
+
+
+def ask(
+    client: openai.OpenAI, condition: Condition, messages: list[dict], max_tokens: int, *, first_only: bool = False
+) -> Reply:
+    """One greedy streamed chat request, timed on the client; `first_only` closes the stream at the first token."""
+    started = time.perf_counter()
+    first = last = None
+    pieces: list[str] = []
+    usage: dict = {}
+    extra: dict = {}
+    finish = None
+    stream = client.chat.completions.create(
+        model=condition.model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=condition.extra_body,
+    )
+    try:
+        for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices:
+                choice = chunk.choices[0]
+                if choice.delta.content:
+                    first, last = first or now, now
+                    pieces.append(choice.delta.content)
+                finish = choice.finish_reason or finish
+            if chunk.usage is not None:
+                usage, extra = chunk.usage.model_dump(), chunk.model_extra or {}
+            if first_only and first is not None:
+                break
+    finally:
+        stream.close()
+    ended = time.perf_counter()
+    return Reply(
+        text="".join(pieces),
+        ttft_s=None if first is None else first - started,
+        generation_s=None if first is None else last - first,
+        e2e_s=ended - started,
+        usage=usage,
+        speculative=extra.get("speculative"),
+        timings=extra.get("timings"),
+        finish_reason=finish,
+    )
+
+
+def row(condition: Condition, repeat: int, workload: str, item: str, turn: int, reply: Reply) -> dict:
+    spec = reply.speculative or {}
+    details = reply.usage.get("prompt_tokens_details") or {}
+    return {
+        "kind": "turn",
+        "condition": condition.name,
+        "server": condition.server,
+        "repeat": repeat,
+        "workload": workload,
+        "item": item,
+        "turn": turn,
+        "prompt_tokens": reply.usage.get("prompt_tokens"),
+        "cached_tokens": details.get("cached_tokens"),
+        "completion_tokens": reply.completion_tokens,
+        "ttft_s": reply.ttft_s,
+        "generation_s": reply.generation_s,
+        "generation_tps": reply.generation_tps,
+        "e2e_s": reply.e2e_s,
+        "finish_reason": reply.finish_reason,
+        "acceptance": spec.get("acceptance_rate"),
+        "drafted": spec.get("drafted_tokens"),
+        "accepted": spec.get("accepted_tokens"),
+        "sources": spec.get("sources"),
+        "server_tps": (reply.timings or {}).get("predicted_per_second"),
+        "text": reply.text,
+    }
+
+
+# --- a session: one server, every workload ------------------------------------------------------------------------
+def chat_prompts(n: int) -> list[tuple[str, str]]:
+    """(id, text): the first n Polish `alpaca` instructions and the first n English `code` instructions, alternating."""
+    if n <= 0:
+        return []
+    polish = load_bundled("alpaca", n)
+    english = [p for p in load_bundled("code") if p.chat and "en" in p.tags]
+    if n > len(english):
+        raise SystemExit(f"--chat-prompts: the code set has {len(english)} English instructions; asked for {n}")
+    return [(p.id, p.text) for pair in zip(polish, english[:n]) for p in pair]
+
+
+def cold(messages: list[dict]) -> list[dict]:
+    """The same messages with the system prompt's first letter's case swapped: nothing held shares its prefix.
+
+    Example: [{"role": "system", "content": "You are …"}, …] -> [{"role": "system", "content": "you are …"}, …]
+    """
+    head, *rest = messages
+    assert head["role"] == "system" and head["content"], "the cold read needs a system prompt to change"
+    text = head["content"]
+    return [{**head, "content": text[0].swapcase() + text[1:]}, *rest]
+
+
+def session(
+    condition: Condition,
+    repeat: int,
+    args: argparse.Namespace,
+    edit: list[Conversation],
+    ttft: Conversation | None,
+    chat: list[tuple[str, str]],
+    logs: Path,
+    write: Callable[[dict], None],
+) -> None:
+    say(f"{condition.name}, repeat {repeat + 1}: starting")
+    with Server(condition, logs / f"{condition.name.replace(':', '-')}-r{repeat + 1}.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_S)
+        warm = ask(client, condition, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
+        again = ask(client, condition, WARM_UP, WARM_UP_TOKENS)
+        write(
+            {
+                "kind": "warmup",
+                "condition": condition.name,
+                "repeat": repeat,
+                "startup_s": server.startup_s,
+                "openblas_mapped": server.openblas,
+                "first_e2e_s": warm.e2e_s,
+                "tokens": again.completion_tokens,
+                "generation_tps": again.generation_tps,
+                "e2e_s": again.e2e_s,
+            }
+        )
+        rate = "-" if again.generation_tps is None else f"{again.generation_tps:.1f}"
+        say(
+            f"{condition.name}: up in {server.startup_s:.0f} s, OpenBLAS mapped: {server.openblas}, warm-up "
+            f"{again.completion_tokens} tokens at {rate} tokens/s"
+        )
+
+        def converse(conversation: Conversation, workload: str, turns: int) -> list[dict]:
+            replies: list[str] = []
+            for turn in range(turns):
+                messages = conversation.messages(replies)
+                reply = ask(client, condition, messages, args.max_tokens)
+                replies.append(reply.text)
+                write(row(condition, repeat, workload, conversation.id, turn + 1, reply))
+                say(f"  {workload} {conversation.id} turn {turn + 1}: {describe(reply)}")
+            return conversation.messages(replies[:1])
+
+        second = None
+        for conversation in edit:
+            messages = converse(conversation, "edit", len(conversation.turns))
+            if ttft is not None and conversation.id == ttft.id:
+                second = messages
+        if ttft is not None:
+            if second is None:  # not among the edit conversations of this run: turns 1 and 2 for it alone
+                second = converse(ttft, "ttft", 2)
+            reply = ask(client, condition, cold(second), args.max_tokens, first_only=True)
+            write(row(condition, repeat, "ttft-cold", ttft.id, 2, reply))
+            say(f"  cold read of {ttft.id} turn 2: {describe(reply)}")
+        for item, text in chat:
+            reply = ask(client, condition, [{"role": "user", "content": text}], args.max_tokens)
+            write(row(condition, repeat, "chat", item, 1, reply))
+            say(f"  chat {item}: {describe(reply)}")
+
+
+def describe(reply: Reply) -> str:
+    out = f"TTFT {fmt(reply.ttft_s, '.2f')} s"
+    if reply.usage:  # a stream closed at its first token has none
+        out += f", {reply.completion_tokens} tokens"
+        if reply.generation_tps:
+            out += f" at {reply.generation_tps:.1f}/s"
+        cached = (reply.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        out += f", {cached} of {reply.usage.get('prompt_tokens')} prompt tokens cached"
+    out += f", {reply.e2e_s:.1f} s end to end"
+    if reply.speculative and reply.speculative.get("acceptance_rate") is not None:
+        out += f", α {reply.speculative['acceptance_rate']:.2f}"
+    return out
+
+
+def say(text: str) -> None:
+    print(f"[serve] {text}", file=sys.stderr, flush=True)
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+# --- the summary (from rows alone) ------------------------------------------------------------------------------
+Key = tuple[str, str, int]  # (workload, item, turn)
+
+
+def medians(rows: Iterable[dict]) -> dict[str, dict[Key, dict]]:
+    """Per condition and (workload, item, turn): medians over repeats of the timings; the text of every repeat."""
+    groups: dict[str, dict[Key, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.get("kind") == "turn":
+            groups[r["condition"]][(r["workload"], r["item"], r["turn"])].append(r)
+    out: dict[str, dict[Key, dict]] = {}
+    for condition, keys in groups.items():
+        out[condition] = {}
+        for key, reps in keys.items():
+            m = {
+                name: _median([r[name] for r in reps])
+                for name in ("ttft_s", "generation_s", "e2e_s", "completion_tokens", "cached_tokens", "prompt_tokens")
+            }
+            m["drafted"] = sum(r["drafted"] or 0 for r in reps)
+            m["accepted"] = sum(r["accepted"] or 0 for r in reps)
+            m["texts"] = {r["repeat"]: r["text"] for r in reps}
+            out[condition][key] = m
+    return out
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def select(table: dict[Key, dict], workload: str, turns: Iterable[int] | None = None) -> dict[Key, dict]:
+    turns = None if turns is None else set(turns)
+    return {k: v for k, v in table.items() if k[0] == workload and (turns is None or k[2] in turns)}
+
+
+def pooled_tps(table: dict[Key, dict], keys: Iterable[Key]) -> float | None:
+    """Σ (tokens - 1) ÷ Σ generation time over `keys`: turns that wrote one token or none count nowhere."""
+    tokens = seconds = 0.0
+    for k in keys:
+        m = table.get(k)
+        if m and m["completion_tokens"] and m["completion_tokens"] > 1 and m["generation_s"]:
+            tokens += m["completion_tokens"] - 1
+            seconds += m["generation_s"]
+    return tokens / seconds if seconds else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None, str, bool | None]]:
+    """(what, measured, goal, met) for the issue's targets, per uag speculative condition."""
+    out = []
+    alone = tables.get("mlx_lm", {})
+    drafts = {name: t for name, t in tables.items() if name.startswith("mlx_lm:draft")}
+    ups = [name for name in tables if name.startswith("uag:") and name != "uag:off"]
+    off = tables.get("uag:off")
+
+    def goal(what: str, value: float | None, bound: float, at_most: bool = False) -> None:
+        met = None if value is None else (value <= bound if at_most else value >= bound)
+        out.append((what, value, f"{'<=' if at_most else '>='} {bound:g}x", met))
+
+    for name in ups:
+        table = tables[name]
+        later = select(table, "edit", (2, 3))
+        if alone:
+            keys = later.keys() & select(alone, "edit", (2, 3)).keys()
+            goal(
+                f"edit turns 2-3 tokens/s, {name} / mlx_lm",
+                ratio(pooled_tps(table, keys), pooled_tps(alone, keys)),
+                SPECULATIVE_GOALS["tps_alone"],
+            )
+        if drafts:
+            rates = {d: pooled_tps(t, later.keys() & select(t, "edit", (2, 3)).keys()) for d, t in drafts.items()}
+            best = max(rates, key=lambda d: rates[d] or 0)
+            keys = later.keys() & select(drafts[best], "edit", (2, 3)).keys()
+            goal(
+                f"edit turns 2-3 tokens/s, {name} / {best} (its best N)",
+                ratio(pooled_tps(table, keys), pooled_tps(drafts[best], keys)),
+                SPECULATIVE_GOALS["tps_draft"],
+            )
+        if alone:
+            per_turn = [ratio(alone[k]["e2e_s"], later[k]["e2e_s"]) for k in later.keys() & alone.keys()]
+            goal(
+                f"edit turns 2-3 end to end per turn (median), mlx_lm / {name}",
+                _median(per_turn),
+                SPECULATIVE_GOALS["e2e_alone"],
+            )
+            chat = select(table, "chat").keys() & select(alone, "chat").keys()
+            goal(
+                f"chat tokens/s pooled, {name} / mlx_lm",
+                ratio(pooled_tps(table, chat), pooled_tps(alone, chat)),
+                SPECULATIVE_GOALS["chat"],
+            )
+    if off is not None and alone:
+        keys = {k for k in off.keys() & alone.keys() if k[0] in ("edit", "chat")}
+        goal(
+            "speculation off tokens/s pooled (edit and chat), uag:off / mlx_lm",
+            ratio(pooled_tps(off, keys), pooled_tps(alone, keys)),
+            SPECULATIVE_GOALS["off"],
+        )
+    for name, table in tables.items():
+        for (workload, item, turn), warm in table.items():
+            cold_read = table.get(("ttft-cold", item, 2))
+            if workload not in ("edit", "ttft") or turn != 2 or cold_read is None:
+                continue
+            what = f"turn-2 TTFT warm / cold ({item}, {fmt(warm['prompt_tokens'], '.0f')} tokens), {name}"
+            value = ratio(warm["ttft_s"], cold_read["ttft_s"])
+            if name.startswith("uag"):
+                goal(what, value, SPECULATIVE_GOALS["ttft"], at_most=True)
+            else:
+                out.append((what, value, "(peer)", None))
+    return out
+
+
+def lossless(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, int, int]]:
+    """(comparison, turns equal, turns compared): each uag speculative condition against uag:off, turn by turn
+    and repeat by repeat; then mlx_lm's conditions against uag:off, for information."""
+    off = tables.get("uag:off")
+    if off is None:
+        return []
+    out = []
+    for name, table in tables.items():
+        if name == "uag:off":
+            continue
+        same = total = 0
+        for key, m in table.items():
+            if key[0] == "ttft-cold" or key not in off:
+                continue
+            for repeat, text in m["texts"].items():
+                if repeat in off[key]["texts"]:
+                    total += 1
+                    same += text == off[key]["texts"][repeat]
+        out.append((name, same, total))
+    return out
+
+
+def summary(rows: list[dict]) -> str:
+    tables = medians(rows)
+    meta = next((r for r in rows if r.get("kind") == "meta"), {})
+    lines = [
+        f"uag serve vs mlx_lm.server — {meta.get('date', '?')}, {meta.get('machine', '?')}, target "
+        f"{meta.get('target', '?')}, {meta.get('max_tokens', '?')} max tokens, "
+        f"repeats: {meta.get('repeats', '?')} (medians)"
+    ]
+    columns = (
+        ("condition", 26),
+        ("workload", 12),
+        ("turns", 6),
+        ("TTFT s", 9),
+        ("tokens/s", 10),
+        ("e2e s", 9),
+        ("α", 7),
+        ("cached", 9),
+    )
+    header = "".join(name.ljust(width) if i < 2 else name.rjust(width) for i, (name, width) in enumerate(columns))
+    lines += ["", header, "-" * len(header)]
+    for name, table in tables.items():
+        for label, part in (
+            ("edit t1", select(table, "edit", (1,))),
+            ("edit t2-3", select(table, "edit", (2, 3))),
+            ("chat", select(table, "chat")),
+        ):
+            if not part:
+                continue
+            drafted = sum(m["drafted"] for m in part.values())
+            alpha = sum(m["accepted"] for m in part.values()) / drafted if drafted else None
+            cells = (
+                name,
+                label,
+                str(len(part)),
+                fmt(_median([m["ttft_s"] for m in part.values()]), ".2f"),
+                fmt(pooled_tps(table, part), ".2f"),
+                fmt(_median([m["e2e_s"] for m in part.values()]), ".1f"),
+                fmt(alpha, ".2f"),
+                fmt(_median([m["cached_tokens"] for m in part.values()]), ".0f"),
+            )
+            lines.append(
+                "".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, columns)))
+            )
+    lines += [
+        "",
+        "TTFT, e2e: medians over turns; tokens/s: pooled, Σ(tokens - 1) / Σ(first to last token); "
+        "cached: median cached prompt tokens",
+        "",
+    ]
+    for what, value, goal, met in targets(tables):
+        verdict = "" if goal == "(peer)" else "not measured" if met is None else "met" if met else "NOT met"
+        measured = "-" if value is None else f"{value:.2f}x"
+        lines.append(f"{what:<86}{measured:>9}  {goal:<9} {verdict}")
+    for name, same, total in lossless(tables):
+        if name.startswith("uag:"):
+            what, verdict = f"lossless: {name} text == uag:off text", "met" if same == total and total else "NOT met"
+        else:
+            what, verdict = f"for information: {name} text == uag:off text", ""
+        lines.append(f"{what:<86}{f'{same}/{total}':>9}  {'all' if verdict else '':<9} {verdict}")
+    return "\n".join(lines)
+
+
+def version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# --- main --------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="demo-target", help="an offline name, a folder or a hub id")
+    parser.add_argument(
+        "--drafters",
+        nargs="+",
+        help="uag's drafters, each a condition under auto (default: "
+        "lookup+demo-drafter, and lookup+coder-drafter for coder-target)",
+    )
+    parser.add_argument(
+        "--peer-draft",
+        help="mlx_lm.server's --draft-model: a same-vocabulary model (default: "
+        "coder-drafter for coder-target, none otherwise; 'none' to leave it out)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens", type=int, nargs="+", default=[2, 3, 4], help="mlx_lm.server's N, each a condition"
+    )
+    parser.add_argument("--conversations", type=int, default=2, help="edit conversations (three turns each)")
+    parser.add_argument("--chat-prompts", type=int, default=2, help="open chat prompts per language (Polish, English)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--ttft-conversation", default=DEFAULT_TTFT_CONVERSATION, help="'' to skip the cold read")
+    parser.add_argument("--only", nargs="+", help="run only these conditions, e.g. uag:off mlx_lm")
+    parser.add_argument("--out", help="the rows, one JSON object per line (default serve-<date-time>.jsonl)")
+    parser.add_argument("--summarize", metavar="ROWS", help="print the summary of a rows file and exit")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
+        print(summary(rows))
+        return 0
+    coder = args.target == "coder-target"
+    if args.drafters is None:
+        args.drafters = ["lookup+demo-drafter", "lookup+coder-drafter"] if coder else ["lookup+demo-drafter"]
+    if args.peer_draft is None:
+        args.peer_draft = "coder-drafter" if coder else None
+    elif args.peer_draft.lower() == "none":
+        args.peer_draft = None
+    bad = [
+        f"--{n.replace('_', '-')} must be at least {lo}"
+        for n, lo in (("conversations", 0), ("chat_prompts", 0), ("max_tokens", 2), ("repeats", 1))
+        if getattr(args, n) < lo
+    ]
+    bad += [f"--num-draft-tokens {n}: mlx_lm.server drafts 1 or more" for n in args.num_draft_tokens if n < 1]
+    if bad:
+        parser.error("; ".join(bad))
+    edit = load_conversations("edit", args.conversations) if args.conversations else []
+    ttft = None
+    if args.ttft_conversation:
+        found = [c for c in load_conversations("edit") if c.id == args.ttft_conversation]
+        if not found:
+            parser.error(f"--ttft-conversation: no conversation {args.ttft_conversation!r} in the edit set")
+        ttft = found[0]
+    chat = chat_prompts(args.chat_prompts)
+    conds = conditions(args)
+    out = Path(args.out or f"serve-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
+    logs = out.with_suffix(".logs")
+
+    from uag.machine import backend, blas, device_name
+
+    meta = {
+        "kind": "meta",
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "machine": device_name(),
+        "backend": backend(),
+        "blas": blas(),
+        "cpus": os.cpu_count(),
+        "target": args.target,
+        "target_folder": folder(args.target),
+        "peer_draft": args.peer_draft,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "conversations": [c.id for c in edit],
+        "chat": [i for i, _ in chat],
+        "ttft_conversation": ttft.id if ttft else None,
+        "conditions": [{"name": c.name, "argv": list(c.argv), "extra_body": c.extra_body} for c in conds],
+        "versions": {p: version(p) for p in ("mlx", "mlx-lm", "openai", "uag")},
+    }
+    rows = [meta]
+    with out.open("w") as f:
+
+        def write(r: dict) -> None:
+            rows.append(r)
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.flush()
+
+        f.write(json.dumps(meta, ensure_ascii=False) + "\n")
+        for repeat in range(args.repeats):
+            shift = repeat % len(conds)
+            for condition in conds[shift:] + conds[:shift]:
+                session(condition, repeat, args, edit, ttft, chat, logs, write)
+    say(f"rows in {out}, server logs in {logs}/")
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""`uag serve` in-process on a free port (uvicorn in a thread), for the server tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tests.support.app_server import free_port
+
+
+def serve_args(*argv: str):
+    """The parsed `uag serve` command line and its checked options."""
+    from uag.server.main import build_parser, options
+
+    args = build_parser().parse_args(list(argv))
+    return args, options(args)
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """`app` at http://127.0.0.1:<free port> while the block runs."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="uag-serve-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,257 @@
+"""The server's pure parts: request checks, tool-call parsing, stop sequences, SSE framing, the cache LRU."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from uag.runtime.prompt_cache import ConversationCaches
+from uag.server.chat import ToolHold, fits, parse_tool_calls
+from uag.server.protocol import APIError, ServerDefaults, parse_chat, parse_completion
+from uag.server.streaming import ReplyText, StopText, sse
+
+DEFAULTS = ServerDefaults(model="demo-target", drafter="lookup+demo-drafter", k=8, drafters=("lookup",))
+HI = [{"role": "user", "content": "Hi"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def chat(**fields):
+    return parse_chat({"model": "demo-target", "messages": HI, **fields}, DEFAULTS)
+
+
+def test_a_plain_request_takes_the_servers_defaults():
+    request = chat()
+    assert request.drafter == "lookup+demo-drafter"
+    assert (request.config.strategy, request.config.k, request.config.temperature) == ("auto", 8, 0.0)
+    assert request.config.max_tokens == DEFAULTS.max_tokens and not request.config.chat
+
+
+def test_max_completion_tokens_supersedes_max_tokens():
+    assert chat(max_tokens=5, max_completion_tokens=7).config.max_tokens == 7
+    assert chat(max_tokens=5).config.max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("speculative", "drafter", "strategy", "k"),
+    [
+        (False, None, "baseline", None),
+        (True, "lookup+demo-drafter", "auto", 8),
+        ({"drafter": "lookup", "k": 4}, "lookup", "auto", 4),
+        ({"strategy": "context", "k": 2}, "lookup+demo-drafter", "context", 2),
+    ],
+)
+def test_speculative_narrows_the_defaults(speculative, drafter, strategy, k):
+    request = chat(speculative=speculative)
+    assert (request.drafter, request.config.strategy) == (drafter, strategy)
+    if k is not None:
+        assert request.config.k == k
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "param", "words"),
+    [
+        ({"n": 2}, 400, "n", "n must be 1"),
+        ({"top_p": 0.5}, 400, "top_p", "top_p must be 1"),
+        ({"temperature": 3}, 400, "temperature", "from 0 to 2"),
+        ({"temperature": "hot"}, 400, "temperature", "must be a number"),
+        ({"seed": -1}, 400, "seed", "from 0 to"),
+        ({"max_tokens": 0}, 400, "max_tokens", "from 1"),
+        ({"max_tokens": 10**6}, 400, "max_tokens", "max tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "1 to 4"),
+        ({"stop": [""]}, 400, "stop", "cannot be empty"),
+        ({"stream": "yes"}, 400, "stream", "true or false"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when stream"),
+        ({"logprobs": True}, 400, "logprobs", "does not support logprobs"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty", "does not support"),
+        ({"frobnicate": 1}, 400, "frobnicate", "unrecognized"),
+        ({"model": "gpt-4"}, 404, "model", "does not exist"),
+        ({"messages": []}, 400, "messages", "at least one message"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "must be one of"),
+        ({"messages": [{"role": "user"}]}, 400, "messages[0].content", "required"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content", "text"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content", "UTF-8"),
+        ({"speculative": {"drafter": "org/other"}}, 400, "speculative", "not served here"),
+        ({"speculative": {"k": 9}}, 400, "speculative", "from 1 to 8"),
+        ({"speculative": {"strategy": "baseline"}}, 400, "speculative", 'speculative": false'),
+        ({"speculative": {"drafter": "lookup", "speed": 2}}, 400, "speculative", "unknown key"),
+        ({"speculative": "fast"}, 400, "speculative", "must be false, true or an object"),
+        ({"tools": [{"type": "function"}]}, 400, "tools[0]", "function"),
+        ({"tool_choice": "required"}, 400, "tool_choice", "auto"),
+    ],
+)
+def test_bad_fields_are_one_clear_error(fields, status, param, words):
+    with pytest.raises(APIError) as caught:
+        chat(**fields)
+    err = caught.value
+    assert (err.status, err.param) == (status, param)
+    assert words in err.message and "\n" not in err.message
+    for python in ("Traceback", "float", "NoneType", "dict", "str object", "/work/"):
+        assert python not in err.message
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completions_take_one_prompt_string():
+    request = parse_completion({"model": "demo-target", "prompt": ["Ala"], "max_tokens": 3}, DEFAULTS)
+    assert (request.prompt, request.config.max_tokens) == ("Ala", 3)
+    with pytest.raises(APIError, match="one string"):
+        parse_completion({"model": "demo-target", "prompt": ["a", "b"]}, DEFAULTS)
+    with pytest.raises(APIError, match="unrecognized"):
+        parse_completion({"model": "demo-target", "prompt": "a", "messages": HI}, DEFAULTS)
+
+
+def test_assistant_tool_calls_reach_the_template_as_objects():
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12 C"}]  # fmt: skip
+    request = chat(messages=messages, tools=[WEATHER])
+    assert request.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert request.messages[2] == {"role": "tool", "content": "12 C", "tool_call_id": "c1"}
+
+
+# --- tool calls ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}',  # unterminated at EOS
+        '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```',
+        '  {"name": "get_weather", "arguments": {"city": "Oslo"}}\n',
+    ],
+)
+def test_tool_calls_are_found_in_both_shapes(text):
+    reply = parse_tool_calls(text, [WEATHER])
+    assert reply is not None and reply.content is None
+    (call,) = reply.calls
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert call["id"].startswith("call_") and call["type"] == "function"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '```json\n{"name": "get_time", "arguments": {}}\n```',  # not a declared tool
+        '```json\n{"name": "get_weather", "arguments": {"town": "Oslo"}}\n```',  # does not fit the schema
+        '```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "K"}}\n```',  # not in the enum
+        'Here: {"name": "get_weather", "arguments": {"city": "Oslo"}}',  # not the whole reply
+        '```json\n[{"name": "get_weather", "arguments": {"city": "Oslo"}}]\n```',  # not one object
+        "<tool_call>not json</tool_call>",
+        "The weather is fine.",
+    ],
+)
+def test_other_text_stays_text(text):
+    assert parse_tool_calls(text, [WEATHER]) is None
+
+
+def test_text_before_a_tagged_call_is_content():
+    reply = parse_tool_calls('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                             "</tool_call>", [WEATHER])  # fmt: skip
+    assert reply.content == "Let me check." and len(reply.calls) == 1
+
+
+def test_no_tools_no_calls():
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>', []) is None
+
+
+def test_schema_fit():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "xs": {"type": "array", "items": {"type":
+              "string"}}}, "required": ["n"]}  # fmt: skip
+    assert fits({"n": 1, "xs": ["a"]}, schema)
+    assert not fits({"n": True}, schema) and not fits({"n": 1, "xs": [1]}, schema) and not fits({}, schema)
+
+
+def test_tool_hold_sends_text_but_holds_what_may_be_a_call():
+    hold = ToolHold([WEATHER])
+    assert hold.feed("Sure") == "Sure"
+    assert hold.feed(" <tool_") == " "
+    assert hold.feed('call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>') == ""
+    tail, calls = hold.finish()
+    assert tail == "" and calls[0]["function"]["name"] == "get_weather"
+
+
+def test_tool_hold_releases_json_that_is_no_call():
+    hold = ToolHold([WEATHER])
+    assert hold.feed('{"a": ') == ""  # may be a bare call: held
+    assert hold.feed("1}") == ""
+    assert hold.finish() == ('{"a": 1}', None)
+
+
+# --- stop sequences and framing ------------------------------------------------------------------------------------
+def test_stop_text_never_sends_a_stop_sequence():
+    stop = StopText(["END", "\n\n"])
+    assert stop.feed("abc E") == ("abc ", False)
+    assert stop.feed("N") == ("", False)
+    assert stop.feed("D more") == ("", True)
+    assert stop.text == "abc "
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+def test_stop_text_is_the_same_however_the_text_is_split(cut):
+    text = "Ala ma kota\n\nA kot ma Alę"
+    out = ReplyText(stops=["\n\n"])
+    first, stopped = out.feed(text[:cut])
+    second, stopped = out.feed(text[cut:]) if not stopped else ("", True)
+    assert first + second == "Ala ma kota" and stopped
+
+
+def test_sse_frames_compact_utf8_json():
+    assert sse({"a": "ę"}) == 'data: {"a":"ę"}\n\n'.encode()
+
+
+# --- the conversation caches ---------------------------------------------------------------------------------------
+@dataclass
+class Held:
+    target_ids: list[int]
+    size: int = 10
+    extra: list = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        return self.size
+
+
+def test_the_longest_shared_prefix_wins_and_leaves_the_lru():
+    lru = ConversationCaches(max_bytes=100)
+    a, b = Held([1, 2, 3]), Held([1, 9, 9])
+    lru.put("t", a)
+    lru.put("t", b)
+    assert lru.take("t", [1, 2, 3, 4]) is a
+    assert lru.take("t", [1, 2, 3, 4]) is None  # taken: no two runs share it
+    assert lru.take("other", [1, 9, 9]) is None and lru.take("t", [1, 9, 9]) is b
+
+
+def test_another_conversation_does_not_take_a_cache_it_shares_little_with():
+    lru = ConversationCaches(max_bytes=100)
+    held = Held([1, 2, 3, 4, 5, 6])
+    lru.put("t", held)
+    assert lru.take("t", [1, 2, 7]) is None
+    assert lru.take("t", [1, 2, 3]) is held  # a retried turn: its prompt is held
+
+
+def test_the_least_recent_entries_go_beyond_the_budget():
+    lru = ConversationCaches(max_bytes=25)
+    first, second, third = Held([1], 10), Held([2], 10), Held([3], 10)
+    for held in (first, second, third):
+        lru.put("t", held)
+    assert len(lru) == 2 and lru.evictions == 1
+    assert lru.take("t", [1, 5]) is None and lru.take("t", [3, 5]) is third
+    lru.put("t", Held([4], 30))  # larger than the whole budget: not kept
+    assert lru.take("t", [4, 5]) is None
+
+
+def test_forgetting_a_model_drops_its_entries():
+    lru = ConversationCaches(max_bytes=100)
+    lru.put("demo-target", Held([1, 2]))
+    lru.forget("demo-target")
+    assert len(lru) == 0

@@ -1,0 +1,206 @@
+"""`uag serve` (or `python -m uag serve`): an OpenAI-compatible server that speculates across tokenizers.
+
+    python -m uag serve                                             # demo pair, http://127.0.0.1:8000/v1
+    python -m uag serve --target coder-target --drafter lookup+demo-drafter --drafters lookup,coder-drafter
+    UAG_API_KEY=secret python -m uag serve --host 0.0.0.0           # beyond loopback a key is required
+
+The app (Compare, and a Server tab with what the API served) is mounted at /ui on the same port, on the same
+MLX worker and model store; `--no-ui` serves only the API. Options are checked by the same code as the CLI's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from typing import Any
+
+from uag.command import CommandParser, literal, run, whole
+from uag.core.config import MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig
+from uag.core.translate import DEFAULT_WINDOW
+from uag.errors import InputError, UserError
+from uag.runtime.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT
+from uag.runtime.presets import DEFAULT
+from uag.runtime.prompt_cache import DEFAULT_CACHE_GB
+
+KEY_ENV = "UAG_API_KEY"
+DEFAULT_PORT = 8000
+DEFAULT_K = 8
+SERVE_MAX_TOKENS = 512  # per request unless it asks (uag generate's default, 64, is short for a chat reply)
+DEFAULT_MAX_MODELS = 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CommandParser(prog="python -m uag serve", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=DEFAULT.target, help=f"hub id, local folder or offline name ({DEFAULT.target})")
+    p.add_argument(
+        "--drafter",
+        default=DEFAULT.drafter,
+        help=f"the default drafter: a model, lookup or lookup+<model>; 'off' for the target alone ({DEFAULT.drafter})",
+    )
+    p.add_argument("--drafters", default="lookup", help="comma-separated drafters a request may pick besides "
+                   "--drafter (default: lookup)")  # fmt: skip
+    p.add_argument("--strategy", default="auto", help=f"{' / '.join(SPECULATIVE)} (default auto)")
+    p.add_argument("-k", default=str(DEFAULT_K), help=f"draft length, 1..{MAX_K}: the most a request may ask for "
+                   f"(default {DEFAULT_K})")  # fmt: skip
+    p.add_argument(
+        "--window", default=str(DEFAULT_WINDOW), help=f"translation context window (default {DEFAULT_WINDOW})"
+    )
+    p.add_argument("--max-tokens", default=str(SERVE_MAX_TOKENS), help="tokens a request generates unless it says "
+                   f"(default {SERVE_MAX_TOKENS})")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=whole, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--api-key", help=f"require this key (Authorization: Bearer KEY); prefer ${KEY_ENV}, which "
+                   "other users of this machine cannot read in the process list")  # fmt: skip
+    p.add_argument("--cache-gb", type=float, default=DEFAULT_CACHE_GB, help="KV caches of recent conversations "
+                   f"kept for their next turn, in GB (default {DEFAULT_CACHE_GB:g}; 0: off)")  # fmt: skip
+    p.add_argument("--max-queue", type=whole, default=8, help="requests queued or running at once; then 429")
+    p.add_argument("--per-client", type=whole, default=DEFAULT_PER_CLIENT, help="requests one client may have "
+                   f"queued or running (default {DEFAULT_PER_CLIENT})")  # fmt: skip
+    p.add_argument("--time-budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+                   help=f"generation time per request (default {DEFAULT_BUDGET_S:g}), then finish_reason "
+                   "length")  # fmt: skip
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default 4)")
+    p.add_argument("--max-models", type=whole, default=DEFAULT_MAX_MODELS, help="models kept loaded (default 4)")
+    p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
+    return p
+
+
+def options(args: argparse.Namespace) -> dict[str, Any]:
+    """The server's checked settings; InputError naming every bad flag."""
+    problems = []
+    drafter = None if args.drafter.strip().lower() == "off" else args.drafter
+    fields = {"strategy": args.strategy, "k": literal(args.k), "window": literal(args.window),
+              "max_tokens": literal(args.max_tokens)}  # fmt: skip
+    for name, value in fields.items():
+        try:
+            GenerationConfig.parse(**{name: value})
+        except InputError as err:
+            problems.append(f"{'-k' if name == 'k' else '--' + name.replace('_', '-')}: {err}")
+    if args.strategy not in SPECULATIVE:
+        problems.append(f"--strategy: one of {', '.join(SPECULATIVE)} (for the target alone: --drafter off)")
+    drafters = []
+    for text in ([drafter] if drafter else []) + [d for d in args.drafters.split(",") if d.strip()]:
+        try:
+            drafters.append(str(DrafterSpec.parse(text)))
+        except InputError as err:
+            problems.append(f"--drafters: {err}")
+    for flag, value, lo in (("--max-queue", args.max_queue, 1), ("--per-client", args.per_client, 1),
+                            ("--max-models", args.max_models, 2)):  # fmt: skip
+        if value < lo:
+            problems.append(f"{flag} must be at least {lo} (got {value})")
+    for flag, value in (("--time-budget", args.time_budget), ("--max-body-mb", args.max_body_mb)):
+        if not value > 0:
+            problems.append(f"{flag} must be more than 0 (got {value:g})")
+    if not args.cache_gb >= 0:
+        problems.append(f"--cache-gb must be at least 0 (got {args.cache_gb:g})")
+    key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
+    if key is not None and not key.strip():
+        problems.append("--api-key is empty")
+    if key is None and not _loopback(args.host):
+        problems.append(f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key) so that only "
+                        "clients with the key can run models")  # fmt: skip
+    if problems:
+        raise InputError("; ".join(problems))
+    config = GenerationConfig.parse(**fields)
+    return {"config": config, "drafter": drafters[0] if drafter else None, "drafters": tuple(drafters), "key": key}
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=None, stream=None):
+    """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service)."""
+    from uag.models.store import ModelStore
+    from uag.runtime.jobs import JobRunner
+    from uag.runtime.worker import MLXWorker
+    from uag.server.app import create_app
+    from uag.server.protocol import ServerDefaults
+    from uag.server.service import Service
+
+    store = store or ModelStore(max_models=args.max_models)
+    worker = worker or MLXWorker()
+    config = opts["config"]
+    defaults = ServerDefaults(
+        model=args.target, drafter=opts["drafter"], strategy=config.strategy, k=config.k, window=config.window,
+        max_tokens=config.max_tokens, drafters=opts["drafters"],
+    )  # fmt: skip
+    session = None
+    if args.no_ui:
+        runner = JobRunner(worker, per_client=args.per_client, budget_s=args.time_budget)
+    else:
+        from uag.app.session import Session
+
+        session = Session(store, worker, target=args.target, drafter=opts["drafter"] or "lookup",
+                          per_client=args.per_client, budget_s=args.time_budget)  # fmt: skip
+        runner = session.runner  # one per-client count for the app's runs and the API's
+    service = Service(store, runner, defaults, target=args.target, cache_bytes=args.cache_gb * 1e9, stream=stream)
+    app = create_app(service, api_key=opts["key"], max_body=int(args.max_body_mb * 2**20), max_queue=args.max_queue)
+    if session is not None:
+        _mount_ui(app, session, service, opts["key"])
+    return app, service
+
+
+def _mount_ui(app, session, service, key: str | None) -> None:
+    """The app at /ui (behind the API key, as its password, when there is one); / sends a browser there."""
+    import hmac
+
+    import gradio as gr
+    from fastapi.responses import RedirectResponse
+
+    from uag.app.ui import STYLE, THEME, build
+    from uag.server.dashboard import add_server_tab
+
+    demo = build(session)
+    add_server_tab(demo, service)
+    auth = None if key is None else (lambda _user, password: hmac.compare_digest(password.encode(), key.encode()))
+    app.add_api_route("/", lambda: RedirectResponse("/ui/"), include_in_schema=False)
+    gr.mount_gradio_app(
+        app, demo, path="/ui", auth=auth, auth_message="uag serve: any user name, the server's API key as password",
+        theme=THEME, css_paths=[STYLE] if STYLE.exists() else None,
+        ssr_mode=False,
+    )  # fmt: skip
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    opts = options(args)
+    if _port_taken(args.host, args.port):
+        raise UserError(f"port {args.port} on {args.host} is taken: use --port")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[uag] %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("uag").addHandler(handler)
+    logging.getLogger("uag").setLevel(logging.INFO)
+    app, service = build(args, opts)
+    service.preload()
+    where = f"http://{args.host}:{args.port}"
+    print(f"[uag] serving {args.target} at {where}/v1" + ("" if args.no_ui else f", the app at {where}/ui"),
+          file=sys.stderr)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether this address cannot be bound (taken, or not this machine's)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run("python -m uag serve", lambda: serve(args))

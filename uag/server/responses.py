@@ -1,0 +1,122 @@
+"""OpenAI's response objects for uag: a whole answer, the streamed chunks, and the `usage`, `speculative` and
+`timings` blocks that say what one run did. Pure: no mlx, no HTTP; requests are checked in uag.server.protocol.
+
+    report(run, completion_tokens=41, cached_tokens=0, drafter="lookup", step=StepTime(100.0, "calibration"))
+        -> {"usage": {…}, "speculative": {"drafter": "lookup", "estimated_speedup": …, …}, "timings": {…}}
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+
+# --- responses ---------------------------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def chat_response(
+    rid: str, created: int, model: str, text: str | None, finish: str, report: dict, tool_calls: list | None = None
+) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+            **report}  # fmt: skip
+
+
+def completion_response(rid: str, created: int, model: str, text: str, finish: str, report: dict) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+            **report}  # fmt: skip
+
+
+def chunk(kind: str, rid: str, created: int, model: str, delta: dict | str | None, finish: str | None = None) -> dict:
+    """One streamed chunk: a chat delta ({"content": …}) or a completion's text, with `usage: null`."""
+    if kind == "chat":
+        choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": None}
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, report: dict) -> dict:
+    """The last chunk with `stream_options.include_usage`: no choices, the usage (and uag's report)."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], **report}
+
+
+# --- what a run did ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepTime:
+    """The target's time per plain decode step on this machine, and where that figure comes from."""
+
+    ms: float
+    basis: str  # "calibration" (uag calibrate's profile) or "served" (this server's own runs of the target alone)
+
+
+def estimated_speedup(run: Any, step: StepTime | None) -> float | None:
+    """What the target alone would have taken for this run's tokens ÷ what the run took (generation only).
+
+    Example: 41 tokens after the prompt pass in 2.0 s, target step 100 ms -> 4.1 s / 2.0 s = 2.05
+    """
+    seconds, after = run.generation_s, run.generated - run.opening
+    if step is None or not seconds or after <= 0:
+        return None
+    return after * step.ms / 1000 / seconds
+
+
+def report(
+    run: Any, *, completion_tokens: int, cached_tokens: int, drafter: str | None, step: StepTime | None
+) -> dict[str, Any]:
+    """`usage` as OpenAI defines it, uag's `speculative` object and llama.cpp's `timings` for one run."""
+    prompt_tokens = len(run.prompt_ids)
+    drafting = [c for c in run.cycles if c.k > 0]
+    speedup = estimated_speedup(run, step) if drafter is not None else None
+    read = max(prompt_tokens - cached_tokens, 0)
+    generation_ms = (run.generation_s or 0.0) * 1000
+    return {
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        },
+        "speculative": {
+            "drafter": drafter,
+            "strategy": "baseline" if drafter is None else ("auto" if run.policy == "auto" else run.strategy),
+            "k": run.k if drafter is not None else 0,
+            "cycles": len(drafting),
+            "drafted_tokens": run.proposed,
+            "accepted_tokens": run.accepted,
+            "acceptance_rate": run.acceptance_rate,
+            "mean_accepted_length": run.accepted / len(drafting) if drafting else None,
+            "sources": run.sources() if drafter is not None else {},
+            "estimated_speedup": speedup,
+            "speedup_basis": None
+            if speedup is None
+            else f"an estimate: the target's {step.ms:.1f} ms per step on this machine ({step.basis}) × "
+            f"{run.generated - run.opening} tokens ÷ this run's generation time",
+        },
+        "timings": {
+            "cache_n": cached_tokens,
+            "prompt_n": read,
+            "prompt_ms": run.prompt_ms,
+            "prompt_per_second": read / (run.prompt_ms / 1000) if run.prompt_ms and read else None,
+            "predicted_n": run.generated,
+            "predicted_ms": generation_ms,
+            "predicted_per_second": run.tokens_per_second,
+            "draft_n": run.proposed,
+            "draft_n_accepted": run.accepted,
+        },
+    }
