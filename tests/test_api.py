@@ -44,6 +44,8 @@ def test_endpoint_defaults_are_the_apps(app_url):
         "temperature": 0.0,
         "seed": None,
         "chat": False,
+        "target_dtype": None,  # as stored: float32 for the offline models
+        "drafter_dtype": None,
     }
     assert len(info["named_endpoints"]["/compare"]["returns"]) == 4
 

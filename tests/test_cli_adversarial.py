@@ -136,7 +136,7 @@ def test_an_internal_error_is_not_blamed_on_the_user(tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(api, "generate", broken)
     monkeypatch.setattr(engine, "prompt_ids", lambda target, prompt, chat=False: [1, 2, 3])
-    monkeypatch.setattr("uag.core.loading.load_model", lambda store, name, role, progress=None: object())
+    monkeypatch.setattr("uag.core.loading.load_model", lambda store, name, role, progress=None, **options: object())
     assert cli.main(["generate", "--strategy", "baseline", "--json", "Ala"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("internal error: python -m uag generate failed"), err

@@ -23,11 +23,12 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import pandas as pd
 
-from uag import __version__, _blas
+from uag import _blas
 from uag.command import CommandParser, add_decoding_options, decoding_config, run, whole
 from uag.core.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig
 from uag.core.records import Run
@@ -141,7 +142,7 @@ def machine(target, drafter) -> Machine:
     return Machine(
         platform=platform.platform(),
         python=platform.python_version(),
-        uag_version=__version__,
+        uag_version=version("uag"),
         mlx_version=mx.__version__,
         device=str(mx.default_device()),
         backend=backend(),
