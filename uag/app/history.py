@@ -20,7 +20,8 @@ from uag.study.plots import STUDY_C, STUDY_R, speedup_vs_alpha
 from uag.study.runspec import short_name
 
 HISTORY_COLUMNS = (
-    "time", "prompt", "target", "drafter", "strategy", "k", "window", "max_tokens", "temperature", "seed", "chat",
+    "time", "prompt", "target", "drafter", "target_dtype", "drafter_dtype", "strategy", "k", "window", "max_tokens",
+    "temperature", "seed", "chat",
     "tokens", "alpha", "mean_accepted", "cycles", "tps", "tps_base", "speedup", "identical", "r", "group",
 )  # fmt: skip
 K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths the plot can draw S(α, k) for

@@ -1,7 +1,7 @@
 """Records of a generation run: per token, per cycle, per run. Standard library only.
 
 One family for baseline and speculative runs, so that every consumer (CLI, app, sweeps, analysis) reads
-the same numbers. Definitions (also in the README):
+the same numbers. Definitions (also in docs/how-it-works.md#metrics):
 
 - proposed: target tokens put up for verification (after translation), summed over cycles.
 - accepted: proposed tokens the target agreed with (the longest matching prefix of each proposal).

@@ -94,7 +94,7 @@ class LoadedModel:
 
 
 def default_dtype() -> str:
-    """The dtype the demo models run in, chosen by measurement (README, "Which dtype").
+    """The dtype the demo models run in, chosen by measurement (docs/benchmarks.md, "Which dtype").
 
     CPU: only float32 (with OpenBLAS) lets a k-token verification cost less than k decode steps;
     bf16 and quantized CPU kernels do not amortise. GPU (H100, MLX-CUDA): the demo models are so small
