@@ -80,7 +80,7 @@ def test_the_first_example_is_structured_and_runs_on_the_default_pair(app_url, p
     from uag.study.datasets import load_bundled
 
     page.goto(app_url)
-    assert page.get_by_label("Drafter").first.input_value() == DEFAULT.drafter
+    assert page.locator("#drafter textarea, #drafter input").first.input_value() == DEFAULT.drafter
     page.locator(".gallery-item").first.click()  # gr.Examples: a newcomer's first click
     expect(page.get_by_label("Prompt")).to_have_value(load_bundled("structured")[0].text)
     page.locator("input[aria-label='number input for Max tokens']").fill("16")

@@ -130,6 +130,7 @@ def _compare_tab(page: SimpleNamespace, session: Session) -> None:
             page.drafter = gr.Textbox(
                 defaults.drafter,
                 label="Drafter",
+                elem_id="drafter",
                 info="the model that drafts; lookup copies spans from the context; lookup+<model> both",
             )
             with gr.Row():  # the dtypes users run: mlx-lm's 8-/4-bit quantisation or a cast, converted once
