@@ -75,6 +75,19 @@ def whole(text: str) -> int:
     return value
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether this address cannot be bound (taken, or not this machine's): `uag app` and `uag serve` say so
+    in one line before starting instead of failing inside the web server."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def log_path() -> Path:
     from uag.machine import cache_dir
 

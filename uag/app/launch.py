@@ -7,13 +7,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
 from uag.app.session import Session
 from uag.app.ui import api_defaults, build, launch
-from uag.command import CommandParser, number, whole
+from uag.command import CommandParser, number, port_taken, whole
 from uag.errors import UserError
 from uag.models.store import ModelStore
 from uag.runtime.access import REMOTE_MODELS
@@ -92,15 +91,6 @@ def _auth(args: argparse.Namespace) -> tuple[str, str] | None:
     return user, password
 
 
-def _port_taken(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -114,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--max-models must be at least 2, a target and its drafter (got {args.max_models})")
         if args.per_client < 1 or args.time_budget <= 0:
             raise UserError("--per-client must be at least 1 and --time-budget more than 0")
-        if _port_taken(args.host, args.port):
+        if port_taken(args.host, args.port):
             raise UserError(f"port {args.port} is taken: use --port")
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

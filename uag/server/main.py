@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from uag.command import CommandParser, literal, run, whole
+from uag.command import CommandParser, literal, port_taken, run, whole
 from uag.core.config import MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig
 from uag.core.translate import DEFAULT_WINDOW
 from uag.errors import InputError, UserError
@@ -174,7 +174,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     opts = options(args)
-    if _port_taken(args.host, args.port):
+    if port_taken(args.host, args.port):
         raise UserError(f"port {args.port} on {args.host} is taken: use --port")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("[uag] %(levelname)s %(name)s: %(message)s"))
@@ -187,18 +187,6 @@ def serve(args: argparse.Namespace) -> int:
           file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
-
-
-def _port_taken(host: str, port: int) -> bool:
-    """Whether this address cannot be bound (taken, or not this machine's)."""
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def main(argv: list[str] | None = None) -> int:
