@@ -133,3 +133,57 @@ def test_a_calibration_times_what_a_run_spends(store, cache):
         assert all(curve[a] <= curve[b] for a, b in zip(widths, widths[1:]))
     assert result.key["method"] == METHOD and any("drafter step" in line for line in said)
     assert "drafter pass over n tokens: 1: " in calibration.summary(result)
+
+
+@pytest.mark.slow
+def test_auto_opens_from_the_pair_s_saved_evidence_and_saves_what_it_learned(demo_pair, cache, monkeypatch):
+    """Through the API (what the CLI and the app run): an auto run starts from what earlier runs of the pair
+    accepted on this machine, and leaves what it learned for the next one; evidence a caller passes is the
+    caller's to keep (the server keeps its own per pair)."""
+    import uag.api
+    from uag.core.config import GenerationConfig
+    from uag.core.drafters import DrafterChoice
+    from uag.study.pair_costs import evidence_key
+
+    target, _ = demo_pair
+    lookup = DrafterChoice(lookup=True)
+    key = evidence_key(target, lookup)
+    config = GenerationConfig(strategy="auto", k=4, max_tokens=12)
+    profile = CostProfile({w: 10.0 + w for w in range(1, 6)}, drafter_ms=0.0)
+    prompt = "one two three four five six. one two three four five six. one two three four five six. one two"
+    assert find_evidence(key) is None
+    run = uag.api.generate(target, lookup, prompt, config, profile=profile)
+    first = find_evidence(key)
+    assert run.proposed > 0 and sum(first.lookup.accepted) + sum(first.lookup.rejected) > 0
+
+    opened_with, kept = [], []
+    engine, keep = uag.api._stream, uag.api.keep_evidence
+    opening = lambda *a, **kw: opened_with.append((kw["evidence"], kw["evidence"].to_dict())) or engine(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(uag.api, "_stream", opening)
+    monkeypatch.setattr(uag.api, "keep_evidence", lambda *a: kept.append(a) or keep(*a))
+    events = uag.api.stream(target, lookup, prompt, config, profile=profile)
+    next(events)
+    events.close()  # stopped early: what it saw is still kept
+    evidence, as_opened = opened_with[0]
+    assert as_opened == first.to_dict() and kept == [(key, evidence)]
+
+    mine = Evidence()
+    before = evidence_path(key).read_text()
+    uag.api.generate(target, lookup, prompt, config, profile=profile, evidence=mine)
+    assert evidence_path(key).read_text() == before and sum(mine.lookup.accepted) > 0
+
+
+@pytest.mark.parametrize(("scale", "dropped"), [(0.3, True), (0.6, False), (1.0, False), (1.9, False), (2.5, True)])
+def test_a_profile_a_run_showed_stale_is_measured_again(cache, scale, dropped):
+    """A profile calibrated on a busier (or quieter) machine than this one now: removed after an auto run whose
+    own target passes ran at under half or over twice its times, so the next auto run measures again."""
+    from uag.study.pair_costs import drop_stale_profile
+
+    pair = fake_pair()
+    busy = CostProfile({1: 495.0, 2: 520.0}, drafter_ms=390.0)
+    save(Calibration(profile_key(pair), busy, "2026-11-25T04:38:47+00:00", 256))
+    evidence = Evidence()
+    evidence.scale = scale
+    assert drop_stale_profile(profile_key(pair), evidence) is dropped
+    assert (find_calibration(pair) is None) is dropped
+    assert drop_stale_profile(None, evidence) is False

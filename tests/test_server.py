@@ -210,6 +210,52 @@ def test_a_client_that_disconnects_frees_the_worker(served, client):
     assert say(client, PROMPT, max_tokens=2).choices[0].message.content
 
 
+def test_a_checked_request_is_compared_with_the_target_alone(client):
+    """`"check": true` runs the target alone too: in float32 the greedy outputs agree token for token."""
+    reply = say(
+        client, PROMPT, max_tokens=6, extra_body={"speculative": {"drafter": "lookup+demo-drafter", "check": True}}
+    )
+    check = reply.model_extra["speculative"]["check"]
+    assert check["kind"] == "identical" and check["position"] is None and check["message"] == ""
+    assert check["baseline_tokens_per_second"] > 0 and check["measured_speedup"] > 0
+
+
+def _perturbed_baseline(stream):
+    """The engine's stream, but the target alone's last token replaced (a mismatch the check must find)."""
+
+    def perturbed(target, choice, ids, config, **kw):
+        run = None
+        for event in stream(target, choice, ids, config, **kw):
+            run = event.run
+            yield event
+        if choice is None and run is not None and run.tokens:  # the record is complete once the stream ends
+            last = run.tokens[-1]
+            run.tokens[-1] = type(last)(last.id + 1, last.text, last.from_draft)
+
+    return perturbed
+
+
+@pytest.mark.parametrize("threshold, kind", [(None, "diverged"), (1e9, "diverged_near_tie")])
+def test_a_check_tells_a_near_tie_from_a_bug(served, client, monkeypatch, threshold, kind):
+    """An injected mismatch: at the target's real (clear) margin it is a bug, loud in the reply and on the Server
+    tab; where the dtype's rounding could reach that margin (an injected threshold) it is a near-tie."""
+    from uag.server.dashboard import server_view
+    from uag.study import divergence
+
+    service = served[1]
+    monkeypatch.setattr(service, "stream", _perturbed_baseline(service.stream))
+    if threshold is not None:
+        monkeypatch.setitem(divergence.NEAR_TIE_MARGIN, "float32", threshold)
+    reply = say(client, PROMPT, max_tokens=4, extra_body={"speculative": {"drafter": "lookup", "check": True}})
+    check = reply.model_extra["speculative"]["check"]
+    assert check["kind"] == kind and check["position"] == 3
+    assert check["step_margin"] is not None and check["pass_margin"] is not None
+    assert ("not a bug" in check["message"]) == (kind == "diverged_near_tie")
+    caption, frame, _ = server_view(service)
+    label = "near-tie (rounding)" if kind == "diverged_near_tie" else "MISMATCH (bug)"
+    assert frame["check"].iloc[0] == label and label in caption
+
+
 def test_the_server_tab_shows_what_was_served(served):
     from uag.server.dashboard import server_view
 
@@ -258,6 +304,8 @@ BAD = [  # (name, path, body (dict or raw bytes), headers, status)
     ("drafter not served", CHAT, {**GOOD, "speculative": {"drafter": "coder-drafter"}}, None, 400),
     ("k above the server's", CHAT, {**GOOD, "speculative": {"k": 20}}, None, 400),
     ("speculative a string", CHAT, {**GOOD, "speculative": "yes"}, None, 400),
+    ("check not a bool", CHAT, {**GOOD, "speculative": {"check": "yes"}}, None, 400),
+    ("check a sampled reply", CHAT, {**GOOD, "temperature": 0.7, "speculative": {"check": True}}, None, 400),
     (
         "tools with no template support",
         CHAT,
@@ -366,7 +414,7 @@ def test_the_documented_examples_run_verbatim(served):
     port = url.rsplit(":", 1)[1]
     doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
     blocks = re.findall(r"```(sh|python) server-example\n(.*?)```", doc, re.S)
-    assert [kind for kind, _ in blocks] == ["sh", "python"]
+    assert [kind for kind, _ in blocks] == ["sh", "python", "python"]
     env = {**os.environ, "UAG_API_KEY": KEY}
     for kind, code in blocks:
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
@@ -376,5 +424,7 @@ def test_the_documented_examples_run_verbatim(served):
         if kind == "sh":
             reply = json.loads(out.stdout)
             assert reply["choices"][0]["message"]["content"] and reply["speculative"]["drafter"] == "lookup"
+        elif "check" in code:  # float32: the same tokens as the target alone
+            assert out.stdout.startswith("identical "), out.stdout
         else:
             assert "acceptance_rate" in out.stdout

@@ -255,3 +255,26 @@ def test_forgetting_a_model_drops_its_entries():
     lru.put("demo-target", Held([1, 2]))
     lru.forget("demo-target")
     assert len(lru) == 0
+
+
+def test_serve_takes_the_dtypes_generate_takes():
+    """`uag serve --target-dtype/--drafter-dtype`, checked as `uag generate` checks them, every bad flag named."""
+    from tests.support.server import serve_args
+    from uag.errors import InputError
+
+    _, opts = serve_args("--target-dtype", "bf16", "--drafter-dtype", "4-bit")
+    assert opts["target_dtype"] == "bfloat16" and opts["drafter_dtype"] == "q4"
+    assert serve_args()[1]["target_dtype"] is None  # as stored
+    with pytest.raises(InputError, match="--target-dtype: unknown dtype 'int3'.*; --drafter-dtype: unknown"):
+        serve_args("--target-dtype", "int3", "--drafter-dtype", "fp7")
+
+
+def test_check_is_greedy_only_and_a_bool():
+    defaults = ServerDefaults(model="m", drafter="lookup")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat({**body, "speculative": {"check": True}}, defaults).check is True
+    assert parse_chat(body, defaults).check is False
+    for bad_value, words in (({"check": 1}, "check must be true or false"), ({"check": True}, "temperature 0")):
+        extra = {"temperature": 0.5} if words == "temperature 0" else {}
+        with pytest.raises(APIError, match=words):
+            parse_chat({**body, **extra, "speculative": bad_value}, defaults)

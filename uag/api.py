@@ -9,8 +9,9 @@
 Models load once per process (a shared `ModelStore`), through `uag.core.loading`: a broken model folder is a
 `uag.UserError` saying what is wrong with it, as on the command line and in the app. Strategy "auto" decides
 by the pair's measured costs on this machine (uag.study.pair_costs): the profile `python -m uag calibrate`
-(or the app) saved, or on first use a quick calibration that is saved for next time. The engine itself
-reads and writes no files.
+(or the app) saved, or on first use a quick calibration that is saved for next time; it opens from what earlier
+runs of the pair accepted here, and saves what this run taught (`uag calibrate --reset` forgets both). The
+engine itself reads and writes no files.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from uag.core.engine import stream as _stream
 from uag.core.loading import load_drafter_choice, load_model
 from uag.core.records import Event, Run
 from uag.models.store import LoadedModel, ModelStore
-from uag.study.pair_costs import profile_for, saved_profile
+from uag.study.pair_costs import (
+    drop_stale_profile,
+    evidence_key,
+    keep_evidence,
+    profile_for,
+    saved_evidence,
+    saved_profile,
+)
 
 __all__ = ["generate", "load", "load_drafter", "profile_for", "saved_profile", "store", "stream"]
 
@@ -61,11 +69,12 @@ def stream(
     **kw,
 ) -> Iterator[Event]:
     """`uag.core.engine.stream`; strategy "auto" gets the pair's measured costs (`profile_for`) unless
-    `profile=` is given. `progress` hears about a first-use calibration."""
+    `profile=` is given, and what earlier runs of the pair accepted unless `evidence=` is given (then saved
+    again when the run ends). `progress` hears about a first-use calibration."""
     config = config or GenerationConfig()
-    if config.strategy == "auto" and "profile" not in kw:
-        kw["profile"] = profile_for(target, drafter, progress=progress)
-    return _stream(target, drafter, prompt, config, **kw)
+    key, own_profile = _auto_inputs(target, drafter, config, progress, kw)
+    events = _stream(target, drafter, prompt, config, **kw)
+    return events if key is None else _saving(events, key, kw["evidence"], own_profile)
 
 
 def generate(
@@ -79,6 +88,39 @@ def generate(
 ) -> Run:
     """One whole run (see `stream`)."""
     config = config or GenerationConfig()
-    if config.strategy == "auto" and "profile" not in kw:
+    key, own_profile = _auto_inputs(target, drafter, config, progress, kw)
+    run = _generate(target, drafter, prompt, config, **kw)
+    if key is not None:
+        _after(key, kw["evidence"], own_profile)
+    return run
+
+
+def _auto_inputs(target, drafter, config: GenerationConfig, progress: Progress | None, kw: dict):
+    """Fill auto's `profile` and `evidence` into `kw` where the caller gave none. Returns (the evidence's key
+    when it came from, and goes back to, the saved evidence; whether the profile is the saved one)."""
+    if config.strategy != "auto":
+        return None, False
+    own_profile = "profile" not in kw
+    if own_profile:
         kw["profile"] = profile_for(target, drafter, progress=progress)
-    return _generate(target, drafter, prompt, config, **kw)
+    if "evidence" in kw:
+        return None, False
+    key = evidence_key(target, drafter)
+    kw["evidence"] = saved_evidence(key)
+    return key, own_profile
+
+
+def _saving(events: Iterator[Event], key: dict, evidence, own_profile: bool) -> Iterator[Event]:
+    """`events`, then the evidence saved once the run has ended (also when its consumer stopped it early)."""
+    try:
+        yield from events
+    finally:
+        events.close()
+        _after(key, evidence, own_profile)
+
+
+def _after(key: dict, evidence, own_profile: bool) -> None:
+    """What an auto run leaves for the pair's next: its evidence, and no profile its timings showed stale."""
+    keep_evidence(key, evidence)
+    if own_profile:
+        drop_stale_profile(key, evidence)

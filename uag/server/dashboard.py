@@ -18,8 +18,9 @@ from uag.server.service import Served, Service
 
 COLUMNS = (
     "time", "model", "drafter", "strategy", "k", "prompt_tokens", "cached_tokens", "completion_tokens",
-    "tokens_per_second", "alpha", "sources", "speedup", "saved_s",
+    "tokens_per_second", "alpha", "sources", "speedup", "saved_s", "check",
 )  # fmt: skip
+CHECKED = {"identical": "identical", "diverged_near_tie": "near-tie (rounding)", "diverged": "MISMATCH (bug)"}
 
 
 def requests_frame(served: Sequence[Served]) -> pd.DataFrame:
@@ -28,6 +29,7 @@ def requests_frame(served: Sequence[Served]) -> pd.DataFrame:
     for row in rows:
         row["sources"] = ", ".join(f"{name} {n}" for name, n in row["sources"].items())
         row["drafter"] = row["drafter"] or "(off)"
+        row["check"] = CHECKED.get(row["check"], "")
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
@@ -66,6 +68,13 @@ def server_view(service: Service, ks: Sequence[int] = (2, 4, 8)) -> tuple[str, p
         f"Speculation **{verb} ≈ {abs(saved):.1f} s** against the target alone — an estimate from the target's "
         "step time on this machine (its calibration, or this server's requests with speculation off)."
     )
+    checked = [s.check for s in served if s.check]
+    if checked:
+        counts = ", ".join(f"{checked.count(kind)} {label}" for kind, label in CHECKED.items() if kind in checked)
+        caption += (
+            f' {len(checked)} checked against the target alone (`"speculative": {{"check": true}}`): {counts}'
+            + (" — report a mismatch with its request." if "diverged" in checked else ".")
+        )
     if not served:
         caption += " Point a client at this server's /v1 to fill this tab."
     view = plot_view(plot_rows(served, service.target_name), ks=ks)

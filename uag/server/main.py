@@ -21,6 +21,7 @@ from uag.command import CommandParser, literal, port_taken, run, whole
 from uag.core.config import MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig
 from uag.core.translate import DEFAULT_WINDOW
 from uag.errors import InputError, UserError
+from uag.models.dtypes import add_dtype_options, parse_dtype
 from uag.runtime.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT
 from uag.runtime.presets import DEFAULT
 from uag.runtime.prompt_cache import DEFAULT_CACHE_GB
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default 4)")
     p.add_argument("--max-models", type=whole, default=DEFAULT_MAX_MODELS, help="models kept loaded (default 4)")
     p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
+    add_dtype_options(p)
     return p
 
 
@@ -102,10 +104,18 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     if key is None and not _loopback(args.host):
         problems.append(f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key) so that only "
                         "clients with the key can run models")  # fmt: skip
+    dtypes = {}
+    for role in ("target", "drafter"):
+        flag = f"--{role}-dtype"
+        try:
+            dtypes[role] = parse_dtype(getattr(args, f"{role}_dtype"), flag=flag)
+        except InputError as err:
+            problems.append(str(err))
     if problems:
         raise InputError("; ".join(problems))
     config = GenerationConfig.parse(**fields)
-    return {"config": config, "drafter": drafters[0] if drafter else None, "drafters": tuple(drafters), "key": key}
+    return {"config": config, "drafter": drafters[0] if drafter else None, "drafters": tuple(drafters), "key": key,
+            "target_dtype": dtypes["target"], "drafter_dtype": dtypes["drafter"]}  # fmt: skip
 
 
 def _loopback(host: str) -> bool:
@@ -142,7 +152,8 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         session = Session(store, worker, target=args.target, drafter=opts["drafter"] or "lookup",
                           per_client=args.per_client, budget_s=args.time_budget)  # fmt: skip
         runner = session.runner  # one per-client count for the app's runs and the API's
-    service = Service(store, runner, defaults, target=args.target, cache_bytes=args.cache_gb * 1e9, stream=stream)
+    service = Service(store, runner, defaults, target=args.target, cache_bytes=args.cache_gb * 1e9, stream=stream,
+                      target_dtype=opts.get("target_dtype"), drafter_dtype=opts.get("drafter_dtype"))  # fmt: skip
     app = create_app(service, api_key=opts["key"], max_body=int(args.max_body_mb * 2**20), max_queue=args.max_queue)
     if session is not None:
         _mount_ui(app, session, service, opts["key"])
@@ -181,12 +192,21 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("uag").addHandler(handler)
     logging.getLogger("uag").setLevel(logging.INFO)
     app, service = build(args, opts)
+    if opts["target_dtype"] and (note := _slow_dtype_note(opts["target_dtype"])):
+        print(f"[uag] note: {note}", file=sys.stderr)
     service.preload()
     where = f"http://{args.host}:{args.port}"
     print(f"[uag] serving {args.target} at {where}/v1" + ("" if args.no_ui else f", the app at {where}/ui"),
           file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _slow_dtype_note(dtype: str) -> str | None:
+    from uag.machine import backend
+    from uag.models.dtypes import slow_dtype_note
+
+    return slow_dtype_note(dtype, backend())
 
 
 def main(argv: list[str] | None = None) -> int:

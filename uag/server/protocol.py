@@ -78,6 +78,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     tools: tuple[dict, ...] = ()
+    check: bool = False  # also run the target alone and say whether the outputs agree (uag.study.divergence)
     extra: dict = field(default_factory=dict)
 
 
@@ -150,12 +151,14 @@ def _number(body: Mapping, name: str, lo: float, hi: float) -> float | None:
     return float(value)
 
 
-def _flag(body: Mapping, name: str) -> bool:
+def _flag(body: Mapping, name: str, param: str | None = None) -> bool:
+    """body[name] as a bool (absent: False); `param`: the field to name in the error when `name` is nested."""
     value = body.get(name)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad(name, f"must be true or false (got {_show(value)})")
+        where = name if param is None else param
+        raise bad(where, f"{'' if param is None else name + ' '}must be true or false (got {_show(value)})")
     return value
 
 
@@ -217,7 +220,9 @@ def _common(body: Mapping, defaults: ServerDefaults, max_tokens_field: str) -> d
         "temperature": _number(body, "temperature", 0, 2) or 0.0,
         "seed": _whole(body, "seed", 0, 2**31 - 1),
     }
-    drafter, speculation = _speculative(body.get("speculative"), defaults)
+    drafter, speculation, check = _speculative(body.get("speculative"), defaults)
+    if check and fields["temperature"]:
+        raise bad("speculative", "check compares greedy outputs token for token: send temperature 0 (or none)")
     fields.update(speculation)
     names = {"max_tokens": max_tokens_field, "temperature": "temperature", "seed": "seed"}
     for name, value in fields.items():  # each checked alone, so that the message names its request field
@@ -228,24 +233,26 @@ def _common(body: Mapping, defaults: ServerDefaults, max_tokens_field: str) -> d
             raise bad(param, str(err)) from None
     config = GenerationConfig.parse(**fields, chat=False)
     return {"model": model, "config": config, "drafter": drafter, "stop": _stop(body), "stream": stream,
-            "include_usage": include_usage}  # fmt: skip
+            "include_usage": include_usage, "check": check}  # fmt: skip
 
 
-def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict[str, Any]]:
-    """(drafter or None, config fields) for the request's `speculative`: false, true/absent, or an object."""
+def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict[str, Any], bool]:
+    """(drafter or None, config fields, check) for the request's `speculative`: false, true/absent, or an object.
+    `check`: also run the target alone and compare (greedy only; see uag.server.service)."""
     base = {"strategy": defaults.strategy, "k": defaults.k, "window": defaults.window}
     if value is None or value is True:
         if defaults.drafter is None:
-            return None, {"strategy": "baseline"}
-        return defaults.drafter, base
+            return None, {"strategy": "baseline"}, False
+        return defaults.drafter, base, False
     if value is False:
-        return None, {"strategy": "baseline"}
+        return None, {"strategy": "baseline"}, False
     if not isinstance(value, dict):
         raise bad("speculative", f'must be false, true or an object like {{"drafter": "lookup", "k": 4}} '
                   f"(got {_show(value)})")  # fmt: skip
-    unknown = sorted(set(value) - {"drafter", "k", "strategy", "window"})
+    unknown = sorted(set(value) - {"drafter", "k", "strategy", "window", "check"})
     if unknown:
-        raise bad("speculative", f"unknown key {unknown[0]!r}: it takes drafter, k, strategy and window")
+        raise bad("speculative", f"unknown key {unknown[0]!r}: it takes drafter, k, strategy, window and check")
+    check = _flag(value, "check", param="speculative")
     allowed = defaults.allowed
     drafter = value.get("drafter", defaults.drafter)
     if drafter is None:
@@ -266,7 +273,7 @@ def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict
     if k > defaults.k:
         raise bad("speculative", f"k must be from 1 to {defaults.k}, this server's -k (got {k})")
     window = value.get("window", defaults.window)
-    return normal, {**base, "strategy": strategy, "k": k, "window": window}
+    return normal, {**base, "strategy": strategy, "k": k, "window": window}, check
 
 
 def _listed(names: Sequence[str]) -> str:

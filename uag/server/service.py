@@ -77,6 +77,7 @@ class Served:
     speedup: float | None  # estimated, against the target alone
     saved_s: float  # estimated seconds saved (negative: lost)
     r: float | None  # drafter/target bytes (0 for prompt lookup)
+    check: str | None = None  # with "check": identical, diverged_near_tie, diverged (uag.study.divergence)
 
 
 class Service:
@@ -92,10 +93,13 @@ class Service:
         target: str,
         cache_bytes: float,
         stream: Callable[..., Iterator[Any]] | None = None,
+        target_dtype: str | None = None,
+        drafter_dtype: str | None = None,
     ):
         import uag.api
 
         self.store, self.runner, self.defaults, self.target_name = store, runner, defaults, target
+        self.target_dtype, self.drafter_dtype = target_dtype, drafter_dtype  # None: as stored
         self.caches = ConversationCaches(cache_bytes)
         self.stream = stream or uag.api.stream
         self.evidence: dict[tuple[str, str], Any] = {}  # (target, drafter) -> uag.core.policy.Evidence
@@ -125,15 +129,19 @@ class Service:
 
     # --- on the worker thread ------------------------------------------------------------------------------
     def load(self, job: Job, drafter: str | None):
-        """The target and the drafter (a `DrafterChoice`, or None), loaded once, failures as user messages."""
-        from uag.core.loading import load_drafter_choice, load_model
+        """The target and the drafter (a `DrafterChoice`, or None) in the server's dtypes, loaded once (memory
+        checked first), failures as user messages."""
+        from uag.core.loading import check_memory, load_drafter_choice, load_model
 
-        target = load_model(self.store, self.target_name, role="target")
+        spec = None if drafter is None else DrafterSpec.parse(drafter)
+        check_memory(self.store, [("target", self.target_name, self.target_dtype),
+                                  ("drafter", spec and spec.model, self.drafter_dtype)])  # fmt: skip
+        target = load_model(self.store, self.target_name, role="target", dtype=self.target_dtype)
         choice = None
-        if drafter is not None:
-            spec = DrafterSpec.parse(drafter)
-            choice = load_drafter_choice(self.store, spec)
-            target = load_model(self.store, self.target_name, role="target", keep=[spec.model or self.target_name])
+        if spec is not None:
+            choice = load_drafter_choice(self.store, spec, dtype=self.drafter_dtype)
+            target = load_model(self.store, self.target_name, role="target", dtype=self.target_dtype,
+                                keep=[spec.model or self.target_name])  # fmt: skip
         return target, choice
 
     def prompt(self, target, choice, request: Request) -> list[int]:
@@ -156,16 +164,26 @@ class Service:
     def job(self, job: Job, request: Request) -> Iterator[Accepted | Delta | Done]:
         """The job function (`JobRunner.run(service.job, request, …)`): `Accepted`, `Delta`s, then one `Done`."""
         from uag.core.engine import PromptCaches
-        from uag.core.evidence import Evidence
-        from uag.study.pair_costs import profile_for
+        from uag.study.pair_costs import (
+            drop_stale_profile,
+            evidence_key,
+            keep_evidence,
+            profile_for,
+            saved_evidence,
+        )
 
         target, choice = self.load(job, request.drafter)
         ids = self.prompt(target, choice, request)
         config = request.config
         extra: dict[str, Any] = {}
+        key = None
         if config.strategy == "auto":  # a first-use calibration happens here, outside the time budget
             extra["profile"] = profile_for(target, choice)
-            extra["evidence"] = self.evidence.setdefault((target.name, request.drafter), Evidence())
+            key = evidence_key(target, choice)
+            learner = (target.name, request.drafter)
+            if learner not in self.evidence:  # what earlier processes of this pair learned, on the first request
+                self.evidence[learner] = saved_evidence(key)
+            extra["evidence"] = self.evidence[learner]
         job.limit(self.runner.budget_s)
         # Keyed by the target: the caches name the models that filled them, and the engine reuses a drafter's
         # cache only for that drafter, so a conversation keeps its target cache when speculation changes.
@@ -188,6 +206,9 @@ class Service:
             events.close()  # the engine's finally leaves the caches exact, also when stopped early
             if clean:
                 self.caches.put(pair, caches)
+            if key is not None:
+                keep_evidence(key, extra["evidence"])  # the next process of this pair opens from it
+                drop_stale_profile(key, extra["evidence"])  # measured on a busier machine: measure again
         if run is None or run.finish_reason is None:
             raise RuntimeError("the engine's stream ended without a final record")
         tail, calls = text.finish()
@@ -204,9 +225,37 @@ class Service:
         )
         if job.out_of_time:
             done_report["speculative"]["note"] = f"stopped by the server's time budget of {self.runner.budget_s:g} s"
+        elif request.check and request.drafter is not None:
+            done_report["speculative"]["check"] = self.check(job, target, ids, config, run)
         self._record(request, run, done_report, step, choice, target)
         content = text.text if calls is None else (text.text[: text.text.find("<tool_call>")].strip() or None)
         yield Done(content or ("" if calls is None else None), finish, done_report, calls, tail)
+
+    def check(self, job: Job, target, ids: list[int], config, run) -> dict:
+        """The request's `"check": true`: the target alone on the same prompt, as many tokens as the reply
+        (read cold, as `uag generate --strategy baseline` would), and the verdict on the two greedy outputs:
+        identical, a near-tie where the dtype's rounding may pick either token, or a mismatch (a bug)."""
+        from dataclasses import replace
+
+        from uag.core.engine import PromptCaches
+        from uag.study.margins import compare_runs
+
+        if run.generated == 0:
+            return {"kind": None, "message": "not compared: the reply has no tokens"}
+        plain = replace(config, strategy="baseline", max_tokens=run.generated)
+        baseline = None
+        for event in self.stream(target, None, ids, plain, cancel=job.cancelled, caches=PromptCaches.empty()):
+            baseline = event.run
+        if baseline is None or baseline.finish_reason == "stopped":
+            return {"kind": None, "message": "not compared: the target alone's run was stopped"}
+        if run.finish_reason == "stopped":  # cut by a stop string: compare the tokens it generated, as a length cut
+            run = replace(run, finish_reason="length")
+        verdict = compare_runs(target, baseline, run)
+        if verdict is None:
+            return {"kind": None, "message": "not compared: the runs cannot be compared token for token"}
+        tps = baseline.tokens_per_second
+        measured = run.tokens_per_second / tps if tps and run.tokens_per_second else None
+        return {**verdict.to_dict(), "baseline_tokens_per_second": tps, "measured_speedup": measured}
 
     def step_time(self, target, choice, run) -> StepTime | None:
         """The target's plain step time on this machine: its calibration, else this server's own runs of it
@@ -248,6 +297,7 @@ class Service:
             speedup=speedup,
             saved_s=saved,
             r=r,
+            check=(done_report["speculative"].get("check") or {}).get("kind"),
         )
         with self._lock:
             self.recent.append(served)

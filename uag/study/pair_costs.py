@@ -1,6 +1,7 @@
 """A pair's measured costs on this machine, which strategy `auto` decides by: the profile that
 `python -m uag calibrate` (or the app) saved, or on a pair's first use a quick calibration, saved for next time.
-The API (`uag.saved_profile`, `uag.api.profile_for`), the app and the sweeps all read them here.
+The API (`uag.saved_profile`, `uag.api.profile_for`), the app and the sweeps all read them here. Also what
+earlier runs of the pair accepted (`saved_evidence`, `keep_evidence`): auto's opening starts from it.
 """
 
 from __future__ import annotations
@@ -10,10 +11,21 @@ from collections.abc import Callable
 
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
+from uag.core.evidence import Evidence
 from uag.models.store import LoadedModel, Pair, check_pair
-from uag.study.profiles import find_profile, save, target_key
+from uag.study.profiles import (
+    find_evidence,
+    find_profile,
+    profile_key,
+    profile_path,
+    save,
+    save_evidence,
+    target_key,
+)
 
 log = logging.getLogger(__name__)
+
+STALE = 2.0  # a run whose target passes are this many times faster or slower than its saved profile's
 
 Progress = Callable[[str], None]
 
@@ -64,3 +76,51 @@ def profile_for(
         save(calibration)
         profile = calibration.profile
     return profile
+
+
+def evidence_key(target: LoadedModel, drafter: DrafterChoice | LoadedModel | None) -> dict | None:
+    """Where the pair's evidence is kept on this machine (its profile's key); None without a drafter."""
+    if drafter is None:
+        return None
+    model = DrafterChoice.of(drafter).model
+    return target_key(target) if model is None else profile_key(check_pair(target, model))
+
+
+def saved_evidence(key: dict | None) -> Evidence:
+    """What earlier runs of the pair on this machine accepted (`uag calibrate --reset` forgets it), or nothing
+    yet; a new `Evidence` for auto to start from and learn into."""
+    found = None if key is None else find_evidence(key)
+    return found if found is not None else Evidence()
+
+
+def keep_evidence(key: dict | None, evidence: Evidence) -> None:
+    """Save what a run taught for the pair's next run; a cache that cannot be written is logged, not raised."""
+    if key is None:
+        return
+    try:
+        save_evidence(key, evidence)
+    except OSError:
+        log.warning("could not save auto's evidence for the next run", exc_info=True)
+
+
+def drop_stale_profile(key: dict | None, evidence: Evidence) -> bool:
+    """After an auto run on the pair's saved profile: where the run's own target passes took less than 1/STALE
+    or more than STALE times the profile's (`Evidence.scale`), the profile was measured on a busier (or
+    quieter) machine than this one is now, and its ratios — drafter to target, wide pass to narrow — are
+    suspect too: remove it, so the pair's next auto run measures its costs again. True when removed.
+
+    Example: a profile calibrated while a test suite ran (target 495 ms a step) and a quiet run (147 ms):
+    scale 0.3 -> removed
+    """
+    if key is None or 1 / STALE <= evidence.scale <= STALE:
+        return False
+    path = profile_path(key)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        log.warning("could not remove the stale cost profile %s", path, exc_info=True)
+        return False
+    log.warning(
+        "this pair's saved costs were %.1f× off what this run measured: measured again on next use", 1 / evidence.scale
+    )
+    return True
