@@ -30,7 +30,8 @@ def requests_frame(served: Sequence[Served]) -> pd.DataFrame:
         row["sources"] = ", ".join(f"{name} {n}" for name, n in row["sources"].items())
         row["drafter"] = row["drafter"] or "(off)"
         row["check"] = CHECKED.get(row["check"], "")
-    return pd.DataFrame(rows, columns=list(COLUMNS))
+    frame = pd.DataFrame(rows, columns=list(COLUMNS))
+    return frame.round({"tokens_per_second": 2, "alpha": 2, "speedup": 2, "saved_s": 1, "r": 3})
 
 
 def plot_rows(served: Sequence[Served], target: str) -> list[dict[str, Any]]:
