@@ -114,7 +114,7 @@ def join_group(watchdog: Watchdog, connect_timeout_s: float = DEFAULT_CONNECT_TI
         if not hostfile and "MLX_RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
             raise UserError(
                 "--shard needs several processes: start them with mlx.launch --hostfile hosts.json -- python -m "
-                "uag generate --shard …"
+                "uag generate|serve --shard …"
             ) from None
         raise RankLost(f"rank {rank}: could not connect to the other ranks ({err}; hostfile {hostfile})") from None
     if group.size() < 2:

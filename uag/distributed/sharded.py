@@ -17,6 +17,8 @@ Python API (run the same program on every rank):
     target = load_sharded("Qwen/…", "pipeline", ranks)
     drafter = load_rank0_drafter(ModelStore(), "lookup+demo-drafter", ranks)   # None off rank 0
     run = generate_sharded(target, drafter, "Stolica Polski to", GenerationConfig(k=4), ranks)
+
+`stream_sharded` yields the same run's events as they come (`uag serve --shard`: uag.distributed.serving).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from uag.core.config import MAX_SEED, DrafterSpec, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice, make_drafter
 from uag.core.engine import PromptCaches, Seams, prompt_ids, stream
+from uag.core.evidence import Evidence
 from uag.core.policy import make_policy
 from uag.core.records import Event, Run
 from uag.distributed.collective import (
@@ -45,7 +48,15 @@ from uag.distributed.collective import (
     join_group,
     others,
 )
-from uag.distributed.decisions import FollowerDrafter, LeaderDrafter, RankPolicy, Stopped, message_width
+from uag.distributed.decisions import (
+    PLAIN,
+    STOP,
+    FollowerDrafter,
+    LeaderDrafter,
+    RankPolicy,
+    Stopped,
+    message_width,
+)
 from uag.distributed.options import (  # noqa: F401  add_shard_options: uag.cli's flags, re-exported
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -187,6 +198,17 @@ def _agree(link: Link, ids: Sequence[int], config: GenerationConfig, lookup: boo
     return rows[0][6], bool(rows[0][7])
 
 
+def check_sharded(config: GenerationConfig, drafter: DrafterChoice | None, rank: int) -> None:
+    """What a sharded run refuses, said before any rank waits on another (a server checks it before it sends a
+    request to the other ranks)."""
+    config.validate()
+    if config.speculative and config.strategy == "tli" and config.temperature > 0:
+        raise InputError("--shard: tli at temperature > 0 needs the drafter's distributions on every rank; "
+                         "use temperature 0 or another strategy")  # fmt: skip
+    if config.speculative and rank == 0 and drafter is None:
+        raise InputError(f"strategy {config.strategy!r} needs a drafter")
+
+
 def generate_sharded(
     target: LoadedModel,
     drafter: DrafterChoice | None,
@@ -194,22 +216,45 @@ def generate_sharded(
     config: GenerationConfig,
     ranks: Ranks,
     *,
-    profile: CostProfile | None = None,
-    check_every: int = 0,
-    cancel: threading.Event | None = None,
-    cache: list | None = None,
     on_event: Callable[[Event], None] | None = None,
+    **kw,
 ) -> Run:
     """One generation on every rank (each rank calls this with the same prompt and config): the baseline
     over the sharded target, or speculation with `drafter`, which only rank 0 needs. Returns the run on
-    every rank; only rank 0 should write it out. `cancel` (rank 0's) stops every rank at the next decision;
-    `check_every` = N compares the ranks' committed tokens every N decisions (a debug option)."""
-    config.validate()
-    if config.speculative and config.strategy == "tli" and config.temperature > 0:
-        raise InputError("--shard: tli at temperature > 0 needs the drafter's distributions on every rank; "
-                         "use temperature 0 or another strategy")  # fmt: skip
-    if config.speculative and ranks.rank == 0 and drafter is None:
-        raise InputError(f"strategy {config.strategy!r} needs a drafter")
+    every rank; only rank 0 should write it out. Options as `stream_sharded`'s."""
+    run = None
+    events = stream_sharded(target, drafter, prompt, config, ranks, **kw)
+    try:
+        for event in events:
+            run = event.run
+            if on_event is not None:
+                on_event(event)
+    finally:
+        events.close()
+    return run
+
+
+def stream_sharded(
+    target: LoadedModel,
+    drafter: DrafterChoice | None,
+    prompt: str | Sequence[int],
+    config: GenerationConfig,
+    ranks: Ranks,
+    *,
+    profile: CostProfile | None = None,
+    evidence: Evidence | None = None,
+    check_every: int = 0,
+    cancel: threading.Event | None = None,
+    cache: list | None = None,
+    stop_checks: bool = False,
+) -> Iterator[Event]:
+    """`generate_sharded`'s events as they come; the last one's run is final (its notes included). Every rank
+    reads to the end: one that stopped early would leave the others waiting at the next exchange, so rank 0
+    stops every rank with `cancel` instead, at the next decision. `check_every` = N compares the ranks'
+    committed tokens every N decisions (a debug option). A baseline run has no decisions: with `stop_checks`
+    (the same on every rank; a server's) rank 0 says after every token whether to go on, so that `cancel`
+    ends it too. `profile` and `evidence` seed rank 0's `auto` (uag.core.policy.make_policy)."""
+    check_sharded(config, drafter, ranks.rank)
     ids = prompt_ids(target, prompt, chat=config.chat) if isinstance(prompt, str) else list(prompt)
     link = Link(ranks.group, message_width(config.k), ranks.watchdog)
     ranks.watchdog.arm(
@@ -224,11 +269,13 @@ def generate_sharded(
     policy, notes = None, ()
     if not config.speculative:
         events = stream(target, None, ids, config, caches=caches)
+        if stop_checks:
+            events = _token_stops(events, link, cancel)
     elif ranks.rank == 0:
         pair = check_pair(target, drafter.model) if drafter.model is not None else None
         inner = make_drafter(drafter, target, config, shared=pair is not None and pair.shared_vocabulary)
         leader = LeaderDrafter(inner, ranks.watchdog)
-        own = make_policy(config, profile, pair.r if pair else 0.0)
+        own = make_policy(config, profile, pair.r if pair else 0.0, evidence)
         policy = RankPolicy(link, leader, own, check_every=check_every, cancel=cancel)
         notes = pair.notes if pair else ()
         events = stream(target, leader, ids, config, caches=caches, seams=Seams(policy=policy))
@@ -236,11 +283,25 @@ def generate_sharded(
         follower = FollowerDrafter(lookup, ranks.watchdog)
         policy = RankPolicy(link, follower, None, name=make_policy(config).name, check_every=check_every)
         events = stream(target, follower, ids, config, caches=caches, seams=Seams(policy=policy))
-    return _drive(events, link, policy, on_event, ranks, notes)
+    return _drive(events, link, ranks, notes)
 
 
-def _drive(events, link: Link, policy: RankPolicy | None, on_event, ranks: Ranks, notes: Sequence[str] = ()) -> Run:
-    """Drain a rank's stream; a collective that fails in a model pass or an exchange names the lost rank.
+def _token_stops(events: Iterator[Event], link: Link, cancel: threading.Event | None) -> Iterator[Event]:
+    """A baseline run's events, with rank 0's go-on (PLAIN) or stop (STOP) exchanged after each token, so that
+    every rank ends the run at the same token when rank 0's `cancel` is set."""
+    try:
+        for event in events:
+            yield event
+            stop = link.rank == 0 and cancel is not None and cancel.is_set()
+            op, *_ = link.exchange(([STOP] if stop else [PLAIN]) if link.rank == 0 else None)
+            if op == STOP:
+                raise Stopped
+    finally:
+        events.close()
+
+
+def _drive(events: Iterator[Event], link: Link, ranks: Ranks, notes: Sequence[str] = ()) -> Iterator[Event]:
+    """A rank's stream, passed on; a collective that fails in a model pass or an exchange names the lost rank.
     `notes`: what check_pair said about the pair (the engine hears of rank 0's drafter ready made)."""
     run = None
     link.phase = "generating (the prompt pass)"
@@ -248,18 +309,19 @@ def _drive(events, link: Link, policy: RankPolicy | None, on_event, ranks: Ranks
         for event in events:
             run = event.run
             link.phase = f"generating (after token {run.generated})"
-            if on_event is not None:
-                on_event(event)
+            yield event
     except Stopped:
+        if run is None:  # rank 0 failed before the first token (a server's run): no run to end
+            raise
         run.finish_reason = "stopped"
     except RuntimeError as err:
         if not str(err).startswith(("[ring]", "[jaccl]", "[mpi]", "[distributed]")):
             raise
         raise link.lost(err) from None
     finally:
+        events.close()
         ranks.watchdog.arm(0, "")  # between runs nothing is awaited
     if run is None or run.finish_reason is None:
         raise RuntimeError("generation ended without a final record")
     run.notes[:0] = notes
     run.notes.append(f"target sharded over {ranks.size} ranks; {link.exchanges} decision exchanges")
-    return run

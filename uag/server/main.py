@@ -3,6 +3,7 @@
     python -m uag serve                                             # demo pair, http://127.0.0.1:8000/v1
     python -m uag serve --target coder-target --drafter lookup+demo-drafter --drafters lookup,coder-drafter
     UAG_API_KEY=secret python -m uag serve --host 0.0.0.0           # beyond loopback a key is required
+    mlx.launch --hostfile hosts.json -- python -m uag serve --shard tensor --target T --drafter lookup
 
 The app (Compare, and a Server tab with what the API served) is mounted at /ui on the same port, on the same
 MLX worker and model store; `--no-ui` serves only the API. Options are checked by the same code as the CLI's.
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default 4)")
     p.add_argument("--max-models", type=whole, default=DEFAULT_MAX_MODELS, help="models kept loaded (default 4)")
     p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
+    from uag.distributed.options import add_shard_options
+
+    add_shard_options(p)  # every rank of mlx.launch runs `serve --shard`; rank 0 serves
     add_dtype_options(p)
     return p
 
@@ -111,6 +115,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
             dtypes[role] = parse_dtype(getattr(args, f"{role}_dtype"), flag=flag)
         except InputError as err:
             problems.append(str(err))
+    if getattr(args, "shard", None):
+        problems += _shard_problems(args, drafters)
     if problems:
         raise InputError("; ".join(problems))
     config = GenerationConfig.parse(**fields)
@@ -185,6 +191,8 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     opts = options(args)
+    if args.shard:
+        return _serve_sharded(args, opts)
     if port_taken(args.host, args.port):
         raise UserError(f"port {args.port} on {args.host} is taken: use --port")
     handler = logging.StreamHandler()
@@ -207,6 +215,80 @@ def _slow_dtype_note(dtype: str) -> str | None:
     from uag.models.dtypes import slow_dtype_note
 
     return slow_dtype_note(dtype, backend())
+
+
+def _shard_problems(args: argparse.Namespace, drafters: list[str]) -> list[str]:
+    """What `serve --shard` refuses (beside the flags every serve checks)."""
+    from uag.models.store import ModelStore
+
+    problems = []
+    if getattr(args, "target_dtype", None) or getattr(args, "drafter_dtype", None):
+        problems.append("--shard loads the models as stored: drop --target-dtype and --drafter-dtype")
+    if not args.shard_timeout > 0 or args.shard_check < 0:
+        problems.append("--shard-timeout must be above 0 and --shard-check at least 0")
+    models = [DrafterSpec.parse(d).model for d in drafters]
+    if any(m and ModelStore.identity(m) == ModelStore.identity(args.target) for m in models):
+        problems.append("--shard: the target cannot draft for itself (rank 0 holds only its shard)")
+    return problems
+
+
+def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+    """`serve --shard` on one rank of mlx.launch (uag.distributed.serving): every rank joins the group and loads
+    its shard on the MLX worker thread; rank 0 serves the API, the other ranks run its requests until it stops."""
+    import signal
+    from functools import partial
+
+    import uvicorn
+
+    from uag.distributed.options import DEFAULT_CONNECT_TIMEOUT_S
+    from uag.distributed.serving import Leader, follow, join
+    from uag.runtime.worker import MLXWorker
+
+    def say(message: str) -> None:
+        print(f"[uag] {message}", file=sys.stderr, flush=True)
+
+    worker = MLXWorker()
+    start = partial(join, args.target, args.shard, connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
+                    timeout_s=args.shard_timeout, progress=say)  # fmt: skip
+    ranks, target = worker.call(start)
+    if ranks.rank != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every local rank: rank 0 ends the others
+        try:
+            worker.call(follow, ranks, target)
+        finally:
+            ranks.close()
+        return 0
+    leader = Leader(ranks, target, worker, check_every=args.shard_check)
+    try:
+        if port_taken(args.host, args.port):
+            raise UserError(f"port {args.port} on {args.host} is taken: use --port")
+        if not args.no_ui:
+            say("--shard serves the API only: the app's Compare runs the target whole, on one machine")
+            args.no_ui = True
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[uag] %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("uag").addHandler(handler)
+        logging.getLogger("uag").setLevel(logging.INFO)
+        store = leader.store(args.target, max_models=args.max_models)
+        app, _ = build(args, opts, store=store, worker=worker, stream=leader.stream)
+        worker.call(leader.prepare, store, opts["drafters"], say)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        leader.on_lost = lambda: setattr(server, "should_exit", True)  # a lost rank: stop serving, say which
+        leader.keep_in_touch()
+        say(f"serving {args.target} sharded by {args.shard} over {ranks.size} ranks at http://{args.host}:{args.port}"
+            "/v1; every request reads its whole prompt (no conversation caches across the shards)")  # fmt: skip
+        # uvicorn stops on SIGINT/SIGTERM, then raises the signal again: let it pass, tell the others, exit 0.
+        before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run()
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+    finally:
+        leader.close()
+    if leader.lost is not None:
+        raise leader.lost
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
