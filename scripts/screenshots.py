@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +38,33 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Terminate a server this script started (killed if it takes over 30 s)."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
+
+
+@contextmanager
+def started(url: str | None, start: Callable[[int], subprocess.Popen]) -> Iterator[str]:
+    """The server at `url`, or one `start(port)` brings up on a free port and that is stopped when the block
+    ends: its URL, ending in /."""
+    if url is not None:
+        yield url.rstrip("/") + "/"
+        return
+    port = free_port()
+    process = start(port)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        stop(process)
 
 
 def start_app(port: int) -> subprocess.Popen:
@@ -125,19 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    app = None
-    url = args.url
-    if url is None:
-        port = free_port()
-        app = start_app(port)
-        url = f"http://127.0.0.1:{port}/"
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
-    try:
+    with started(args.url, start_app) as url:
+        print(f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
         speedup = shoot(args, url)
-    finally:
-        if app is not None:
-            app.terminate()
-            app.wait(timeout=30)
     size_kb = args.out.stat().st_size / 1000
     print(f"load average {os.getloadavg()[0]:.1f}; speedup: {speedup}; wrote {args.out} ({size_kb:.0f} kB)")
     return 0

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from screenshots import CHROMIUM, CHROMIUM_ARGS, ROOT, WIDTH, free_port  # this folder's app screenshots
+from screenshots import CHROMIUM, CHROMIUM_ARGS, ROOT, WIDTH, started, stop  # this folder's app screenshots
 
 START_TIMEOUT_S = 300  # the server answers /health at once; this is for importing mlx and gradio on a busy CPU
 REQUEST_TIMEOUT_S = 1800  # one request, the first of which waits for the pair to load (and calibrate, once)
@@ -49,17 +49,6 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     except BaseException:
         stop(server)
         raise
-
-
-def stop(server: subprocess.Popen) -> None:
-    if server.poll() is not None:
-        return
-    server.terminate()
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait(timeout=30)
 
 
 def ask(client, model: str, messages: list[dict], max_tokens: int, speculative: object = None) -> tuple[str, dict]:
@@ -171,20 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    server = None
-    url = args.url
-    if url is None:
-        port = free_port()
-        server = start_server(args, port)
-        url = f"http://127.0.0.1:{port}/"
-    url = url.rstrip("/") + "/"
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
-    try:
+    with started(args.url, lambda port: start_server(args, port)) as url:
+        print(f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
         send_traffic(args, url)
         caption = shoot(args, url)
-    finally:
-        if server is not None:
-            stop(server)
     size_kb = args.out.stat().st_size / 1000
     print(f"Server tab: {caption}", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f}; wrote {args.out} ({size_kb:.0f} kB)")
