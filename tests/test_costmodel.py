@@ -128,6 +128,19 @@ def test_fit_c_from_speedups_noiseless(form, c_true):
     assert fit.n == 60
 
 
+def test_fit_c_from_speedups_takes_each_runs_own_r():
+    """Served runs of one hybrid differ in how much their drafter's model drafted (lookup's cycles cost 0): with
+    each run's r the fit recovers c; with one r for all it does not; a wrong count of r's is refused."""
+    rng = np.random.default_rng(11)
+    alpha, k = rng.uniform(0.2, 0.95, 40), rng.integers(1, 9, 40)
+    r = rng.choice([0.0, 0.1, 0.4], 40)
+    observed = (1 + k * alpha) / (1 + k * r + 0.05 * k**2)
+    assert fit_c_from_speedups(alpha, k, observed, r).c == pytest.approx(0.05, abs=1e-6)
+    assert abs(fit_c_from_speedups(alpha, k, observed, 0.4).c - 0.05) > 0.01
+    with pytest.raises(ValueError, match="one per run \\(40\\), got 3 values"):
+        fit_c_from_speedups(alpha, k, observed, [0.1, 0.2, 0.3])
+
+
 def test_fit_c_from_speedups_noisy_is_close():
     rng = np.random.default_rng(3)
     alpha = rng.uniform(0.1, 0.9, 400)

@@ -141,6 +141,7 @@ def test_auto_opens_from_the_pair_s_saved_evidence_and_saves_what_it_learned(dem
     accepted on this machine, and leaves what it learned for the next one; evidence a caller passes is the
     caller's to keep (the server keeps its own per pair)."""
     import uag.api
+    import uag.study.pair_costs
     from uag.core.config import GenerationConfig
     from uag.core.drafters import DrafterChoice
     from uag.study.pair_costs import evidence_key
@@ -157,10 +158,10 @@ def test_auto_opens_from_the_pair_s_saved_evidence_and_saves_what_it_learned(dem
     assert run.proposed > 0 and sum(first.lookup.accepted) + sum(first.lookup.rejected) > 0
 
     opened_with, kept = [], []
-    engine, keep = uag.api._stream, uag.api.keep_evidence
+    engine, keep = uag.api._stream, uag.study.pair_costs.keep_evidence
     opening = lambda *a, **kw: opened_with.append((kw["evidence"], kw["evidence"].to_dict())) or engine(*a, **kw)  # noqa: E731
     monkeypatch.setattr(uag.api, "_stream", opening)
-    monkeypatch.setattr(uag.api, "keep_evidence", lambda *a: kept.append(a) or keep(*a))
+    monkeypatch.setattr(uag.study.pair_costs, "keep_evidence", lambda *a: kept.append(a) or keep(*a))
     events = uag.api.stream(target, lookup, prompt, config, profile=profile)
     next(events)
     events.close()  # stopped early: what it saw is still kept

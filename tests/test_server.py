@@ -261,7 +261,7 @@ def test_the_server_tab_shows_what_was_served(served):
 
     caption, frame, figure = server_view(served[1])
     assert len(frame) >= 5 and "requests" in caption and "estimate" in caption
-    assert {"alpha", "speedup", "cached_tokens"} <= set(frame.columns) and figure is not None
+    assert {"α", "speedup", "prompt (cached)"} <= set(frame.columns) and figure is not None
 
 
 # --- bad requests ------------------------------------------------------------------------------------------------

@@ -25,14 +25,7 @@ from uag.core.engine import stream as _stream
 from uag.core.loading import load_drafter_choice, load_model
 from uag.core.records import Event, Run
 from uag.models.store import LoadedModel, ModelStore
-from uag.study.pair_costs import (
-    drop_stale_profile,
-    evidence_key,
-    keep_evidence,
-    profile_for,
-    saved_evidence,
-    saved_profile,
-)
+from uag.study.pair_costs import open_auto, profile_for, saved_profile
 
 __all__ = ["generate", "load", "load_drafter", "profile_for", "saved_profile", "store", "stream"]
 
@@ -72,9 +65,9 @@ def stream(
     `profile=` is given, and what earlier runs of the pair accepted unless `evidence=` is given (then saved
     again when the run ends). `progress` hears about a first-use calibration."""
     config = config or GenerationConfig()
-    key, own_profile = _auto_inputs(target, drafter, config, progress, kw)
+    close = open_auto(target, drafter, kw, progress=progress) if config.strategy == "auto" else None
     events = _stream(target, drafter, prompt, config, **kw)
-    return events if key is None else _saving(events, key, kw["evidence"], own_profile)
+    return events if close is None else _closing(events, close)
 
 
 def generate(
@@ -88,39 +81,18 @@ def generate(
 ) -> Run:
     """One whole run (see `stream`)."""
     config = config or GenerationConfig()
-    key, own_profile = _auto_inputs(target, drafter, config, progress, kw)
-    run = _generate(target, drafter, prompt, config, **kw)
-    if key is not None:
-        _after(key, kw["evidence"], own_profile)
-    return run
+    close = open_auto(target, drafter, kw, progress=progress) if config.strategy == "auto" else None
+    try:
+        return _generate(target, drafter, prompt, config, **kw)
+    finally:
+        if close is not None:
+            close()
 
 
-def _auto_inputs(target, drafter, config: GenerationConfig, progress: Progress | None, kw: dict):
-    """Fill auto's `profile` and `evidence` into `kw` where the caller gave none. Returns (the evidence's key
-    when it came from, and goes back to, the saved evidence; whether the profile is the saved one)."""
-    if config.strategy != "auto":
-        return None, False
-    own_profile = "profile" not in kw
-    if own_profile:
-        kw["profile"] = profile_for(target, drafter, progress=progress)
-    if "evidence" in kw:
-        return None, False
-    key = evidence_key(target, drafter)
-    kw["evidence"] = saved_evidence(key)
-    return key, own_profile
-
-
-def _saving(events: Iterator[Event], key: dict, evidence, own_profile: bool) -> Iterator[Event]:
-    """`events`, then the evidence saved once the run has ended (also when its consumer stopped it early)."""
+def _closing(events: Iterator[Event], close: Callable[[], None]) -> Iterator[Event]:
+    """`events`, then `close()` once the run has ended (also when its consumer stopped it early)."""
     try:
         yield from events
     finally:
         events.close()
-        _after(key, evidence, own_profile)
-
-
-def _after(key: dict, evidence, own_profile: bool) -> None:
-    """What an auto run leaves for the pair's next: its evidence, and no profile its timings showed stale."""
-    keep_evidence(key, evidence)
-    if own_profile:
-        drop_stale_profile(key, evidence)
+        close()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from uag.app.settings import Settings
@@ -27,6 +28,7 @@ HISTORY_COLUMNS = (
 K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths the plot can draw S(α, k) for
 C_FITTED = "fitted from this session's runs"
 C_STUDY = f"the study's c = {STUDY_C}"
+LATEST_R_FROM = "drafter/target bytes of the latest run's pair"
 MIN_RUNS_TO_FIT = 3
 
 
@@ -94,12 +96,14 @@ def plot_view(
     c_choice: str = C_FITTED,
     pair: tuple[str, str] | None = None,
     pair_r: float | None = None,
+    latest_r_from: str = LATEST_R_FROM,
 ) -> PlotView:
     """Speedup vs α for this session's runs (and a loaded results file) with S(α, k) for each k.
 
-    r is the drafter/target bytes of the latest run's pair (else `pair_r`, the chosen pair's once it has
-    run here, else the results file's runs, else the study's); c is fitted to this session's runs of that
-    pair when asked and there are enough of them, else the study's.
+    r is the latest run's (`latest_r_from` says what it is: by default the drafter/target bytes of its pair),
+    else `pair_r`, the chosen pair's once it has run here, else the results file's runs, else the study's; c
+    is fitted to this session's runs of that pair when asked and there are enough of them, else the study's.
+    The fit takes each run's own r where it carries one (a served hybrid's runs differ in what drafted).
     """
     history = history_frame(rows)
     file_r = _file_r(results)
@@ -107,7 +111,7 @@ def plot_view(
     if latest_r is not None:
         latest = history.dropna(subset=["r"]).iloc[-1]
         r, pair = float(latest_r), (latest["target"], latest["drafter"])
-        r_from = "drafter/target bytes of the latest run's pair"
+        r_from = latest_r_from
     elif pair is not None and pair_r is not None:
         r, r_from = pair_r, "drafter/target bytes of the chosen pair"
     elif file_r is not None:
@@ -117,10 +121,13 @@ def plot_view(
     c, c_from = STUDY_C, "the study's (M2 Pro)"
     if c_choice == C_FITTED:
         same = history[(history["target"] == pair[0]) & (history["drafter"] == pair[1])] if pair else history
-        usable = same.dropna(subset=["alpha", "speedup"])
+        observed = same[["alpha", "k", "speedup"]].astype(float)
+        usable = same[np.isfinite(observed).all(axis=1)]
         if len(usable) >= MIN_RUNS_TO_FIT:
             try:
-                fit = fit_c_from_speedups(usable["alpha"], usable["k"], usable["speedup"], r)
+                # Each run's own r, elementwise (rows all finite: the fit keeps every one, in order).
+                rs = usable["r"].astype(float).fillna(r).to_numpy()
+                fit = fit_c_from_speedups(usable["alpha"], usable["k"], usable["speedup"], rs)
                 c, c_from = fit.c, f"fitted to {fit.n} runs of this pair (RMSE {fit.rmse:.2f}×)"
             except ValueError as err:  # the fit's own message: too few distinct k, a degenerate spread
                 c_from = f"the study's; fitting failed ({err})"

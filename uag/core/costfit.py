@@ -58,8 +58,9 @@ class CFit:
     form: str
 
 
-def fit_c_from_speedups(alpha: Any, k: Any, speedup: Any, r: float, *, form: Form = "study") -> CFit:
-    """Least-squares c from per-run (α, k, speedup) observations, r fixed.
+def fit_c_from_speedups(alpha: Any, k: Any, speedup: Any, r: Any, *, form: Form = "study") -> CFit:
+    """Least-squares c from per-run (α, k, speedup) observations, r fixed: one r for every run, or one per run
+    (runs of one served pair differ in how much of their drafting the drafter's model did; lookup's costs 0).
 
     Minimises Σ (speedup − N(α, k) / (1 + k·r + c·k²))², N = 1 + k·α (``form="study"``) or E(α, k)
     (``"leviathan"``). Starts from the linearised fit (N / speedup = 1 + k·r + c·k² is linear in c) and
@@ -72,12 +73,15 @@ def fit_c_from_speedups(alpha: Any, k: Any, speedup: Any, r: float, *, form: For
     if not (len(a) == len(kk) == len(s)):
         raise ValueError(f"alpha, k and speedup differ in length ({len(a)}, {len(kk)}, {len(s)})")
     keep = np.isfinite(a) & np.isfinite(kk) & np.isfinite(s)
-    a, kk, s = a[keep], draft_lengths(kk[keep]), s[keep]
+    rr = np.asarray(r, dtype=float).ravel() if np.ndim(r) else np.full(a.shape, float(r))
+    if rr.shape != a.shape or not np.all(np.isfinite(rr)):
+        raise ValueError(f"r must be one finite number or one per run ({len(a)}), got {np.size(r)} values")
+    a, kk, s, rr = a[keep], draft_lengths(kk[keep]), s[keep], rr[keep]
     if not np.any(kk > 0):
         raise ValueError("fit_c_from_speedups needs at least one finite observation with k > 0")
     numerator = np.asarray(1.0 + kk * a if form == "study" else expected_tokens(np.clip(a, 0, 1), kk))
     k2 = kk.astype(float) ** 2
-    base = 1.0 + kk * r
+    base = 1.0 + kk * rr
 
     # Linearised start, over rows that say something about c.
     informative = (kk > 0) & (s > 0)

@@ -76,8 +76,43 @@ class Served:
     sources: dict
     speedup: float | None  # estimated, against the target alone
     saved_s: float  # estimated seconds saved (negative: lost)
-    r: float | None  # drafter/target bytes (0 for prompt lookup)
+    r: float | None  # the drafter's drafter/target bytes (0 for prompt lookup; a hybrid's: its model's)
     check: str | None = None  # with "check": identical, diverged_near_tie, diverged (uag.study.divergence)
+
+    @property
+    def drafted(self) -> bool:
+        """Whether any cycle drafted; one that never did (auto parked throughout) ran as the target alone."""
+        return any(n for source, n in self.sources.items() if source != "plain")
+
+    @property
+    def drafting_r(self) -> float | None:
+        """r for what actually drafted: the drafter's r weighted by the share of drafting cycles its model
+        drafted, since prompt lookup drafts for free (None when nothing drafted).
+
+        Example: a hybrid with r = 0.5, sources {"lookup": 9, "model": 3, "plain": 30} -> 0.5 · 3/12 = 0.125;
+                 the same hybrid with sources {"lookup": 12, "plain": 30} -> 0.0
+        """
+        drafting = sum(n for source, n in self.sources.items() if source != "plain")
+        if self.r is None or not drafting:
+            return None
+        return self.r * self.sources.get("model", 0) / drafting
+
+
+def saved_seconds(run: Any, step: StepTime | None) -> float:
+    """The seconds speculation saved on a run against the target alone (negative: lost), estimated: the
+    target's step time × the tokens after the prompt pass − the run's generation time. A run that never drafted
+    (auto parked throughout) ran as the target alone, so that estimate would be only the step time's error:
+    what it paid for speculation is its drafter's rehearsals, measured.
+
+    Example: 41 tokens after the prompt pass in 2.0 s, step 100 ms -> 4.1 − 2.0 = 2.1;
+             never drafted, one 30 ms rehearsal -> −0.03
+    """
+    if not any(c.source for c in run.cycles):
+        return -sum(c.draft_ms for c in run.cycles) / 1000
+    after = run.generated - run.opening
+    if step is None or not run.generation_s or after <= 0:  # as `estimated_speedup`: nothing to estimate
+        return 0.0
+    return after * step.ms / 1000 - run.generation_s
 
 
 class Service:
@@ -102,7 +137,7 @@ class Service:
         self.target_dtype, self.drafter_dtype = target_dtype, drafter_dtype  # None: as stored
         self.caches = ConversationCaches(cache_bytes)
         self.stream = stream or uag.api.stream
-        self.evidence: dict[tuple[str, str], Any] = {}  # (target, drafter) -> uag.core.policy.Evidence
+        self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs share
         self.recent: deque[Served] = deque(maxlen=RECENT)
         self.saved_s = 0.0
         self._steps: dict[str, StepTime] = {}  # target -> its step time as served here (speculation off)
@@ -164,26 +199,15 @@ class Service:
     def job(self, job: Job, request: Request) -> Iterator[Accepted | Delta | Done]:
         """The job function (`JobRunner.run(service.job, request, …)`): `Accepted`, `Delta`s, then one `Done`."""
         from uag.core.engine import PromptCaches
-        from uag.study.pair_costs import (
-            drop_stale_profile,
-            evidence_key,
-            keep_evidence,
-            profile_for,
-            saved_evidence,
-        )
+        from uag.study.pair_costs import open_auto
 
         target, choice = self.load(job, request.drafter)
         ids = self.prompt(target, choice, request)
         config = request.config
         extra: dict[str, Any] = {}
-        key = None
+        close = None
         if config.strategy == "auto":  # a first-use calibration happens here, outside the time budget
-            extra["profile"] = profile_for(target, choice)
-            key = evidence_key(target, choice)
-            learner = (target.name, request.drafter)
-            if learner not in self.evidence:  # what earlier processes of this pair learned, on the first request
-                self.evidence[learner] = saved_evidence(key)
-            extra["evidence"] = self.evidence[learner]
+            close = open_auto(target, choice, extra, held=self.evidence)
         job.limit(self.runner.budget_s)
         # Keyed by the target: the caches name the models that filled them, and the engine reuses a drafter's
         # cache only for that drafter, so a conversation keeps its target cache when speculation changes.
@@ -206,9 +230,8 @@ class Service:
             events.close()  # the engine's finally leaves the caches exact, also when stopped early
             if clean:
                 self.caches.put(pair, caches)
-            if key is not None:
-                keep_evidence(key, extra["evidence"])  # the next process of this pair opens from it
-                drop_stale_profile(key, extra["evidence"])  # measured on a busier machine: measure again
+            if close is not None:
+                close()  # the pair's next process opens from its evidence; a stale profile is measured again
         if run is None or run.finish_reason is None:
             raise RuntimeError("the engine's stream ended without a final record")
         tail, calls = text.finish()
@@ -276,9 +299,7 @@ class Service:
 
     def _record(self, request: Request, run, done_report: dict, step: StepTime | None, choice, target) -> None:
         speedup = done_report["speculative"]["estimated_speedup"]
-        saved = 0.0
-        if speedup is not None and run.generation_s:
-            saved = (run.generated - run.opening) * step.ms / 1000 - run.generation_s
+        saved = 0.0 if request.drafter is None else saved_seconds(run, step)
         r = None
         if choice is not None:
             r = 0.0 if choice.model is None else choice.model.weight_bytes / target.weight_bytes

@@ -124,3 +124,42 @@ def drop_stale_profile(key: dict | None, evidence: Evidence) -> bool:
         "this pair's saved costs were %.1f× off what this run measured: measured again on next use", 1 / evidence.scale
     )
     return True
+
+
+def open_auto(
+    target: LoadedModel,
+    drafter: DrafterChoice | LoadedModel | None,
+    kw: dict,
+    *,
+    progress: Progress | None = None,
+    held: dict[str, Evidence] | None = None,
+) -> Callable[[], None] | None:
+    """What an `auto` run of the pair opens from, filled into the engine's keyword arguments `kw` where the
+    caller gave none: `profile` (`profile_for`) and `evidence` — what earlier runs of the pair accepted on this
+    machine (`saved_evidence`), or the one a long-lived caller keeps in `held` across its runs (the server, per
+    pair; read from the saved evidence on the pair's first run there). Returns what to call once the run has
+    ended, also when stopped early: it saves the evidence for the pair's next run and removes a profile the
+    run's own passes showed stale (`drop_stale_profile`) — or None where a caller's own evidence and profile
+    leave nothing to save.
+    """
+    own_profile = "profile" not in kw
+    if own_profile:
+        kw["profile"] = profile_for(target, drafter, progress=progress)
+    if "evidence" in kw:
+        return None  # the caller's evidence stays the caller's
+    key = evidence_key(target, drafter)
+    if held is None:
+        kw["evidence"] = saved_evidence(key)
+    else:
+        name = repr(sorted((key or {}).items()))
+        if name not in held:
+            held[name] = saved_evidence(key)
+        kw["evidence"] = held[name]
+    evidence = kw["evidence"]
+
+    def close() -> None:
+        keep_evidence(key, evidence)
+        if own_profile:
+            drop_stale_profile(key, evidence)
+
+    return close
