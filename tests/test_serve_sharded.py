@@ -156,6 +156,8 @@ def test_a_streamed_reply_equals_the_whole_one(cluster, client):
                       stream_options={"include_usage": True}))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    with pytest.raises(openai.BadRequestError, match="--shard"):  # a near-tie check needs the whole target
+        ask(client, cluster.target, {"drafter": "lookup", "check": True}, max_tokens=MAX_TOKENS)
 
 
 def test_costs_removed_as_stale_are_measured_again_over_the_shards(cluster, client):

@@ -278,3 +278,14 @@ def test_check_is_greedy_only_and_a_bool():
         extra = {"temperature": 0.5} if words == "temperature 0" else {}
         with pytest.raises(APIError, match=words):
             parse_chat({**body, **extra, "speculative": bad_value}, defaults)
+
+
+def test_check_is_refused_on_a_sharded_server():
+    """Under --shard the near-tie margins would need the target on rank 0 alone: a 400 naming --shard, not a
+    request that fails half way."""
+    sharded = ServerDefaults(model="m", drafter="lookup", checks=False)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError, match="not available on a sharded server \\(--shard\\)") as err:
+        parse_chat({**body, "speculative": {"check": True}}, sharded)
+    assert err.value.status == 400 and err.value.param == "speculative"
+    assert parse_chat({**body, "speculative": {"check": False}}, sharded).check is False

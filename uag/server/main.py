@@ -147,7 +147,7 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
     config = opts["config"]
     defaults = ServerDefaults(
         model=args.target, drafter=opts["drafter"], strategy=config.strategy, k=config.k, window=config.window,
-        max_tokens=config.max_tokens, drafters=opts["drafters"],
+        max_tokens=config.max_tokens, drafters=opts["drafters"], checks=not getattr(args, "shard", None),
     )  # fmt: skip
     session = None
     if args.no_ui:

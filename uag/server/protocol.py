@@ -57,6 +57,7 @@ class ServerDefaults:
     window: int = 4
     max_tokens: int = 512
     drafters: tuple[str, ...] = ()  # drafters a request may pick (the default is always among them)
+    checks: bool = True  # whether a request may ask for `"check": true` (not under --shard)
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -253,6 +254,9 @@ def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict
     if unknown:
         raise bad("speculative", f"unknown key {unknown[0]!r}: it takes drafter, k, strategy, window and check")
     check = _flag(value, "check", param="speculative")
+    if check and not defaults.checks:
+        raise bad("speculative", "check is not available on a sharded server (--shard): its near-tie margins need "
+                  "the whole target on one machine; compare with `uag generate --strategy baseline` there")  # fmt: skip
     allowed = defaults.allowed
     drafter = value.get("drafter", defaults.drafter)
     if drafter is None:
