@@ -194,6 +194,24 @@ def test_a_profile_measured_on_a_busier_machine_is_scaled_to_the_run_own_speed()
     assert pinned.target_ms(9) == pytest.approx(140.0)  # costs pinned by a test stay the profile's
 
 
+def test_an_untimed_width_is_priced_from_the_nearest_width_timed_not_from_another_contexts_scale():
+    """A server's evidence carries from request to request: after a long edit conversation its passes of 9 were
+    timed at 3 s and the profile scaled by 2; on a short chat the run's own 2-token passes take 700 ms. The plain
+    step it never timed is priced from those (630 ms), not from the old scale (900 ms), against which drafting
+    one token at α 0.2 looked cheaper than a plain step — and auto drafted a whole reply that it lost on."""
+    profile = CostProfile({1: 450.0, 2: 500.0, 9: 1200.0}, drafter_ms=50.0, translate_ms=0.0)
+    evidence = Evidence(verify_ms={2: 700.0, 9: 3000.0}, scale=2.0)
+    for _ in range(10):  # one draft in five accepted
+        for kept in (1, 0, 0, 0, 0):
+            evidence.model.add(1, kept)
+    policy = AdaptiveK(k_max=4, profile=profile, evidence=evidence)
+    assert policy.target_ms(1) == pytest.approx(630.0)  # 450 × 700 / 500
+    assert policy.target_ms(8) == pytest.approx(1100.0 * 3000.0 / 1200.0)  # nearest timed: 9
+    assert policy.acceptance(0) < 0.25 and policy.next_k() == 0  # parks: one draft at α 0.2 does not pay here
+    pinned = AdaptiveK(k_max=4, profile=profile, evidence=Evidence(verify_ms={2: 700.0}), learn_costs=False)
+    assert pinned.target_ms(1) == pytest.approx(450.0)  # costs a test pinned stay the profile's
+
+
 def test_with_a_target_curve_lookup_drafts_at_the_first_decision_and_without_one_a_step_is_timed_first():
     curve = CostProfile({1: 10.0, 2: 10.5, 5: 12.0, 9: 14.0}, drafter_ms=0.0)  # what prompt lookup's profile holds
     source, k = AdaptiveK(k_max=8, profile=curve).choose({"lookup": 4})

@@ -176,12 +176,22 @@ class AdaptiveK:
         return total
 
     def target_ms(self, w: int) -> float | None:
-        """Cost of a target pass over w tokens: own timings first, then the profile, then extrapolation."""
+        """Cost of a target pass over w tokens: own timings first; then the profile's, anchored at the nearest
+        width this run has timed (the profile's shape, the run's level: passes over a long context cost more
+        than the profile's, and a width timed now must not be weighed against one priced from timings of
+        another context — a server's evidence carries from request to request); then extrapolation.
+
+        Example: profile 450 / 500 ms for 1 / 2 tokens, this run's 2-token passes 700 ms -> w = 1: 630 ms
+        """
         timed = self.evidence.verify_ms
         if w in timed:
             return timed[w]
         if self.profile is not None:
-            return self.profile.target_at(w) * self.evidence.scale
+            anchors = [v for v in timed if self.profile.target_at(v) > 0] if self.learn_costs else []
+            if not anchors:
+                return self.profile.target_at(w) * self.evidence.scale
+            near = min(anchors, key=lambda v: (abs(v - w), v))
+            return self.profile.target_at(w) * timed[near] / self.profile.target_at(near)
         if not timed:
             return None
         known = sorted(timed)
