@@ -11,9 +11,16 @@ slower); each server's /proc/<pid>/maps is checked for it and a short warm-up re
 
 One server runs at a time (the coder target in float32 takes ~7 GB), so conditions are interleaved by session:
 every repeat runs each condition once, in an order that rotates from repeat to repeat, and the summary takes
-medians over repeats. A session: warm-up, the `edit` workload (bundled three-turn conversations, each turn sent
-after the server's own reply to the one before, `uag.study.datasets.load_conversations`), the turn-2 cold read
-(below), then open chat (the first `--chat-prompts` Polish `alpaca` and English `code` instructions).
+medians over repeats. With `--together` the conditions' servers run side by side (uag:off then shares the uag
+server, its requests saying `"speculative": false`; refused when the weights would not fit in the memory available)
+and each request goes to every condition in turn, the order rotating from request to request: a machine whose
+speed drifts during a run then slows every condition alike. A shared server reads each prompt once for both of
+its conditions, so uag:off's time to first token there is not a cold read (and only the first of them, in the
+rotation, makes the turn-2 cold read).
+
+A session: warm-up, the `edit` workload (bundled three-turn conversations, each turn sent after the server's
+own reply to the one before, `uag.study.datasets.load_conversations`), the turn-2 cold read (below), then open chat
+(the first `--chat-prompts` Polish `alpaca` and English `code` instructions).
 
 Per turn, one JSON row in `--out`: time to first token (streaming), generation tokens/s (client side, from the
 first content chunk to the last: (completion tokens - 1) / that time), end-to-end time, cached prompt tokens
@@ -53,7 +60,8 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
@@ -339,7 +347,7 @@ def cold(messages: list[dict]) -> list[dict]:
 
 
 def session(
-    condition: Condition,
+    group: list[Condition],
     repeat: int,
     args: argparse.Namespace,
     edit: list[Conversation],
@@ -348,39 +356,61 @@ def session(
     logs: Path,
     write: Callable[[dict], None],
 ) -> None:
-    say(f"{condition.name}, repeat {repeat + 1}: starting")
-    with Server(condition, logs / f"{condition.name.replace(':', '-')}-r{repeat + 1}.log") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_S)
-        warm = ask(client, condition, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
-        again = ask(client, condition, WARM_UP, WARM_UP_TOKENS)
-        write(
-            {
-                "kind": "warmup",
-                "condition": condition.name,
-                "repeat": repeat,
-                "startup_s": server.startup_s,
-                "openblas_mapped": server.openblas,
-                "first_e2e_s": warm.e2e_s,
-                "tokens": again.completion_tokens,
-                "generation_tps": again.generation_tps,
-                "e2e_s": again.e2e_s,
-            }
-        )
-        rate = "-" if again.generation_tps is None else f"{again.generation_tps:.1f}"
-        say(
-            f"{condition.name}: up in {server.startup_s:.0f} s, OpenBLAS mapped: {server.openblas}, warm-up "
-            f"{again.completion_tokens} tokens at {rate} tokens/s"
-        )
+    """Every workload on the `group`'s servers, up side by side (conditions with one command line share one
+    server): each request goes to every condition in turn, in an order that rotates from request to request, so
+    that a machine that drifts slows every condition alike. A group of one is the one-server-at-a-time session."""
+    names = ", ".join(c.name for c in group)
+    say(f"{names}, repeat {repeat + 1}: starting")
+    with ExitStack() as stack:
+        servers: dict[tuple[str, ...], Server] = {}
+        clients: dict[str, openai.OpenAI] = {}
+        for c in group:
+            if c.argv not in servers:
+                log = logs / f"{c.name.replace(':', '-')}-r{repeat + 1}.log"
+                servers[c.argv] = stack.enter_context(Server(c, log))
+            url = servers[c.argv].url + "/v1"
+            clients[c.name] = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=REQUEST_S)
+        for c in group:
+            server, client = servers[c.argv], clients[c.name]
+            warm = ask(client, c, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
+            again = ask(client, c, WARM_UP, WARM_UP_TOKENS)
+            write(
+                {
+                    "kind": "warmup",
+                    "condition": c.name,
+                    "repeat": repeat,
+                    "startup_s": server.startup_s,
+                    "openblas_mapped": server.openblas,
+                    "first_e2e_s": warm.e2e_s,
+                    "tokens": again.completion_tokens,
+                    "generation_tps": again.generation_tps,
+                    "e2e_s": again.e2e_s,
+                }
+            )
+            rate = "-" if again.generation_tps is None else f"{again.generation_tps:.1f}"
+            say(
+                f"{c.name}: up in {server.startup_s:.0f} s, OpenBLAS mapped: {server.openblas}, warm-up "
+                f"{again.completion_tokens} tokens at {rate} tokens/s"
+            )
+        sent = 0
 
-        def converse(conversation: Conversation, workload: str, turns: int) -> list[dict]:
-            replies: list[str] = []
+        def each() -> list[Condition]:
+            """The group in this request's order (rotating by one per request)."""
+            nonlocal sent
+            shift, sent = sent % len(group), sent + 1
+            return group[shift:] + group[:shift]
+
+        def converse(conversation: Conversation, workload: str, turns: int) -> dict[str, list[dict]]:
+            """The conversation's turns, each sent to every condition (each condition after its own replies);
+            returns each condition's messages up to turn 2."""
+            replies: dict[str, list[str]] = {c.name: [] for c in group}
             for turn in range(turns):
-                messages = conversation.messages(replies)
-                reply = ask(client, condition, messages, args.max_tokens)
-                replies.append(reply.text)
-                write(row(condition, repeat, workload, conversation.id, turn + 1, reply))
-                say(f"  {workload} {conversation.id} turn {turn + 1}: {describe(reply)}")
-            return conversation.messages(replies[:1])
+                for c in each():
+                    reply = ask(clients[c.name], c, conversation.messages(replies[c.name]), args.max_tokens)
+                    replies[c.name].append(reply.text)
+                    write(row(c, repeat, workload, conversation.id, turn + 1, reply))
+                    say(f"  {c.name} {workload} {conversation.id} turn {turn + 1}: {describe(reply)}")
+            return {name: conversation.messages(texts[:1]) for name, texts in replies.items()}
 
         second = None
         for conversation in edit:
@@ -390,13 +420,54 @@ def session(
         if ttft is not None:
             if second is None:  # not among the edit conversations of this run: turns 1 and 2 for it alone
                 second = converse(ttft, "ttft", 2)
-            reply = ask(client, condition, cold(second), args.max_tokens, first_only=True)
-            write(row(condition, repeat, "ttft-cold", ttft.id, 2, reply))
-            say(f"  cold read of {ttft.id} turn 2: {describe(reply)}")
+            read: set[tuple[str, ...]] = set()
+            for c in each():
+                if c.argv in read:  # a shared server holds the cold messages now: no second cold read there
+                    continue
+                read.add(c.argv)
+                reply = ask(clients[c.name], c, cold(second[c.name]), args.max_tokens, first_only=True)
+                write(row(c, repeat, "ttft-cold", ttft.id, 2, reply))
+                say(f"  {c.name} cold read of {ttft.id} turn 2: {describe(reply)}")
         for item, text in chat:
-            reply = ask(client, condition, [{"role": "user", "content": text}], args.max_tokens)
-            write(row(condition, repeat, "chat", item, 1, reply))
-            say(f"  chat {item}: {describe(reply)}")
+            for c in each():
+                reply = ask(clients[c.name], c, [{"role": "user", "content": text}], args.max_tokens)
+                write(row(c, repeat, "chat", item, 1, reply))
+                say(f"  {c.name} chat {item}: {describe(reply)}")
+
+
+def together(conds: list[Condition]) -> list[Condition]:
+    """The conditions for `--together`: uag:off is served by the first uag drafter condition's server (its
+    requests say `"speculative": false`), so the target is loaded once for both."""
+    host = next((c for c in conds if c.server == "uag" and c.name != "uag:off"), None)
+    if host is None:
+        return conds
+    return [replace(c, argv=host.argv) if c.name == "uag:off" else c for c in conds]
+
+
+def weight_bytes(argv: tuple[str, ...]) -> int:
+    """The weights a server's command line loads: its --target/--model and --drafter/--draft-model folders."""
+    total = 0
+    for flag, value in zip(argv, argv[1:]):
+        if flag in ("--target", "--model", "--draft-model") or (flag == "--drafter" and value not in ("off", "lookup")):
+            name = value.removeprefix("lookup+")
+            path = Path(folder(name))
+            total += sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
+    return total
+
+
+def check_memory(conds: list[Condition]) -> None:
+    """Refuse a `--together` group whose servers' weights would not fit in the memory available now."""
+    need = sum(weight_bytes(argv) for argv in {c.argv for c in conds})
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    if need > 0.85 * available:
+        raise SystemExit(
+            f"--together: the servers' weights take {need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB is available: "
+            "choose fewer conditions with --only"
+        )
 
 
 def describe(reply: Reply) -> str:
@@ -651,6 +722,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--ttft-conversation", default=DEFAULT_TTFT_CONVERSATION, help="'' to skip the cold read")
     parser.add_argument("--only", nargs="+", help="run only these conditions, e.g. uag:off mlx_lm")
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="run the conditions' servers side by side and send each request to every one in turn (interleaved "
+        "request by request; uag:off shares the uag server; the weights must fit in memory together)",
+    )
     parser.add_argument("--out", help="the rows, one JSON object per line (default serve-<date-time>.jsonl)")
     parser.add_argument("--summarize", metavar="ROWS", help="print the summary of a rows file and exit")
     args = parser.parse_args(argv)
@@ -682,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
         ttft = found[0]
     chat = chat_prompts(args.chat_prompts)
     conds = conditions(args)
+    if args.together:
+        conds = together(conds)
+        check_memory(conds)
     out = Path(args.out or f"serve-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
     logs = out.with_suffix(".logs")
 
@@ -699,6 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         "peer_draft": args.peer_draft,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "together": args.together,
         "conversations": [c.id for c in edit],
         "chat": [i for i, _ in chat],
         "ttft_conversation": ttft.id if ttft else None,
@@ -716,8 +797,9 @@ def main(argv: list[str] | None = None) -> int:
         f.write(json.dumps(meta, ensure_ascii=False) + "\n")
         for repeat in range(args.repeats):
             shift = repeat % len(conds)
-            for condition in conds[shift:] + conds[:shift]:
-                session(condition, repeat, args, edit, ttft, chat, logs, write)
+            order = conds[shift:] + conds[:shift]
+            for group in [order] if args.together else [[c] for c in order]:
+                session(group, repeat, args, edit, ttft, chat, logs, write)
     say(f"rows in {out}, server logs in {logs}/")
     print(summary(rows))
     return 0
