@@ -6,6 +6,7 @@ earlier runs of the pair accepted (`saved_evidence`, `keep_evidence`): auto's op
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
@@ -151,7 +152,7 @@ def open_auto(
     if held is None:
         kw["evidence"] = saved_evidence(key)
     else:
-        name = repr(sorted((key or {}).items()))
+        name = json.dumps(key, sort_keys=True)
         if name not in held:
             held[name] = saved_evidence(key)
         kw["evidence"] = held[name]
