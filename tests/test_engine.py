@@ -355,7 +355,7 @@ def test_demo_pair_every_strategy_and_k_reproduces_the_baseline(demo_pair, promp
     expected = baseline_ids(target, prompt, 20)
     accepted = 0
     for strategy in strategies:
-        for k in KS:
+        for k in (1, 4):  # the narrowest and a wide draft (k = 2 runs in the CLI check below and on tiny pairs)
             run = generate(target, drafter, prompt, GenerationConfig(strategy=strategy, k=k, max_tokens=20))
             assert run.token_ids == expected, (strategy, k)
             accepted += run.accepted if strategy in ("context", "tli") else 0
