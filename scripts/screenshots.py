@@ -67,19 +67,28 @@ def started(url: str | None, start: Callable[[int], subprocess.Popen]) -> Iterat
         stop(process)
 
 
+def launch(argv: list[str], url: str, what: str, timeout_s: float = START_TIMEOUT_S) -> subprocess.Popen:
+    """Start `argv` in the repository and return it once `url` answers; stopped (and SystemExit) if it exits
+    first, does not answer within `timeout_s`, or anything else goes wrong while waiting."""
+    process = subprocess.Popen(argv, cwd=ROOT)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"{what} exited with status {process.returncode}")
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                return process
+            except OSError:
+                time.sleep(1)
+        raise SystemExit(f"{what} did not answer {url} within {timeout_s:g} s")
+    except BaseException:
+        stop(process)
+        raise
+
+
 def start_app(port: int) -> subprocess.Popen:
-    app = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=ROOT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if app.poll() is not None:
-            raise SystemExit(f"the app exited with status {app.returncode}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
-            return app
-        except OSError:
-            time.sleep(1)
-    app.terminate()
-    raise SystemExit(f"the app did not answer within {START_TIMEOUT_S} s")
+    return launch([sys.executable, "app.py", "--port", str(port)], f"http://127.0.0.1:{port}/", "the app")
 
 
 def pick_preset(page, label: str) -> None:

@@ -20,10 +20,9 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-from screenshots import CHROMIUM, CHROMIUM_ARGS, ROOT, WIDTH, started, stop  # this folder's app screenshots
+from screenshots import CHROMIUM, CHROMIUM_ARGS, WIDTH, launch, started  # this folder's app screenshots
 
 START_TIMEOUT_S = 300  # the server answers /health at once; this is for importing mlx and gradio on a busy CPU
 REQUEST_TIMEOUT_S = 1800  # one request, the first of which waits for the pair to load (and calibrate, once)
@@ -34,21 +33,7 @@ CAPTION = re.compile(r"\brequests? served")  # the tab's caption, not its descri
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     argv = [sys.executable, "-m", "uag", "serve", "--target", args.target, "--drafter", args.drafter,
             "--drafters", "lookup,demo-drafter", "--port", str(port)]  # fmt: skip
-    server = subprocess.Popen(argv, cwd=ROOT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise SystemExit(f"uag serve exited with status {server.returncode}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                return server
-            except OSError:
-                time.sleep(1)
-        raise SystemExit(f"uag serve did not answer /health within {START_TIMEOUT_S} s")
-    except BaseException:
-        stop(server)
-        raise
+    return launch(argv, f"http://127.0.0.1:{port}/health", "uag serve", START_TIMEOUT_S)
 
 
 def ask(client, model: str, messages: list[dict], max_tokens: int, speculative: object = None) -> tuple[str, dict]:
