@@ -25,6 +25,7 @@ from uag.study.profiles import (
     profile_path,
     save,
     save_evidence,
+    target_key,
 )
 
 
@@ -116,6 +117,35 @@ def test_calibrate_reset_forgets_without_loading_models(cache, capsys):
     assert "removed" in capsys.readouterr().out and find_evidence(pair) is None
     assert calibration.main(["--target", "org/target", "--drafter", "org/drafter", "--reset"]) == 0
     assert "nothing saved for org/target ← org/drafter" in capsys.readouterr().out
+
+
+def test_calibrate_reset_of_a_hybrid_forgets_its_model_pair_and_of_lookup_the_target_s_own(cache, capsys):
+    pair = fake_pair()
+    save_evidence(pair, learned())
+    assert calibration.main(["--target", "org/target", "--drafter", "lookup+org/drafter", "--reset"]) == 0
+    assert find_evidence(pair) is None
+    save_evidence(target_key(pair.target), learned())
+    assert calibration.main(["--target", "org/target", "--drafter", "lookup", "--reset"]) == 0
+    assert find_evidence(target_key(pair.target)) is None
+
+
+@pytest.mark.slow
+def test_calibrate_lookup_saves_the_target_s_verify_curve_where_auto_looks_for_it(store, cache, capsys):
+    """`uag calibrate --drafter lookup` (it once asked for a model folder named lookup): the target alone is
+    timed, and the profile lands under the key prompt lookup's auto runs read (uag.study.pair_costs)."""
+    from uag.core.drafters import DrafterChoice
+    from uag.study.pair_costs import profile_for
+
+    target, _ = tiny_pair("qwen2.5", "mistral-v1")
+    argv = ["--target", str(target), "--drafter", "lookup", "--context", "32", "--max-width", "3", "--repeats", "1"]
+    assert calibration.main(argv) == 0
+    assert "saved" in capsys.readouterr().out
+    saved = find_calibration(target_key(store.get(str(target))))
+    assert set(saved.profile.target_ms) == {1, 2, 3} and saved.profile.drafter_ms == 0.0
+    measured = lambda *a, **kw: pytest.fail("a saved lookup profile is measured again")  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "calibrate_target", measured)
+        assert profile_for(store.get(str(target)), DrafterChoice(lookup=True)).target_ms == saved.profile.target_ms
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 import mlx.core as mx
 
 from uag.command import CommandParser, run, whole
+from uag.core.config import LOOKUP, DrafterSpec
 from uag.core.costmodel import CostProfile
 from uag.core.passes import logprobs, settle_allocator
 from uag.core.translate import DEFAULT_WINDOW, make_translator, text_after
@@ -207,7 +208,12 @@ def summary(calibration: Calibration, ks=(1, 2, 4, 8)) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="python -m uag calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="demo-target", help="hub id, local directory or demo-target")
-    parser.add_argument("--drafter", default="demo-drafter", help="hub id, local directory or demo-drafter")
+    parser.add_argument(
+        "--drafter",
+        default="demo-drafter",
+        help="hub id, local directory, demo-drafter, lookup (the target's verify curve alone) or lookup+<model> "
+        "(the model's pair: lookup itself costs microseconds)",
+    )
     parser.add_argument("--context", type=whole, default=DEFAULT_CONTEXT, help="tokens in the cache while timing")
     parser.add_argument("--max-width", type=whole, default=16, help="largest verification width w to time, 1..64")
     parser.add_argument("--repeats", type=whole, default=5, help="timed rounds over all widths (least kept)")
@@ -221,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _calibrate(args: argparse.Namespace) -> int:
     from uag.core.loading import load_model
 
-    if args.reset:  # no models to load: the saved files name them
-        removed = forget(args.target, args.drafter)
+    spec = DrafterSpec.parse(args.drafter)
+    if args.reset:  # no models to load: the saved files name them (a hybrid's are its model's pair)
+        removed = forget(args.target, spec.model or LOOKUP)
         lines = [f"removed {path}" for path in removed] or [f"nothing saved for {args.target} ← {args.drafter} here"]
         print(json.dumps({"removed": [str(path) for path in removed]}) if args.json else "\n".join(lines))
         return 0
@@ -241,10 +248,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     store = ModelStore()
     say = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
     target = load_model(store, args.target, role="target", progress=say)
-    pair = check_pair(target, load_model(store, args.drafter, role="drafter", progress=say))
-    calibration = calibrate(
-        pair, context=args.context, widths=range(1, args.max_width + 1), repeats=args.repeats, progress=say
-    )
+    settings = {"context": args.context, "widths": range(1, args.max_width + 1), "repeats": args.repeats}
+    if spec.model is None:  # prompt lookup alone: what auto prices its proposals by is the target's verify curve
+        calibration = calibrate_target(target, progress=say, **settings)
+    else:
+        pair = check_pair(target, load_model(store, spec.model, role="drafter", progress=say))
+        calibration = calibrate(pair, progress=say, **settings)
     path = save(calibration)
     if args.json:
         print(json.dumps({**calibration.to_dict(), "path": str(path)}, indent=2))
