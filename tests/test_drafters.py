@@ -9,9 +9,10 @@ from mlx_lm.sample_utils import make_sampler
 
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.core.config import DrafterSpec, GenerationConfig
-from uag.core.drafters import DrafterChoice, load_drafter
+from uag.core.anatomy import Loss
+from uag.core.drafters import DrafterChoice, LookupDrafter, load_drafter
 from uag.core.engine import PromptCaches, Seams, generate, prompt_ids, stream
-from uag.core.lookup import NgramIndex
+from uag.core.lookup import MATCH_CAP, NgramIndex, match_band
 from uag.core.translate import make_translator
 from uag.errors import InputError
 
@@ -50,6 +51,34 @@ def test_lookup_uses_the_most_recent_occurrence_and_nothing_on_short_or_empty_in
     assert NgramIndex((2,)).propose(4) == [] and index.propose(0) == []
     with pytest.raises(ValueError):
         NgramIndex((0,))
+
+
+def test_a_match_says_how_far_back_it_runs_and_which_band_that_falls_in():
+    index = NgramIndex((3, 2))
+    index.extend([5, 1, 2, 3, 9, 7, 1, 2, 3])
+    assert index.match == (3, 4) and index.match_length() == 3  # 5 and 7 differ before "1 2 3"
+    copied = list(range(100, 140))
+    index = NgramIndex((3, 2))
+    index.extend([*copied, 0, *copied[:30]])  # a file being written out again
+    assert index.match_length() == MATCH_CAP and index.match_length(cap=64) == 30
+    index.extend([77])
+    assert index.match is None and index.match_length() == 0
+    assert [match_band(n) for n in (2, 3, 4, 7, 8, 15, 16, 40)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_a_lookup_offer_and_its_cycle_carry_how_far_the_match_ran_back(tiny):
+    """What auto judges a lookup by reaches it: in the offer before the draft, in the cycle's record after."""
+    target, _ = tiny
+    drafter = LookupDrafter(target.vocab)
+    drafter.start([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5, 6])
+    offer = drafter.offer(4)
+    assert dict(offer) == {"lookup": 4} and offer.match == 6
+    draft = drafter.propose("lookup", 4, 8)
+    assert draft.proposed == [9, 1, 2, 3] and draft.match == 6
+    record = draft.cycle(4, 2, 3, verify_ms=1.0, resync_ms=0.0, resync_absorbed=False, loss=Loss())
+    assert record.match == 6
+    drafter.commit(draft, [9, 1, 7])
+    assert drafter.offer(4) == {} and drafter.offer(4).match == 0
 
 
 def test_drafter_spec_names_every_kind():

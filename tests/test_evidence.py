@@ -43,12 +43,15 @@ def fake_pair(target: str = "org/target", drafter: str = "org/drafter", dtype: s
 
 
 def learned() -> Evidence:
-    return Evidence(model=Counts([2.5, 1.0], [0.5, 1.5]), lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0)
+    evidence = Evidence(model=Counts([2.5, 1.0], [0.5, 1.5]), lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0)
+    evidence.lookup_bands[3] = Counts([4.0, 3.0], [0.0, 1.0])
+    return evidence
 
 
 def test_evidence_keeps_what_earlier_runs_accepted_but_not_their_costs():
     back = Evidence.from_dict(json.loads(json.dumps(learned().to_dict())))
     assert back.model == learned().model and back.lookup == learned().lookup and back.expansion == 0.8
+    assert back.lookup_bands == learned().lookup_bands  # lookup's per band of match length (uag.core.lookup)
     assert back.drafter_ms is None and back.verify_ms == {}  # costs are the calibration's, relearned in a run
 
 
@@ -59,11 +62,19 @@ def test_evidence_keeps_what_earlier_runs_accepted_but_not_their_costs():
         {"model": {"accepted": [-1.0], "rejected": [1.0]}, "lookup": {"accepted": [], "rejected": []}},
         {"model": {"accepted": [], "rejected": []}, "lookup": {"accepted": ["nan"], "rejected": [1.0]}},
         {"model": {"accepted": [], "rejected": []}, "lookup": {"accepted": [], "rejected": []}, "expansion": 0},
+        {**Evidence().to_dict(), "lookup_bands": [{"accepted": [], "rejected": []}]},  # bands another version had
+        {**Evidence().to_dict(), "lookup_bands": [{"accepted": [1.0], "rejected": [-1.0]}] * 4},
     ],
 )
 def test_damaged_evidence_is_refused(bad):
     with pytest.raises(ValueError):
         Evidence.from_dict(bad)
+
+
+def test_evidence_saved_before_lookup_had_bands_still_opens_a_run():
+    saved = {k: v for k, v in learned().to_dict().items() if k != "lookup_bands"}
+    back = Evidence.from_dict(saved)
+    assert back.lookup == learned().lookup and back.lookup_bands == Evidence().lookup_bands
 
 
 def test_evidence_is_kept_per_pair_and_machine_and_found_again(cache):

@@ -9,7 +9,7 @@ from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import CARRY, Counts, Evidence
 from uag.core.policy import REHEARSAL_BUDGET, STRETCH_MAX, AdaptiveK, FixedK, make_policy, replay_drafts, within
-from uag.core.records import Cycle, Rehearsal
+from uag.core.records import Cycle, Offer, Rehearsal
 
 CHEAP_DRAFTER = CostProfile({1: 10.0, 2: 10.5, 3: 11.0, 5: 12.0, 9: 14.0}, drafter_ms=0.5, translate_ms=0.1)
 COSTLY_DRAFTER = CostProfile({1: 10.0, 2: 15.0, 5: 30.0, 9: 50.0}, drafter_ms=6.0, translate_ms=0.1)
@@ -236,6 +236,32 @@ def test_a_prompt_the_drafter_must_read_first_is_charged_to_drafting_over_the_to
     first = replace(cycle(1, 1, 1, verify_ms=574.0, draft_ms=65.0 + 990.0), drafter_read=100)
     after.observe(first)  # the prompt is read: no backlog left, and what reading it cost is learned
     assert after.backlog_ms() == 0 and after.remaining == 30 and after.next_k() > 0
+
+
+def test_a_lookup_match_that_runs_far_back_drafts_long_and_a_short_one_does_not():
+    """On code-editing turns a lookup from a 2-token match is a guess and one from a 30-token match a copy
+    (uag.core.lookup): auto learns acceptance per band of match length, so the same run drafts 8 tokens
+    from the copy and takes a plain step at the guess. Pooled over both, one k fits neither."""
+    policy = AdaptiveK(k_max=8, profile=replace(CODER_CPU, drafter_ms=0.0), learn_costs=False)
+    looked_up = lambda match, kept: replace(  # noqa: E731
+        cycle(8, 8, kept, verify_ms=1000.0, draft_ms=0.0), source="lookup", match=match, drafter_passes=0
+    )
+    for _ in range(6):
+        policy.observe(looked_up(2, 0))  # a 2-token match: its proposal fails at once
+        policy.observe(looked_up(30, 8))  # a 30-token match: all 8 kept
+    assert policy.choose(Offer({"lookup": 8}, match=30)) == ("lookup", 8)
+    assert policy.choose(Offer({"lookup": 8}, match=2)) == ("", 0)
+    assert policy.choose(Offer({"lookup": 8, "model": 8}, match=3)) != ("lookup", 8)
+    bands = policy.evidence.lookup_bands
+    assert bands[0].rejected[0] > 4 and bands[3].accepted[7] > 4 and bands[1].accepted == bands[1].rejected == []
+
+
+def test_a_lookup_band_with_no_evidence_of_its_own_judges_by_all_of_lookup_s():
+    policy = AdaptiveK(k_max=8, profile=replace(CODER_CPU, drafter_ms=0.0), learn_costs=False)
+    for kept in (8, 8, 0, 8):
+        policy.evidence.lookup.add(8, kept)
+    assert policy.acceptances(8, "lookup", band=2) == policy.acceptances(8, "lookup")
+    assert policy.choose(Offer({"lookup": 8}, match=9)) == policy.choose({"lookup": 8})
 
 
 def test_fixed_k_never_changes():

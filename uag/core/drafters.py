@@ -24,7 +24,7 @@ from uag.core.config import LOOKUP, DrafterSpec, GenerationConfig
 from uag.core.lookup import NGRAMS, NgramIndex
 from uag.core.passes import PREFILL_STEP, PromptCaches, prefill, reuse, settle_allocator, trim_to
 from uag.core.prompt_input import check_context
-from uag.core.records import Cycle, Rehearsal
+from uag.core.records import Cycle, Offer, Rehearsal
 from uag.core.translate import IntersectionTranslator, Proposal, Resync, TextTranslator, Translator, make_translator
 from uag.core.verify import IdMap, draft_distribution
 from uag.models.store import LoadedModel, ModelStore
@@ -89,6 +89,7 @@ class Draft:
     empty: bool = False
     resync_absorbed: bool = False
     proposal: Proposal | None = None  # the translator's proposal (model drafts), for the loss anatomy
+    match: int = 0  # a lookup proposal: how many tokens its match ran back (uag.core.lookup)
 
     def cycle(
         self, k: int, accepted: int, emitted: int, *, verify_ms: float, resync_ms: float, resync_absorbed: bool,
@@ -116,6 +117,7 @@ class Draft:
             resync_absorbed=resync_absorbed or self.resync_absorbed,
             source=self.source,
             loss={name: n for name, n in loss.as_dict().items() if n},
+            match=self.match,
         )
 
 
@@ -129,8 +131,9 @@ class Drafter(Protocol):
         """Begin a run on the target's prompt ids; return the tokens a first draft must read first (fewer
         where a conversation's cache already holds the start of them)."""
 
-    def offer(self, k_max: int) -> dict[str, int]:
-        """The sources that can draft now and how many tokens each could propose at most."""
+    def offer(self, k_max: int) -> Offer:
+        """The sources that can draft now and how many tokens each could propose at most (and how far
+        lookup's match runs back)."""
 
     def propose(self, source: str, k: int, budget: int) -> Draft:
         """Up to k drafts from `source`, translated, never more than `budget` target tokens."""
@@ -162,13 +165,16 @@ class LookupDrafter:
         self.index.extend(prompt)
         return 0
 
-    def offer(self, k_max: int) -> dict[str, int]:
-        return {LOOKUP: k_max} if self.index.match is not None else {}
+    def offer(self, k_max: int) -> Offer:
+        if self.index.match is None:
+            return Offer()
+        return Offer({LOOKUP: k_max}, match=self.index.match_length())
 
     def propose(self, source: str, k: int, budget: int) -> Draft:
         tic = time.perf_counter()
-        ids = self.index.propose(min(k, budget))
-        return Draft(LOOKUP, ids, draft_ids=list(ids), usable=list(ids), draft_ms=(time.perf_counter() - tic) * 1000)
+        ids, match = self.index.propose(min(k, budget)), self.index.match_length()
+        ms = (time.perf_counter() - tic) * 1000
+        return Draft(LOOKUP, ids, draft_ids=list(ids), usable=list(ids), draft_ms=ms, match=match)
 
     def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
         if accepted >= len(draft.proposed):
@@ -215,8 +221,8 @@ class ModelDrafter:
         self.cache, self.seen = reuse(held, self.caches.drafter_ids, ids, self.model.make_cache)
         return len(ids) - self.seen
 
-    def offer(self, k_max: int) -> dict[str, int]:
-        return {"model": k_max}
+    def offer(self, k_max: int) -> Offer:
+        return Offer({"model": k_max})
 
     def _sync(self, drafts: Sequence[int] = ()) -> Resync:
         """Give the translator the tokens committed since it last heard, keep what the cache saw."""
@@ -356,8 +362,9 @@ class HybridDrafter:
         self.lookup.start(prompt)
         return self.model.start(prompt)
 
-    def offer(self, k_max: int) -> dict[str, int]:
-        return {**self.lookup.offer(k_max), **self.model.offer(k_max)}
+    def offer(self, k_max: int) -> Offer:
+        lookup = self.lookup.offer(k_max)
+        return Offer({**lookup, **self.model.offer(k_max)}, match=lookup.match)
 
     def propose(self, source: str, k: int, budget: int) -> Draft:
         return (self.lookup if source == LOOKUP else self.model).propose(source, k, budget)

@@ -14,12 +14,14 @@ from typing import Any
 
 from uag.core.config import LOOKUP
 from uag.core.costmodel import LOOKUP_MS
+from uag.core.lookup import MATCH_BANDS
 
 MODEL = "model"
 
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
 CARRY = 3.0  # the most observations per position a run inherits from earlier runs (its own soon outweigh them)
+BAND_WEIGHT = 2.0  # pseudo-observations pulling a lookup match band's estimate toward all of lookup's
 
 
 @dataclass
@@ -67,6 +69,19 @@ class Counts:
             out.append(prior)
         return out
 
+    def chances_toward(self, priors: list[float]) -> list[float]:
+        """Like `chances`, but each position shrunk toward its own `priors[i]` (a broader estimate of the same
+        position) with BAND_WEIGHT pseudo-observations.
+
+        Example: no counts -> priors; 4 rejected at position 0, priors [0.8] -> [1.6 / 6] ≈ [0.27]
+        """
+        out = []
+        for i, prior in enumerate(priors):
+            a = self.accepted[i] if i < len(self.accepted) else 0.0
+            b = self.rejected[i] if i < len(self.rejected) else 0.0
+            out.append((a + BAND_WEIGHT * prior) / (a + b + BAND_WEIGHT))
+        return out
+
     def valid(self) -> bool:
         """One accepted and one rejected count per position, each finite and non-negative."""
         counts = [*self.accepted, *self.rejected]
@@ -85,6 +100,9 @@ class Evidence:
 
     model: Counts = field(default_factory=Counts)
     lookup: Counts = field(default_factory=Counts)
+    # lookup's, per band of how far its match ran back (uag.core.lookup.match_band): its drafts from a
+    # match of 2-3 tokens fare worse than from one of 16; each band leans on `lookup` until it has its own
+    lookup_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
     expansion: float = 1.0  # target tokens per drafter token (cross-tokenizer translation)
     verify_ms: dict[int, float] = field(default_factory=dict)  # target pass over w tokens, per w
     drafter_ms: float | None = None  # one drafter pass in a drafting cycle
@@ -98,13 +116,18 @@ class Evidence:
 
     def carry(self) -> None:
         """A new run starts from this: what earlier runs accepted weighs at most `CARRY` cycles per position."""
-        self.model.limit(CARRY)
-        self.lookup.limit(CARRY)
+        for counts in (self.model, self.lookup, *self.lookup_bands):
+            counts.limit(CARRY)
 
     def to_dict(self) -> dict[str, Any]:
         """What is worth keeping across processes: acceptance and expansion. Costs are the calibration's
         (a later process may run under another load); they are relearned within a run."""
-        return {"model": self.model.to_dict(), "lookup": self.lookup.to_dict(), "expansion": self.expansion}
+        return {
+            "model": self.model.to_dict(),
+            "lookup": self.lookup.to_dict(),
+            "lookup_bands": [c.to_dict() for c in self.lookup_bands],
+            "expansion": self.expansion,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Evidence:
@@ -115,7 +138,14 @@ class Evidence:
         expansion = float(data.get("expansion", 1.0))
         if not (math.isfinite(expansion) and expansion > 0):
             raise ValueError(f"evidence expansion must be positive (got {expansion!r})")
-        return cls(model=counts[MODEL], lookup=counts[LOOKUP], expansion=expansion)
+        evidence = cls(model=counts[MODEL], lookup=counts[LOOKUP], expansion=expansion)
+        bands = data.get("lookup_bands")  # absent in files saved before the bands: they start empty
+        if bands is not None:
+            bands = [Counts([float(x) for x in b["accepted"]], [float(x) for x in b["rejected"]]) for b in bands]
+            if len(bands) != len(MATCH_BANDS) + 1 or not all(c.valid() for c in bands):
+                raise ValueError(f"evidence lookup_bands must be {len(MATCH_BANDS) + 1} valid counts")
+            evidence.lookup_bands = bands
+        return evidence
 
 
 def replay_drafts(hits: list[bool], k: int, expansion: float = 1.0) -> list[tuple[int, int]]:

@@ -5,9 +5,16 @@ each n-gram last occurred. After every token it notes, longest n first, whether 
 tokens occurred before; if so it proposes what followed their most recent earlier occurrence. The
 proposal is in target tokens (no translation) and costs a dictionary lookup per n-gram size: microseconds.
 
+How far a match runs back says how far to trust it (`match_length`, `match_band`): a file being written
+out again matches what it copies for dozens of tokens, a coincidence for two or three. On code-editing
+turns that return a whole file (the `edit` set, 12 turns of Qwen2.5-Coder-0.5B), a proposal from a match of
+2–3 tokens was rejected at its first token 55 % of the time and kept 2.1 of 8 tokens on average; from a match
+of 16 or more, 0–2 % and 7.4–7.6 of 8. auto keeps its acceptance evidence per band (uag.core.evidence).
+
     index = NgramIndex()
     index.extend([1, 2, 3, 4, 9, 1, 2, 3])
     index.propose(4)     # -> [4, 9, 1, 2]: "1 2 3" occurred before, followed by 4 9 1 2 …
+    index.match_length() # -> 3
 """
 
 from __future__ import annotations
@@ -15,6 +22,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 NGRAMS = (4, 3, 2)  # n-gram sizes tried, longest first; a 1-token match is too weak to pay on average
+MATCH_BANDS = (4, 8, 16)  # match lengths where a band ends: 2-3, 4-7, 8-15, 16 and more tokens
+MATCH_CAP = MATCH_BANDS[-1]  # how far back a match is followed: past the last band's start, all alike
+
+
+def match_band(length: int) -> int:
+    """Which of the `MATCH_BANDS` a match of `length` tokens falls in, 0 (shortest) to len(MATCH_BANDS).
+
+    Example: match_band(2) -> 0, match_band(8) -> 2, match_band(40) -> 3
+    """
+    return sum(length >= edge for edge in MATCH_BANDS)
 
 
 class NgramIndex:
@@ -49,6 +66,21 @@ class NgramIndex:
     def match(self) -> tuple[int, int] | None:
         """(n, continuation start) of the longest n-gram ending the sequence that occurred before."""
         return self._match
+
+    def match_length(self, cap: int = MATCH_CAP) -> int:
+        """How many tokens the current match runs back (at least its n-gram's n, at most `cap`); 0 without one:
+        the length of the suffix the sequence shares with the text before the match's continuation.
+
+        Example: ids [5, 1, 2, 3, 9, 7, 1, 2, 3] -> 3 (1 2 3 matched; 5 and 7 differ before it)
+        """
+        if self._match is None:
+            return 0
+        n, start = self._match
+        ids, end = self.ids, len(self.ids)
+        length = n
+        while length < cap and start - length > 0 and ids[start - length - 1] == ids[end - length - 1]:
+            length += 1
+        return length
 
     def propose(self, k: int) -> list[int]:
         """k tokens that followed the latest earlier occurrence of the sequence's suffix; none without one.

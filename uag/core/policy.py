@@ -20,6 +20,10 @@ profile measured (`CostProfile.reading_ms`); that backlog is charged to drafting
 the run has left to write. So a pair that pays at k = 2 drafts from the first token, and one that does not
 (a drafter half the target's cost; an English drafter on Polish, once a run has shown it) parks.
 
+Prompt lookup's proposals are judged by how far their match runs back (uag.core.lookup.match_band): a
+lookup from a match of 2–3 tokens is a guess, one from 16 a copy, and its evidence is kept per band, so that
+a weak match drafts short (or gives way to the model, or to a plain step) and a strong one drafts long.
+
 Parked, now and then the drafter catches up on the stretch it missed in one pass and its guesses there are
 checked against what the target wrote (a rehearsal, uag.core.drafters): a draft holds as long as the
 guesses are right, so the stretch replays every draft it could have had (`replay_drafts`), and that
@@ -41,7 +45,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from uag.core.config import LOOKUP
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import MODEL, Evidence, replay_drafts
-from uag.core.records import Cycle, Rehearsal
+from uag.core.lookup import match_band
+from uag.core.records import Cycle, Offer, Rehearsal
 
 if TYPE_CHECKING:
     from uag.core.config import GenerationConfig
@@ -148,7 +153,8 @@ class AdaptiveK:
     parked_for: int = field(default=0, init=False)  # plain steps since the policy last drafted or rehearsed
     rehearsal_gap: int = field(default=0, init=False)  # least parked steps before the next rehearsal (backed off)
     remaining: int | None = field(default=None, init=False)  # tokens the run has yet to write (None: unknown)
-    declined_lookup: bool = field(default=False, init=False)  # the last decision passed a lookup match over
+    declined_lookup: int | None = field(default=None, init=False)  # the last decision passed a lookup match over
+    #                                                                   (the band of its match; -1 unknown)
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -157,9 +163,14 @@ class AdaptiveK:
         self.rehearsal_gap = self.rehearse_every
 
     # --- estimates -------------------------------------------------------------------------------------
-    def acceptances(self, n: int, source: str = MODEL) -> list[float]:
-        """Estimated P(position i accepted | positions before it accepted) for i = 0..n−1, per source."""
-        return self.evidence.counts(source).chances(n, self.prior)
+    def acceptances(self, n: int, source: str = MODEL, band: int | None = None) -> list[float]:
+        """Estimated P(position i accepted | positions before it accepted) for i = 0..n−1, per source; for a
+        lookup match of a known `band` (uag.core.lookup.match_band), that band's evidence, leaning on all of
+        lookup's where it has little."""
+        chances = self.evidence.counts(source).chances(n, self.prior)
+        if source == LOOKUP and band is not None:
+            return self.evidence.lookup_bands[band].chances_toward(chances)
+        return chances
 
     def acceptance(self, i: int) -> float:
         return self.acceptances(i + 1)[i]
@@ -289,9 +300,10 @@ class AdaptiveK:
             out = {k: rate if k == 0 else self.remaining / (backlog + self.remaining / rate) for k, rate in out.items()}
         return out
 
-    def lookup_rates(self, k_max: int) -> dict[int, float]:
-        """Expected tokens per millisecond of a lookup proposal of k tokens (it costs a lookup and the wider pass)."""
-        acceptances = self.acceptances(k_max, LOOKUP)
+    def lookup_rates(self, k_max: int, band: int | None = None) -> dict[int, float]:
+        """Expected tokens per millisecond of a lookup proposal of k tokens (it costs a lookup and the wider
+        pass), from a match of `band` (None: any)."""
+        acceptances = self.acceptances(k_max, LOOKUP, band)
         out = {}
         for k in range(1, k_max + 1):
             verify = self.target_ms(k + 1)
@@ -313,18 +325,20 @@ class AdaptiveK:
 
     def choose(self, offer: Mapping[str, int], left: int | None = None) -> tuple[str, int]:
         """The source and draft length with the best expected rate among what `offer` holds
-        (source -> the most it can propose); ("", 0) for a plain target step."""
+        (source -> the most it can propose; an `Offer` also says how far lookup's match runs back);
+        ("", 0) for a plain target step."""
         rates = self.rates()
         if 0 not in rates:
             return "", 0  # time one plain target step first: every decision is relative to it
         best = (MODEL, min(self.next_k(), offer[MODEL])) if MODEL in offer else ("", 0)
-        self.declined_lookup = False
+        self.declined_lookup = None
         if LOOKUP in offer:
-            lookup = self.lookup_rates(min(self.k_max, offer[LOOKUP]))
+            band = match_band(offer.match) if isinstance(offer, Offer) and offer.match else None
+            lookup = self.lookup_rates(min(self.k_max, offer[LOOKUP]), band)
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
             if k and lookup[k] > rates.get(best[1], rates[0]):
                 return within((LOOKUP, k), left)
-            self.declined_lookup = True
+            self.declined_lookup = -1 if band is None else band
         return within(best, left)
 
     def plain_steps(self) -> int:
@@ -339,7 +353,7 @@ class AdaptiveK:
         has `budget` tokens to write (None: unknown). Earlier runs' evidence becomes this run's prior."""
         self.evidence.carry()
         self.unread, self.remaining, self.parked_for = unread, budget, 0
-        self.rehearsal_gap, self.declined_lookup = self.rehearse_every, False
+        self.rehearsal_gap, self.declined_lookup = self.rehearse_every, None
 
     def wants_rehearsal(self) -> bool:
         return self.parked_for > 0 and self.parked_for >= self.rehearsal_wait()
@@ -363,9 +377,11 @@ class AdaptiveK:
         evidence = self.evidence
         if self.remaining is not None:
             self.remaining = max(0, self.remaining - cycle.emitted)
-        if self.declined_lookup:  # passed over: a source that failed once is tried again later
+        if self.declined_lookup is not None:  # passed over: a source that failed once is tried again later
             evidence.lookup.age()
-            self.declined_lookup = False
+            if self.declined_lookup >= 0:
+                evidence.lookup_bands[self.declined_lookup].age()
+            self.declined_lookup = None
         self._time_verify(cycle)
         if cycle.k == 0 or cycle.source == LOOKUP:  # the model drafter reads these tokens later, as if parked
             self.parked_for += cycle.emitted
@@ -374,6 +390,8 @@ class AdaptiveK:
                 if self.learn_costs:
                     evidence.lookup_ms = _ema(evidence.lookup_ms, cycle.draft_ms + cycle.translate_ms)
                 evidence.lookup.add(len(cycle.proposed_ids), cycle.accepted)
+                if cycle.match:
+                    evidence.lookup_bands[match_band(cycle.match)].add(len(cycle.proposed_ids), cycle.accepted)
             return
         self.unread, self.parked_for, self.rehearsal_gap = 0, 0, self.rehearse_every
         passes = cycle.drafter_passes if self.learn_costs else 0

@@ -60,6 +60,7 @@ class Cycle:
     resync_absorbed: bool = False  # re-sync re-encoded drafter tokens because of a boundary merge
     source: str = ""  # what drafted: "model", "lookup"; "" for a plain target step
     loss: dict[str, int] = field(default_factory=dict)  # lost positions by cause (uag.core.anatomy); {} if none
+    match: int = 0  # a lookup draft: how many tokens its match ran back (uag.core.lookup.match_length); else 0
 
     @classmethod
     def plain(cls, index: int, verify_ms: float) -> Cycle:
@@ -73,6 +74,19 @@ class Cycle:
     @property
     def ms(self) -> float:
         return self.draft_ms + self.translate_ms + self.verify_ms + self.resync_ms
+
+
+class Offer(dict):
+    """What can draft now, as a drafter tells its policy: source -> the most tokens it could propose; and
+    `match`, where prompt lookup has a match, how many tokens that match runs back (uag.core.lookup: the
+    longer, the likelier its proposal holds), else 0.
+
+    Example: Offer({"lookup": 8, "model": 8}, match=23)
+    """
+
+    def __init__(self, sources: dict[str, int] | None = None, match: int = 0):
+        super().__init__(sources or {})
+        self.match = match
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from uag.core.config import LOOKUP
 from uag.core.drafters import Draft, Drafter
 from uag.core.lookup import NgramIndex
 from uag.core.policy import MODEL, Policy
-from uag.core.records import Rehearsal
+from uag.core.records import Offer, Rehearsal
 from uag.distributed.collective import Link, Watchdog
 
 PROPOSAL_SPAN = 4  # a proposal travels in at most 4·k target ids (translation can split drafter tokens)
@@ -60,7 +60,7 @@ class LeaderDrafter:
         self.committed = list(prompt)
         return self.inner.start(prompt)
 
-    def offer(self, k_max: int) -> dict[str, int]:
+    def offer(self, k_max: int) -> Offer:
         return self.inner.offer(k_max)
 
     def propose(self, source: str, k: int, budget: int) -> Draft:
@@ -102,8 +102,10 @@ class FollowerDrafter:
             self.index.extend(prompt)
         return 0
 
-    def offer(self, k_max: int) -> dict[str, int]:
-        return {LOOKUP: k_max} if self.lookup and self.index.match is not None else {}
+    def offer(self, k_max: int) -> Offer:
+        if not self.lookup or self.index.match is None:
+            return Offer()
+        return Offer({LOOKUP: k_max}, match=self.index.match_length())
 
     def propose(self, source: str, k: int, budget: int) -> Draft:
         draft, self.pending = self.pending, None
