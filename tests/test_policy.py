@@ -260,8 +260,27 @@ def test_a_lookup_band_with_no_evidence_of_its_own_judges_by_all_of_lookup_s():
     policy = AdaptiveK(k_max=8, profile=replace(CODER_CPU, drafter_ms=0.0), learn_costs=False)
     for kept in (8, 8, 0, 8):
         policy.evidence.lookup.add(8, kept)
-    assert policy.acceptances(8, "lookup", band=2) == policy.acceptances(8, "lookup")
-    assert policy.choose(Offer({"lookup": 8}, match=9)) == policy.choose({"lookup": 8})
+    assert policy.acceptances(8, "lookup", band=1) == policy.acceptances(8, "lookup")
+    assert policy.choose(Offer({"lookup": 8}, match=5)) == policy.choose({"lookup": 8})
+
+
+def test_failed_guesses_do_not_keep_auto_from_a_copy_until_copies_fail_too():
+    """Found on an edit conversation's second turn: two 2-token lookup guesses failed in the first, lookup's
+    pooled estimate fell to 0.17, and auto drafted by the model for the whole of a turn that rewrote a file
+    (2.3 tok/s against 3.1 where it copied). A match of 16 tokens or more starts at its band's floor instead,
+    and its own failures still bring it down within four cycles."""
+    policy = AdaptiveK(k_max=8, profile=replace(CODER_CPU, drafter_ms=0.0), learn_costs=False)
+    guess = lambda match, kept: replace(  # noqa: E731
+        cycle(2, 2, kept, verify_ms=574.0, draft_ms=0.0), source="lookup", match=match, drafter_passes=0
+    )
+    policy.observe(guess(2, 0))
+    policy.observe(guess(3, 0))
+    assert policy.acceptances(1, "lookup") < [0.2] and policy.choose({"lookup": 8}) == ("", 0)
+    assert policy.choose(Offer({"lookup": 8}, match=30)) == ("lookup", 8)
+    for _ in range(4):  # copies that fail at once: a plain step is worth more after four
+        assert policy.choose(Offer({"lookup": 8}, match=30)) == ("lookup", 8)
+        policy.observe(replace(guess(30, 0), k=8, proposed_ids=list(range(8))))
+    assert policy.choose(Offer({"lookup": 8}, match=30)) == ("", 0)
 
 
 def test_fixed_k_never_changes():

@@ -21,7 +21,7 @@ MODEL = "model"
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
 CARRY = 3.0  # the most observations per position a run inherits from earlier runs (its own soon outweigh them)
-BAND_WEIGHT = 2.0  # pseudo-observations pulling a lookup match band's estimate toward all of lookup's
+BAND_WEIGHT = 1.0  # pseudo-observations pulling a lookup match band's estimate toward all of lookup's
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Counts:
         """Like `chances`, but each position shrunk toward its own `priors[i]` (a broader estimate of the same
         position) with BAND_WEIGHT pseudo-observations.
 
-        Example: no counts -> priors; 4 rejected at position 0, priors [0.8] -> [1.6 / 6] ≈ [0.27]
+        Example: no counts -> priors; 4 rejected at position 0, priors [0.8] -> [0.8 / 5] = [0.16]
         """
         out = []
         for i, prior in enumerate(priors):

@@ -22,7 +22,9 @@ the run has left to write. So a pair that pays at k = 2 drafts from the first to
 
 Prompt lookup's proposals are judged by how far their match runs back (uag.core.lookup.match_band): a
 lookup from a match of 2–3 tokens is a guess, one from 16 a copy, and its evidence is kept per band, so that
-a weak match drafts short (or gives way to the model, or to a plain step) and a strong one drafts long.
+a weak match drafts short (or gives way to the model, or to a plain step) and a strong one drafts long. A
+band with little evidence of its own leans on all of lookup's, but a match of 8 tokens or more never on less
+than its floor (uag.core.lookup.BAND_FLOORS): failed guesses must not keep auto from copying.
 
 Parked, now and then the drafter catches up on the stretch it missed in one pass and its guesses there are
 checked against what the target wrote (a rehearsal, uag.core.drafters): a draft holds as long as the
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from uag.core.config import LOOKUP
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import MODEL, Evidence, replay_drafts
-from uag.core.lookup import match_band
+from uag.core.lookup import BAND_FLOORS, match_band
 from uag.core.records import Cycle, Offer, Rehearsal
 
 if TYPE_CHECKING:
@@ -165,11 +167,12 @@ class AdaptiveK:
     # --- estimates -------------------------------------------------------------------------------------
     def acceptances(self, n: int, source: str = MODEL, band: int | None = None) -> list[float]:
         """Estimated P(position i accepted | positions before it accepted) for i = 0..n−1, per source; for a
-        lookup match of a known `band` (uag.core.lookup.match_band), that band's evidence, leaning on all of
-        lookup's where it has little."""
+        lookup match of a known `band` (uag.core.lookup.match_band), that band's evidence, leaning where it
+        has little on all of lookup's, or on the band's floor (`BAND_FLOORS`: a long match is a copy) if higher."""
         chances = self.evidence.counts(source).chances(n, self.prior)
         if source == LOOKUP and band is not None:
-            return self.evidence.lookup_bands[band].chances_toward(chances)
+            floor = BAND_FLOORS[band]
+            return self.evidence.lookup_bands[band].chances_toward([max(p, floor) for p in chances])
         return chances
 
     def acceptance(self, i: int) -> float:
