@@ -46,6 +46,7 @@ The issue's run (on a quiet machine; hours: every edit turn writes a whole file 
         --repeats 3 --out serve-coder.jsonl     # drafters lookup+demo-drafter and lookup+coder-drafter; the
                                                 # peer drafts with coder-drafter, N = 2, 3, 4
     python benchmarks/serve.py --summarize serve-coder.jsonl      # the summary again, from the rows
+Chosen conversations instead of the first N (e.g. ones no tuning looked at): --ids edit-010 edit-015 edit-020
 """
 
 from __future__ import annotations
@@ -717,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         "--num-draft-tokens", type=int, nargs="+", default=[2, 3, 4], help="mlx_lm.server's N, each a condition"
     )
     parser.add_argument("--conversations", type=int, default=2, help="edit conversations (three turns each)")
+    parser.add_argument("--ids", nargs="+", help="these edit conversations instead of the first --conversations")
     parser.add_argument("--chat-prompts", type=int, default=2, help="open chat prompts per language (Polish, English)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
@@ -750,7 +752,14 @@ def main(argv: list[str] | None = None) -> int:
     bad += [f"--num-draft-tokens {n}: mlx_lm.server drafts 1 or more" for n in args.num_draft_tokens if n < 1]
     if bad:
         parser.error("; ".join(bad))
-    edit = load_conversations("edit", args.conversations) if args.conversations else []
+    if args.ids:
+        known = {c.id: c for c in load_conversations("edit")}
+        unknown = [i for i in args.ids if i not in known]
+        if unknown:
+            parser.error(f"--ids: no conversation {', '.join(map(repr, unknown))} in the edit set")
+        edit = [known[i] for i in args.ids]
+    else:
+        edit = load_conversations("edit", args.conversations) if args.conversations else []
     ttft = None
     if args.ttft_conversation:
         found = [c for c in load_conversations("edit") if c.id == args.ttft_conversation]
