@@ -9,8 +9,8 @@ How far a match runs back says how far to trust it (`match_length`, `match_band`
 out again matches what it copies for dozens of tokens, a coincidence for two or three. On code-editing
 turns that return a whole file (the `edit` set's first 6 conversations as Qwen2.5-Coder-0.5B answered them,
 turns 2-3, 8-token proposals replayed over its output), a proposal from a match of 2-3 tokens was rejected at
-its first token 52 % of the time and kept 2.5 tokens on average; from a match of 16 or more, 0-2 % and 7.2-7.8.
-auto keeps its acceptance evidence per band (uag.core.evidence).
+its first token 52 % of the time and kept 2.5 tokens on average; from a match of 16 or more, 1 % and 7.5-7.6
+(benchmarks/lookup_match.py). auto keeps its acceptance evidence per band (uag.core.evidence).
 
     index = NgramIndex()
     index.extend([1, 2, 3, 4, 9, 1, 2, 3])
@@ -30,7 +30,7 @@ MATCH_BANDS = (4, 8, 16)  # match lengths where a band ends: 2-3, 4-7, 8-15, 16 
 MATCH_CAP = MATCH_BANDS[-1]  # how far back a match is followed: past the last band's start, all alike
 # The least acceptance per position a band's match is assumed to have until its own evidence says otherwise
 # (auto, uag.core.policy): a match of 8 or more tokens is a copy, whatever shorter matches did before it. On
-# the edit set's replays 93-97 % (8-15 tokens) and 98-100 % (16+) of such proposals held at their first token;
+# the edit set's replays 93-97 % (8-15 tokens) and 99 % (16+) of such proposals held at their first token;
 # without a floor, two failed 2-token guesses kept auto from trying a 30-token copy for a whole turn.
 BAND_FLOORS = (0.0, 0.0, 0.8, 0.9)
 
