@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [tuple(int(n) for n in spec.split(",")) for spec in args.ngrams]
     rows = answer(args.model, args.ids, args.conversations, args.max_tokens, Path(args.answers))
     ids = sorted({r["id"] for r in rows})
-    print(f"lookup match length — {date.today()}, answers by {args.model}: {len(ids)} edit conversations "
-          f"({ids[0]}…{ids[-1]}), {len(rows)} turns, proposals of {args.k}, match followed back {MATCH_CAP} tokens")  # fmt: skip
+    print(
+        f"lookup match length — {date.today()}, answers by {args.model}: {len(ids)} edit conversations "
+        f"({ids[0]}…{ids[-1]}), {len(rows)} turns, proposals of {args.k}, matches followed back {MATCH_CAP} tokens"
+    )
     for label, turns in (("turn 1 (the file given)", {1}), ("turns 2-3 (the file changed again)", {2, 3})):
         print(f"\n{label}")
         print(f"{'n-grams':<18} {'band':>6} {'proposals':>10} {'rejected at 1st':>16} {'kept (mean)':>12}")

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from tests.support.tiny_models import build_tiny, tiny_pair
-from uag.core.config import DrafterSpec, GenerationConfig
 from uag.core.anatomy import Loss
+from uag.core.config import DrafterSpec, GenerationConfig
 from uag.core.drafters import DrafterChoice, LookupDrafter, load_drafter
 from uag.core.engine import PromptCaches, Seams, generate, prompt_ids, stream
 from uag.core.lookup import MATCH_CAP, NgramIndex, match_band

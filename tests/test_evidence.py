@@ -43,7 +43,9 @@ def fake_pair(target: str = "org/target", drafter: str = "org/drafter", dtype: s
 
 
 def learned() -> Evidence:
-    evidence = Evidence(model=Counts([2.5, 1.0], [0.5, 1.5]), lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0)
+    evidence = Evidence(
+        model=Counts([2.5, 1.0], [0.5, 1.5]), lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0
+    )
     evidence.lookup_bands[3] = Counts([4.0, 3.0], [0.0, 1.0])
     return evidence
 
