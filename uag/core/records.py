@@ -76,7 +76,7 @@ class Cycle:
         return self.draft_ms + self.translate_ms + self.verify_ms + self.resync_ms
 
 
-class Offer(dict):
+class Offer(dict[str, int]):
     """What can draft now, as a drafter tells its policy: source -> the most tokens it could propose; and
     `match`, where prompt lookup has a match, how many tokens that match runs back (uag.core.lookup: the
     longer, the likelier its proposal holds), else 0.
