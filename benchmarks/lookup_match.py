@@ -22,6 +22,7 @@ from pathlib import Path
 
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
 from uag.core.lookup import MATCH_BANDS, MATCH_CAP, NGRAMS, NgramIndex, match_band
+from uag.core.translate import longest_common_prefix
 from uag.study.datasets import load_conversations
 
 BAND_NAMES = [f"{lo}-{hi - 1}" for lo, hi in zip((2, *MATCH_BANDS), MATCH_BANDS)] + [f"{MATCH_BANDS[-1]}+"]
@@ -66,9 +67,7 @@ def replay(rows: list[dict], ngrams: tuple[int, ...], k: int, turns: set[int]) -
                 at += 1
                 continue
             band, proposal = match_band(index.match_length()), index.propose(k)
-            kept = 0
-            while kept < len(proposal) and at + kept < len(answer_ids) and proposal[kept] == answer_ids[at + kept]:
-                kept += 1
+            kept = longest_common_prefix(proposal, answer_ids[at : at + len(proposal)])
             counts = out[band]
             counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + (kept == 0), counts[2] + kept
             step = min(kept + 1, len(answer_ids) - at)

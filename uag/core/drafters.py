@@ -151,6 +151,11 @@ class Drafter(Protocol):
         """Leave any cache holding exactly what was committed, and say so in the run's `PromptCaches`."""
 
 
+def lookup_offer(index: NgramIndex, k_max: int) -> Offer:
+    """What prompt lookup can draft now: k_max tokens and how far its match runs back, or nothing without one."""
+    return Offer() if index.match is None else Offer({LOOKUP: k_max}, match=index.match_length())
+
+
 class LookupDrafter:
     """Prompt lookup over everything committed: no model, no translation."""
 
@@ -166,9 +171,7 @@ class LookupDrafter:
         return 0
 
     def offer(self, k_max: int) -> Offer:
-        if self.index.match is None:
-            return Offer()
-        return Offer({LOOKUP: k_max}, match=self.index.match_length())
+        return lookup_offer(self.index, k_max)
 
     def propose(self, source: str, k: int, budget: int) -> Draft:
         tic = time.perf_counter()

@@ -90,6 +90,10 @@ class Counts:
     def to_dict(self) -> dict[str, list[float]]:
         return {"accepted": list(self.accepted), "rejected": list(self.rejected)}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Counts:
+        return cls([float(x) for x in data["accepted"]], [float(x) for x in data["rejected"]])
+
 
 @dataclass
 class Evidence:
@@ -131,8 +135,7 @@ class Evidence:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Evidence:
-        counts = {s: Counts([float(x) for x in data[s]["accepted"]], [float(x) for x in data[s]["rejected"]])
-                  for s in (MODEL, LOOKUP)}  # fmt: skip
+        counts = {s: Counts.from_dict(data[s]) for s in (MODEL, LOOKUP)}
         if not all(c.valid() for c in counts.values()):
             raise ValueError("evidence counts must be non-negative, one accepted and one rejected per position")
         expansion = float(data.get("expansion", 1.0))
@@ -141,7 +144,7 @@ class Evidence:
         evidence = cls(model=counts[MODEL], lookup=counts[LOOKUP], expansion=expansion)
         bands = data.get("lookup_bands")  # absent in files saved before the bands: they start empty
         if bands is not None:
-            bands = [Counts([float(x) for x in b["accepted"]], [float(x) for x in b["rejected"]]) for b in bands]
+            bands = [Counts.from_dict(b) for b in bands]
             if len(bands) != len(MATCH_BANDS) + 1 or not all(c.valid() for c in bands):
                 raise ValueError(f"evidence lookup_bands must be {len(MATCH_BANDS) + 1} valid counts")
             evidence.lookup_bands = bands

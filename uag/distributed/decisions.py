@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from uag.core.anatomy import Loss
 from uag.core.config import LOOKUP
-from uag.core.drafters import Draft, Drafter
+from uag.core.drafters import Draft, Drafter, lookup_offer
 from uag.core.lookup import NgramIndex
 from uag.core.policy import MODEL, Policy
 from uag.core.records import Offer, Rehearsal
@@ -103,9 +103,7 @@ class FollowerDrafter:
         return 0
 
     def offer(self, k_max: int) -> Offer:
-        if not self.lookup or self.index.match is None:
-            return Offer()
-        return Offer({LOOKUP: k_max}, match=self.index.match_length())
+        return lookup_offer(self.index, k_max) if self.lookup else Offer()
 
     def propose(self, source: str, k: int, budget: int) -> Draft:
         draft, self.pending = self.pending, None
