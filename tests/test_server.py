@@ -60,7 +60,7 @@ def test_chat_reports_usage_speculation_and_timings(client):
     usage = reply.usage
     assert usage.completion_tokens == 6 and usage.total_tokens == usage.prompt_tokens + 6
     spec, timings = reply.model_extra["speculative"], reply.model_extra["timings"]
-    assert spec["drafter"] == "lookup+demo-drafter" and spec["strategy"] == "auto" and spec["k"] == 8
+    assert spec["drafter"] == "lookup+demo-drafter" and spec["strategy"] == "auto" and spec["k"] == 16
     assert spec["drafted_tokens"] == timings["draft_n"] and spec["accepted_tokens"] == timings["draft_n_accepted"]
     assert sum(spec["sources"].values()) >= 1
     if spec["estimated_speedup"] is not None:

@@ -51,6 +51,8 @@ def test_max_completion_tokens_supersedes_max_tokens():
         (True, "lookup+demo-drafter", "auto", 8),
         ({"drafter": "lookup", "k": 4}, "lookup", "auto", 4),
         ({"strategy": "context", "k": 2}, "lookup+demo-drafter", "context", 2),
+        ({"strategy": "context"}, "lookup+demo-drafter", "context", 2),  # auto's -k is a most, not a fixed length
+        ({"strategy": "context", "k": 6}, "lookup+demo-drafter", "context", 6),
     ],
 )
 def test_speculative_narrows_the_defaults(speculative, drafter, strategy, k):
@@ -289,3 +291,14 @@ def test_check_is_refused_on_a_sharded_server():
         parse_chat({**body, "speculative": {"check": True}}, sharded)
     assert err.value.status == 400 and err.value.param == "speculative"
     assert parse_chat({**body, "speculative": {"check": False}}, sharded).check is False
+
+
+def test_serve_k_defaults_to_autos_longest_draft_and_the_studys_k_for_a_fixed_strategy():
+    """`-k` is auto's longest draft (16: a long lookup match copies that far in one pass); a fixed strategy
+    drafts k every cycle, so without -k it keeps the study's k = 2; -k given is kept either way."""
+    from tests.support.server import serve_args
+
+    assert serve_args()[1]["config"].k == 16
+    assert serve_args("--strategy", "context")[1]["config"].k == 2
+    assert serve_args("--strategy", "context", "-k", "5")[1]["config"].k == 5
+    assert serve_args("-k", "8")[1]["config"].k == 8

@@ -2,7 +2,7 @@
 and OpenAI error objects; the response and chunk objects are in uag.server.responses. Pure: no mlx, no HTTP.
 
     request = parse_chat({"model": "demo-target", "messages": [{"role": "user", "content": "Hi"}]}, defaults)
-    request.config             # GenerationConfig(strategy="auto", k=8, max_tokens=512, temperature=0.0, …)
+    request.config             # GenerationConfig(strategy="auto", k=16, max_tokens=512, temperature=0.0, …)
     parse_chat({"model": "demo-target", "messages": [], "n": 2}, defaults)
         -> APIError(400, "messages: give at least one message …", param="messages")
 
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from uag.core.config import MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig
+from uag.core.config import DEFAULT_K, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig
 from uag.core.prompt_input import check_text
 from uag.errors import InputError
 
@@ -53,7 +53,7 @@ class ServerDefaults:
     model: str  # the target's name, as /v1/models lists it
     drafter: str | None  # the default drafter ("lookup+demo-drafter"); None: speculation off by default
     strategy: str = "auto"
-    k: int = 8  # the most a request may ask for
+    k: int = 16  # the most a request may ask for (auto: its longest draft)
     window: int = 4
     max_tokens: int = 512
     drafters: tuple[str, ...] = ()  # drafters a request may pick (the default is always among them)
@@ -273,7 +273,12 @@ def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict
     if strategy not in SPECULATIVE:
         raise bad("speculative", f"strategy must be one of {', '.join(SPECULATIVE)} (got {_show(strategy)}); "
                   "for the target alone send \"speculative\": false")  # fmt: skip
-    k = _whole(value, "k", 1, MAX_K) if "k" in value else defaults.k
+    if "k" in value:
+        k = _whole(value, "k", 1, MAX_K)
+    elif strategy != "auto" and defaults.strategy == "auto":  # auto's -k is its longest draft, not a fixed length
+        k = min(defaults.k, DEFAULT_K)
+    else:
+        k = defaults.k
     if k > defaults.k:
         raise bad("speculative", f"k must be from 1 to {defaults.k}, this server's -k (got {k})")
     window = value.get("window", defaults.window)
