@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafters", default="lookup", help="comma-separated drafters a request may pick besides "
                    "--drafter (default: lookup)")  # fmt: skip
     p.add_argument("--strategy", default="auto", help=f"{' / '.join(SPECULATIVE)} (default auto)")
-    p.add_argument("-k", help=f"draft length, 1..{MAX_K}: the most a request may ask for (default: "
-                   f"{DEFAULT_K_AUTO} with auto, the longest it may draft; {DEFAULT_K} with a fixed strategy)")  # fmt: skip
+    p.add_argument("-k", help=f"draft length, 1..{MAX_K}: the most a request may ask for (default: {DEFAULT_K_AUTO} "
+                   f"with auto, the longest it may draft; {DEFAULT_K} with a fixed strategy)")  # fmt: skip
     p.add_argument(
         "--window", default=str(DEFAULT_WINDOW), help=f"translation context window (default {DEFAULT_WINDOW})"
     )

@@ -35,7 +35,8 @@ DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conver
 DEFAULT_WIDTHS = tuple(range(1, 17))
 READ_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # drafter passes over n tokens (past 256: their slope)
 DRAFT_STEPS = 4  # drafter steps timed in a row, pipelined as a draft runs them
-QUICK = {"widths": tuple(range(1, 10)), "repeats": 3}  # first use of auto: up to k = 8 drafts (wider: extrapolated until a run times them)
+# On first use of auto: verifying up to k = 8 drafts; wider passes are extrapolated until a run times them.
+QUICK = {"widths": tuple(range(1, 10)), "repeats": 3}
 CALIBRATION_TEXT = (
     "Kraków – miasto na prawach powiatu w południowej Polsce, położone nad Wisłą. W latach 1038–1596 "
     "był stolicą Polski, a do 1734 roku miejscem koronacji królów. The city lies on the Vistula river. "
