@@ -5,8 +5,9 @@ can run right after ``make app`` / ``make test``, offline. Each ``uag …`` or `
 is run with the venv's ``bin`` first on PATH (what "activate the venv" does), in order, in a fresh folder per
 document (no ``results/`` in it), so that a sweep → analyze pair reads what the sweep wrote. Sizes are made
 small (``--n 1``, ``--max-tokens 4``, a sweep's ``--k`` list cut to its first value, a short calibration);
-nothing else changes. A calibration goes to a private cache, so that it never reseeds ``auto`` in the user's
-(or the other tests') profile store.
+nothing else changes. A calibration goes to a private cache (seeded with a copy of the calibrations already
+made, so that ``auto`` need not repeat them), so that it never reseeds ``auto`` in the user's (or the other
+tests') profile store.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +118,8 @@ def user_env(tmp_path):
     for shared in ("models", "wheels"):
         if (real_cache / shared).exists():
             (cache / shared).symlink_to(real_cache / shared)
+    if (real_cache / "profiles").is_dir():  # a copy: `auto` need not calibrate again, and what runs here stays here
+        shutil.copytree(real_cache / "profiles", cache / "profiles")
     venv_bin = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PATH=f"{venv_bin}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv_bin.parent))
