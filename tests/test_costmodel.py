@@ -285,3 +285,30 @@ def test_measured_costs_give_the_break_even_of_the_k_that_ran():
     assert break_even_at(3.5, 2, "study") is None and break_even_at(3.5, 2, "study", cap=False) == 1.25
     with pytest.raises(ValueError, match="k >= 1"):
         break_even_at(1.5, 0)
+
+
+# Verification on the 2-core CPU, Qwen2.5-Coder-1.5B ← SmolLM2, float32 + OpenBLAS (uag calibrate, 2026-11-26,
+# least of 5 rounds): OpenBLAS prices 9-13 new tokens above 16.
+CODER_CPU = {1: 320.0, 2: 413.2, 3: 511.3, 4: 602.4, 5: 615.8, 6: 612.3, 7: 643.8, 8: 650.1, 9: 730.4, 10: 824.6,
+             11: 932.1, 12: 1031.6, 13: 921.2, 14: 791.4, 15: 684.5, 16: 571.6}  # fmt: skip
+
+
+@pytest.mark.parametrize("monotone", [False, True])
+def test_calibrated_verify_curve_keeps_its_measured_shape(monkeypatch, monotone):
+    """The engine verifies exactly the tokens proposed, so the profile prices each width as measured (the least
+    of the rounds); only the drafter's reading curve is made non-decreasing. Made non-decreasing, this curve
+    priced 9 tokens at the 16-token pass's 572 ms where the runs' 9-token passes took 760-905 ms."""
+    from uag.study import calibrate
+
+    calls = {w: 0 for w in CODER_CPU}  # per width: the warm-up, then rounds at 2x, 1x and +50 ms of the curve
+
+    def passes(model, cache, ids, width, n, run_pass):
+        calls[width] += 1
+        seen = calls[width]
+        return [[10 * CODER_CPU[width], 2 * CODER_CPU[width], CODER_CPU[width], CODER_CPU[width] + 50][seen - 1]] * n
+
+    monkeypatch.setattr(calibrate, "_time_passes", passes)
+    curve = calibrate.target_curve(None, [], list(range(64)), CODER_CPU, 3, lambda _: None, monotone=monotone)
+    envelope = {w: min(v for u, v in CODER_CPU.items() if u >= w) for w in CODER_CPU}
+    assert curve == (envelope if monotone else CODER_CPU)
+    assert CostProfile(curve, drafter_ms=45.4).target_at(9) == (571.6 if monotone else 730.4)

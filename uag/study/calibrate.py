@@ -109,15 +109,18 @@ def _time_passes(model: LoadedModel, cache: list, ids: list[int], width: int, pa
 
 def target_curve(
     model: LoadedModel, cache: list, ids: list[int], widths, repeats: int, say, run_pass=verify_pass,
-    label: str = "target",
+    label: str = "target", monotone: bool = False,
 ) -> dict[int, float]:  # fmt: skip
     """Time per width of `run_pass` (a verification, by default), robust to a busy machine: `repeats`
     rounds over every width (so that a burst of other work lands on one round, not on one width), the
-    least time per width, then made non-decreasing in w (a wider pass never costs less than a narrower
-    one: cost(w) = min over w' >= w).
+    least time per width. With `monotone`, made non-decreasing in w (cost(w) = min over w' >= w).
 
-    Measured on a loaded 2-core machine, medians of 2 gave {1: 1662, 5: 8082, 6: 2920} ms for a model
-    whose step takes ~105 ms when quiet; the cost model then never drafted more than one token.
+    Verification keeps its measured shape: the engine verifies exactly the tokens proposed, and a BLAS may
+    price widths unevenly. On the 2-core CPU (Qwen2.5-Coder-1.5B, float32, OpenBLAS, 2026-11-26) passes over
+    9-13 tokens took 750-1,050 ms and one over 16 587 ms; made non-decreasing, the curve priced w = 9 at
+    587 ms where the runs' own 9-token passes took 760-905, and auto drafted 8 where 2 paid. Measured on a
+    loaded 2-core machine, medians of 2 once gave {1: 1662, 5: 8082, 6: 2920} ms for a model whose step takes
+    ~105 ms when quiet: the least of several rounds is what keeps such a burst out.
     """
     widths = sorted(w for w in widths if w <= len(ids))
     for w in widths:  # warm-up: kernel selection and allocation for every shape
@@ -127,6 +130,8 @@ def target_curve(
         for w in widths:
             times[w] = min(times[w], *_time_passes(model, cache, ids, w, 1, run_pass))
             say(f"{label}, {w} new token(s): {times[w]:.2f} ms (round {i + 1} of {repeats})")
+    if not monotone:
+        return times
     curve, least = {}, math.inf
     for w in reversed(widths):
         least = min(least, times[w])
@@ -168,7 +173,8 @@ def calibrate(
     d_cache, d_ids = filled_cache(pair.drafter, context)
     drafter_ms = time_draft(pair.drafter, d_cache, d_ids, repeats)
     say(f"drafter step: {drafter_ms:.2f} ms")
-    read_ms = target_curve(pair.drafter, d_cache, d_ids, READ_WIDTHS, repeats, say, read_pass, "drafter reading")
+    read_ms = target_curve(pair.drafter, d_cache, d_ids, READ_WIDTHS, repeats, say, read_pass, "drafter reading",
+                           monotone=True)  # a prompt or a parked stretch: reading more never costs less
     translate_ms = time_translation(pair)
     say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
     profile = CostProfile(target_ms, drafter_ms, translate_ms, form="study", read_ms=read_ms)
