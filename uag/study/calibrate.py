@@ -173,8 +173,9 @@ def calibrate(
     d_cache, d_ids = filled_cache(pair.drafter, context)
     drafter_ms = time_draft(pair.drafter, d_cache, d_ids, repeats)
     say(f"drafter step: {drafter_ms:.2f} ms")
-    read_ms = target_curve(pair.drafter, d_cache, d_ids, READ_WIDTHS, repeats, say, read_pass, "drafter reading",
-                           monotone=True)  # a prompt or a parked stretch: reading more never costs less
+    read_ms = target_curve(
+        pair.drafter, d_cache, d_ids, READ_WIDTHS, repeats, say, read_pass, "drafter reading", monotone=True
+    )  # a prompt or a parked stretch: reading more never costs less
     translate_ms = time_translation(pair)
     say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
     profile = CostProfile(target_ms, drafter_ms, translate_ms, form="study", read_ms=read_ms)
