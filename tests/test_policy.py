@@ -400,3 +400,14 @@ def test_a_policy_learns_into_the_evidence_it_was_given_and_the_next_run_starts_
     second.begin(10, 100)  # what the first run taught weighs as CARRY cycles now
     assert evidence.model.accepted[0] + evidence.model.rejected[0] == pytest.approx(CARRY)
     assert second.acceptance(0) == pytest.approx((CARRY + 0.5) / (CARRY + 1))
+
+
+def test_drafts_that_translate_into_no_target_token_count_as_misses():
+    """A model draft stripped by translation (a partial word at the boundary) proposes nothing and keeps nothing:
+    auto learns that drafting does not pay there and parks, instead of drafting forever at its prior."""
+    policy = AdaptiveK(k_max=4, profile=CHEAP_DRAFTER)
+    policy.begin(0, None)
+    assert policy.next_k() > 0
+    for _ in range(10):
+        policy.observe(cycle(1, 0, 0, verify_ms=CHEAP_DRAFTER.target_at(1)))
+    assert policy.acceptance(0) < 0.1 and policy.next_k() == 0
