@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -262,8 +264,8 @@ def test_auto_with_lookup_alone_gets_the_target_verify_curve_once_and_reuses_it(
     said = []
     profile = profile_for(target, DrafterChoice(lookup=True), progress=said.append)
     assert said and profile is not None and profile.drafter_ms == 0.0 and set(profile.target_ms) == set(range(1, 10))
-    widths = sorted(profile.target_ms)
-    assert all(profile.target_ms[a] <= profile.target_ms[b] for a, b in zip(widths, widths[1:]))  # never cheaper wider
+    # every width as measured (a BLAS may price a wider pass below a narrower one: no envelope is laid over it)
+    assert all(math.isfinite(ms) and ms > 0 for ms in profile.target_ms.values())
     saved = find_calibration(target_key(target))
     assert saved is not None and saved.key["drafter"] == "lookup" and saved.profile == profile
     again = []
