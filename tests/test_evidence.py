@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -163,7 +164,8 @@ def test_calibrate_lookup_saves_the_target_s_verify_curve_where_auto_looks_for_i
 
 @pytest.mark.slow
 def test_a_calibration_times_what_a_run_spends(store, cache):
-    """Tiny random models: every cost the policy prices a run by is measured and saved, curves never falling."""
+    """Tiny random models: every cost the policy prices a run by is measured and saved; the drafter's reading
+    curve never falls, the verify curve is kept as measured (the engine verifies exactly what it proposes)."""
     target, drafter = tiny_pair("qwen2.5", "mistral-v1")
     pair = check_pair(store.get(str(target)), store.get(str(drafter)))
     said = []
@@ -171,9 +173,9 @@ def test_a_calibration_times_what_a_run_spends(store, cache):
     profile = result.profile
     assert set(profile.target_ms) == {1, 2, 3, 4} and profile.drafter_ms > 0
     assert set(profile.read_ms) == {n for n in calibration.READ_WIDTHS if n <= 64}  # passes over the cached text
-    for curve in (profile.target_ms, profile.read_ms):
-        widths = sorted(curve)
-        assert all(curve[a] <= curve[b] for a, b in zip(widths, widths[1:]))
+    assert all(math.isfinite(ms) and ms > 0 for ms in profile.target_ms.values())
+    widths = sorted(profile.read_ms)
+    assert all(profile.read_ms[a] <= profile.read_ms[b] for a, b in zip(widths, widths[1:]))
     assert result.key["method"] == METHOD and any("drafter step" in line for line in said)
     assert "drafter pass over n tokens: 1: " in calibration.summary(result)
 
