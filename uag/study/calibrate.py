@@ -118,7 +118,7 @@ def target_curve(
     Verification keeps its measured shape: the engine verifies exactly the tokens proposed, and a BLAS may
     price widths unevenly. On the 2-core CPU (Qwen2.5-Coder-1.5B, float32, OpenBLAS, 2026-11-26) passes over
     9-13 tokens took 750-1,050 ms and one over 16 587 ms; made non-decreasing, the curve priced w = 9 at
-    587 ms where the runs' own 9-token passes took 760-905, and auto drafted 8 where 2 paid. Measured on a
+    587 ms where its own rounds timed 748-762 and a run's took 905, and auto drafted 8 where 2 paid. Measured on a
     loaded 2-core machine, medians of 2 once gave {1: 1662, 5: 8082, 6: 2920} ms for a model whose step takes
     ~105 ms when quiet: the least of several rounds is what keeps such a burst out.
     """
