@@ -21,7 +21,7 @@ decided by what the earlier ones accepted). A policy change is tried here on doz
 the winner is then checked end to end with benchmarks/coder_pair.py.
 
 Usage: python benchmarks/policy_replay.py [--target coder-target] [--drafter demo-drafter]
-       [--datasets code wiki alpaca synthetic structured] [--n 10] [--max-tokens 48] [--ks 1 2 3 4]
+       [--datasets code wiki alpaca synthetic structured] [--n 10] [--ids code-003 …] [--max-tokens 48] [--ks 1 2 3 4]
        [--k-max 8] [--json FILE]
 """
 
@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--drafter", default="demo-drafter")
     parser.add_argument("--datasets", nargs="+", default=["code", "wiki", "alpaca", "synthetic", "structured"])
     parser.add_argument("--n", type=int, default=10, help="prompts per dataset")
+    parser.add_argument("--ids", nargs="+", help="only these prompt ids of the datasets (e.g. code-003 code-005)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--k-max", type=int, default=8)
@@ -158,7 +159,8 @@ def main() -> None:
     profile = profile_for(target, drafter, progress=lambda m: print(f"[calibrate] {m}"))
     work = []  # (dataset, prompt id, prompt ids, baseline ids)
     for dataset in args.datasets:
-        for prompt in load_bundled(dataset, args.n):
+        prompts = load_bundled(dataset, None if args.ids else args.n)
+        for prompt in [p for p in prompts if not args.ids or p.id in args.ids]:
             ids = prompt_ids(target, prompt.text, chat=chat_for(prompt, False))
             work.append((dataset, prompt.id, ids, baseline(target, ids, args.max_tokens)))
     vocab_size, eos = target.model.args.vocab_size, min(target.eos_ids)
@@ -184,7 +186,8 @@ def main() -> None:
             config = GenerationConfig(strategy=strategy, k=args.k_max, max_tokens=args.max_tokens)
             run = generate(replay, drafter, ids, config, seams=Seams(policy=make()))
             assert run.token_ids == base, (pid, name)  # the replay is only as good as this
-            row[name] = run.generated * profile.target_at(1) / priced_ms(run, profile)
+            row[f"ms {name}"], row["target ms"] = priced_ms(run, profile), run.generated * profile.target_at(1)
+            row[name] = row["target ms"] / row[f"ms {name}"]
             row[f"alpha {name}"] = run.acceptance_rate
             row[f"ks {name}"] = [c.k for c in run.cycles]
             row[f"trace {name}"] = " ".join(trace(c) for c in run.cycles)
@@ -195,7 +198,9 @@ def main() -> None:
             print(f"    {name}: k/accepted per cycle (r: a rehearsal that read n tokens) {row[f'trace {name}']}")
     for dataset in args.datasets:
         subset = [r for r in rows if r["dataset"] == dataset]
-        print(f"{dataset:<11} " + "  ".join(f"{n} {statistics.fmean(r[n] for r in subset):.3f}×" for n in names))
+        print(f"{dataset:<11} mean " + "  ".join(f"{n} {statistics.fmean(r[n] for r in subset):.3f}×" for n in names))
+        pooled = {n: sum(r["target ms"] for r in subset) / sum(r[f"ms {n}"] for r in subset) for n in names}
+        print(f"{'':<11} pooled " + "  ".join(f"{n} {s:.3f}×" for n, s in pooled.items()))
         alphas = {n: [r[f"alpha {n}"] for r in subset if r[f"alpha {n}"] is not None] for n in names}
         print(f"{'':<11} α " + "  ".join(f"{n} {statistics.fmean(a) if a else 0:.0%}" for n, a in alphas.items()))
         widest = f"k={max(args.ks)}"
