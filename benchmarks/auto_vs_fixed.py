@@ -148,8 +148,7 @@ def main() -> None:
     generate(pair.target, pair.drafter, "Hello", GenerationConfig(max_tokens=8))  # warm-up
     rows = []
     for dataset in args.datasets:
-        prompts = load_bundled(dataset, None if args.ids else args.n)
-        for prompt in [p for p in prompts if not args.ids or p.id in args.ids]:
+        for prompt in load_bundled(dataset, args.n, args.ids):
             row = run_prompt(pair, prompt.text, args.ks, args.k_max, args.max_tokens, args.repeats, args.hybrid)
             rows.append({"id": prompt.id, **row})
             print(f"[auto_vs_fixed] {prompt.id}: " + ", ".join(f"{c} {row[c] / row['baseline']:.2f}"

@@ -159,8 +159,7 @@ def main() -> None:
     profile = profile_for(target, drafter, progress=lambda m: print(f"[calibrate] {m}"))
     work = []  # (dataset, prompt id, prompt ids, baseline ids)
     for dataset in args.datasets:
-        prompts = load_bundled(dataset, None if args.ids else args.n)
-        for prompt in [p for p in prompts if not args.ids or p.id in args.ids]:
+        for prompt in load_bundled(dataset, args.n, args.ids):
             ids = prompt_ids(target, prompt.text, chat=chat_for(prompt, False))
             work.append((dataset, prompt.id, ids, baseline(target, ids, args.max_tokens)))
     vocab_size, eos = target.model.args.vocab_size, min(target.eos_ids)
@@ -180,13 +179,13 @@ def main() -> None:
     rows = []
     for dataset, pid, ids, base in work:
         replay = replace(template, model=ReplayModel([*ids, *base], vocab_size, eos))
-        row = {"dataset": dataset, "id": pid}
+        row = {"dataset": dataset, "id": pid, "target ms": len(base) * profile.target_at(1)}  # the target alone
         for name, make in policies(args, profile, carried).items():
             strategy = "auto" if name.startswith("auto") else "context"
             config = GenerationConfig(strategy=strategy, k=args.k_max, max_tokens=args.max_tokens)
             run = generate(replay, drafter, ids, config, seams=Seams(policy=make()))
             assert run.token_ids == base, (pid, name)  # the replay is only as good as this
-            row[f"ms {name}"], row["target ms"] = priced_ms(run, profile), run.generated * profile.target_at(1)
+            row[f"ms {name}"] = priced_ms(run, profile)
             row[name] = row["target ms"] / row[f"ms {name}"]
             row[f"alpha {name}"] = run.acceptance_rate
             row[f"ks {name}"] = [c.k for c in run.cycles]

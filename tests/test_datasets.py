@@ -292,6 +292,8 @@ def test_examples_are_short_and_come_from_the_sets():
 def test_n_takes_the_first_prompts():
     everything = load_bundled("wiki")
     assert load_bundled("wiki", 5) == everything[:5]
+    # by id, in the set's order, whatever n; another set's ids are passed over
+    assert load_bundled("wiki", 5, ["wiki-009", "wiki-002", "code-001"]) == [everything[1], everything[8]]
     assert load("wiki", n=len(everything)) == everything
 
 

@@ -19,7 +19,7 @@ An hf: spec the environment cannot serve (package missing, hub unreachable) rais
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -229,14 +229,17 @@ def load_file(path: str | Path, *, dataset: str | None = None, text_field: str =
     return result
 
 
-def load_bundled(name: str, n: int | None = None) -> list[Prompt]:
-    """The first `n` prompts (all for None) of a bundled set: one of BUNDLED."""
+def load_bundled(name: str, n: int | None = None, ids: Collection[str] | None = None) -> list[Prompt]:
+    """The first `n` prompts (all for None) of a bundled set: one of BUNDLED; or, given `ids`, those of its prompts
+    (in the set's order, whatever `n`; ids of other sets are passed over, so one list can span several sets)."""
     if name not in BUNDLED:
         raise InputError(f"unknown bundled dataset '{name}' (choose from: {', '.join(BUNDLED)})")
     text = (resources.files("uag") / "data" / f"{name}.jsonl").read_text(encoding="utf-8")
     result = _collect(jsonl_rows(text), dataset=name, text_field=DEFAULT_TEXT_FIELD)
     if result.errors:  # a shipped file is ours: fail loudly rather than skip
         raise RuntimeError(f"bundled dataset '{name}' is corrupt: {result.errors[0]}")
+    if ids is not None:
+        return [p for p in result.prompts if p.id in ids]
     return take(result.prompts, n, name)
 
 
