@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.core.anatomy import Loss
 from uag.core.config import DrafterSpec, GenerationConfig
-from uag.core.drafters import DrafterChoice, LookupDrafter, load_drafter
+from uag.core.drafters import DrafterChoice, LookupDrafter, load_drafter, make_drafter
 from uag.core.engine import PromptCaches, Seams, generate, prompt_ids, stream
 from uag.core.lookup import MATCH_CAP, NgramIndex, match_band
 from uag.core.translate import make_translator
@@ -270,3 +270,24 @@ def test_auto_with_lookup_alone_gets_the_target_verify_curve_once_and_reuses_it(
     assert saved is not None and saved.key["drafter"] == "lookup" and saved.profile == profile
     again = []
     assert profile_for(target, DrafterChoice(lookup=True), progress=again.append) == profile and not again
+
+
+def test_a_stop_rule_ends_the_model_s_drafts_where_it_says_and_its_cache_stays_exact(tiny):
+    target, model = tiny
+    config = GenerationConfig(strategy="context", k=6, max_tokens=24)
+    prompt = prompt_ids(target, PROMPTS[0])
+    pipelined = make_drafter(DrafterChoice(model=model), target, config)
+    pipelined.start(prompt)
+    drafted = pipelined.propose("model", 3, 10).draft_ids
+    stopped = make_drafter(DrafterChoice(model=model), target, config)
+    stopped.start(prompt)
+    asked = []
+    draft = stopped.propose("model", 6, 10, stop=lambda qs: asked.append(list(qs)) or (2 if len(qs) == 3 else None))
+    assert [len(qs) for qs in asked] == [1, 2, 3]  # asked after each draft, with every confidence so far
+    assert draft.passes == 3 and draft.draft_ids == drafted[:2]  # the same greedy drafts; the third dropped
+    assert len(draft.confidence) == 3 and all(0 < q <= 1 for q in draft.confidence)
+    stopped.commit(draft, [*draft.proposed[:1], 7])  # the target kept one of them, then wrote its own
+    ids, cache = stopped.translator.drafter_ids, stopped.cache
+    from_cache = model.model(mx.array(ids[cache[0].offset :])[None], cache=cache)[0, -1]
+    fresh = model.model(mx.array(ids)[None], cache=model.make_cache())[0, -1]
+    np.testing.assert_allclose(np.array(from_cache), np.array(fresh), atol=1e-3, rtol=1e-3)

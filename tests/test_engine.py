@@ -165,7 +165,7 @@ def test_caches_hold_the_committed_sequences_after_a_run_and_after_an_early_stop
 def test_auto_drafts_long_when_a_profile_says_drafts_are_cheap_and_stays_lossless(tiny):
     """Self-speculation accepts everything; with a cheap drafter, auto should go to k_max."""
     target, _ = tiny
-    cheap = CostProfile({1: 10.0, 2: 10.2, 5: 10.5, 9: 11.0}, drafter_ms=0.2, translate_ms=0.05)
+    cheap = CostProfile({1: 10.0, 2: 10.2, 3: 10.3, 4: 10.4, 5: 10.5, 9: 11.0}, drafter_ms=0.2, translate_ms=0.05)
     config = GenerationConfig(strategy="auto", k=4, max_tokens=40)
     policy = AdaptiveK(k_max=4, profile=cheap, learn_costs=False)  # the profile's costs, not this machine's load
     ids = prompt_ids(target, PROMPTS[0])

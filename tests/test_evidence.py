@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.tiny_models import tiny_pair
 from uag.core.costmodel import CostProfile
-from uag.core.evidence import Counts, Evidence
+from uag.core.evidence import CARRY, Counts, Evidence, confidence_band
 from uag.models.store import Pair, check_pair
 from uag.study import calibrate as calibration
 from uag.study.profiles import (
@@ -48,6 +48,7 @@ def learned() -> Evidence:
         model=Counts([2.5, 1.0], [0.5, 1.5]), lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0
     )
     evidence.lookup_bands[3] = Counts([4.0, 3.0], [0.0, 1.0])
+    evidence.saw_drafts([0.95, 0.5, 0.1], kept=1, proposed=3)  # the model's drafts: how sure, how they fared
     return evidence
 
 
@@ -55,6 +56,7 @@ def test_evidence_keeps_what_earlier_runs_accepted_but_not_their_costs():
     back = Evidence.from_dict(json.loads(json.dumps(learned().to_dict())))
     assert back.model == learned().model and back.lookup == learned().lookup and back.expansion == 0.8
     assert back.lookup_bands == learned().lookup_bands  # lookup's per band of match length (uag.core.lookup)
+    assert back.confidence == learned().confidence and back.drafted == learned().drafted  # the model's per band
     assert back.drafter_ms is None and back.verify_ms == {}  # costs are the calibration's, relearned in a run
 
 
@@ -67,6 +69,8 @@ def test_evidence_keeps_what_earlier_runs_accepted_but_not_their_costs():
         {"model": {"accepted": [], "rejected": []}, "lookup": {"accepted": [], "rejected": []}, "expansion": 0},
         {**Evidence().to_dict(), "lookup_bands": [{"accepted": [], "rejected": []}]},  # bands another version had
         {**Evidence().to_dict(), "lookup_bands": [{"accepted": [1.0], "rejected": [-1.0]}] * 4},
+        {**Evidence().to_dict(), "confidence": [{"accepted": [], "rejected": []}] * 3},  # bands of another version
+        {**Evidence().to_dict(), "drafted": [-1.0] * 7},
     ],
 )
 def test_damaged_evidence_is_refused(bad):
@@ -75,9 +79,35 @@ def test_damaged_evidence_is_refused(bad):
 
 
 def test_evidence_saved_before_lookup_had_bands_still_opens_a_run():
-    saved = {k: v for k, v in learned().to_dict().items() if k != "lookup_bands"}
+    saved = {k: v for k, v in learned().to_dict().items() if k not in ("lookup_bands", "confidence", "drafted")}
     back = Evidence.from_dict(saved)
     assert back.lookup == learned().lookup and back.lookup_bands == Evidence().lookup_bands
+    assert back.confidence == Evidence().confidence and back.mean_chance() is None  # as if the model never drafted
+
+
+def test_a_draft_s_chance_is_its_confidence_until_the_target_s_verdicts_on_its_band_say_otherwise():
+    evidence = Evidence()
+    assert [confidence_band(q) for q in (0.1, 0.2, 0.85, 0.99)] == [0, 1, 4, 6]
+    assert evidence.kept_chance(0.9) == pytest.approx(0.9) and evidence.mean_chance() is None
+    evidence.saw_drafts([0.92, 0.93, 0.3], kept=0, proposed=2)  # the first rejected: the second never judged
+    band = evidence.confidence[confidence_band(0.92)]
+    assert (band.accepted[0], band.rejected[0]) == (0.0, 1.0)
+    assert evidence.kept_chance(0.92) == pytest.approx((0 + 2 * 0.92) / 3)
+    assert evidence.confidence[confidence_band(0.3)].accepted == []  # drafted, never proposed: no verdict
+    assert sum(evidence.drafted) == pytest.approx(1 + 0.9 + 0.81)  # all three drafts say how sure it tends to be
+    # a rehearsal's guesses say how sure the drafter is on this text, never how the target judges its drafts
+    evidence.saw_guesses([0.05] * 30)
+    assert evidence.mean_chance() < 0.15 and evidence.confidence[0].accepted == []
+
+
+def test_a_new_run_keeps_how_confidence_reads_but_only_a_few_drafts_of_how_sure_the_last_text_made_it():
+    evidence = Evidence()
+    for _ in range(20):
+        evidence.saw_drafts([0.99, 0.98], kept=2, proposed=2)
+    verdicts = [c.to_dict() for c in evidence.confidence]
+    evidence.carry()
+    assert sum(evidence.drafted) == pytest.approx(CARRY)
+    assert [c.to_dict() for c in evidence.confidence] == verdicts
 
 
 def test_evidence_is_kept_per_pair_and_machine_and_found_again(cache):

@@ -7,7 +7,7 @@ import pytest
 
 from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
-from uag.core.evidence import CARRY, Counts, Evidence
+from uag.core.evidence import CARRY, Counts, Evidence, confidence_band
 from uag.core.policy import REHEARSAL_BUDGET, STRETCH_MAX, AdaptiveK, FixedK, make_policy, replay_drafts, within
 from uag.core.records import Cycle, Offer, Rehearsal
 
@@ -352,7 +352,7 @@ def test_the_opening_drafts_where_the_calibrated_costs_pay_and_parks_where_they_
     # no earlier run: the 50 % guess. Coder: a k = 1 cycle costs 55 + 504 ms for 1.5 tokens; the prompt's
     # reading, one 120-token pass (~290 ms), is earned back within the run -> it drafts from the first token
     policy, decision = opening(CODER)
-    assert decision == ("model", 1)
+    assert decision == ("model", 8) and policy.next_k() == 1  # it drafts; how far, the drafts' confidence says
     assert policy.backlog_ms() == pytest.approx(CODER.drafter_pass(120) - 55.0)
     assert policy.rates()[1] * 444.0 > 1.1
     # the demo pair: 10 + 21 ms for 1.5 tokens is 0.97 of the target alone's 20 ms per token -> parks
@@ -372,6 +372,7 @@ def test_evidence_of_earlier_runs_is_overruled_within_a_few_cycles_both_ways():
     policy, (_, k) = opening(CODER, sure(0.8), budget=200)
     ks = []
     while k:
+        k = policy.next_k()  # the draft its estimate pays for best (the drafter may stop short of the offer's 8)
         ks.append(k)
         policy.observe(cycle(k, k, 0, verify_ms=CODER.target_at(k + 1), draft_ms=55.0 * k))
         k = policy.choose({"model": 8}, 200)[1]
@@ -411,3 +412,54 @@ def test_drafts_that_translate_into_no_target_token_count_as_misses():
     for _ in range(10):
         policy.observe(cycle(1, 0, 0, verify_ms=CHEAP_DRAFTER.target_at(1)))
     assert policy.acceptance(0) < 0.1 and policy.next_k() == 0
+
+
+# --- how far the model drafts: its confidence in each draft, as it drafts ----------------------------------------
+
+
+def drafting(profile: CostProfile = CODER, evidence: Evidence | None = None) -> AdaptiveK:
+    """An auto policy that has just chosen to draft with the model (no backlog to read)."""
+    policy = AdaptiveK(k_max=8, profile=profile, evidence=evidence, learn_costs=False)
+    policy.begin(0, 100)
+    assert policy.choose({"model": 8}, 100) == ("model", 8)
+    return policy
+
+
+def test_the_drafter_drafts_on_while_its_drafts_are_sure_and_proposes_only_those_worth_their_verification():
+    policy = drafting()
+    assert policy.enough([0.97]) is None and policy.enough([0.97, 0.95]) is None  # likely kept: draft another
+    assert policy.enough([0.97, 0.95, 0.03]) == 2  # a draft hardly ever kept is not worth its wider pass
+    assert policy.enough([0.03]) == 0  # nothing: a plain step (what the drafter read is read)
+    assert policy.enough([0.97] * 8) == 8  # the most the offer held: all of them
+
+
+def test_a_draft_s_worth_is_what_its_band_of_confidence_earned_on_this_pair():
+    evidence = Evidence()
+    for _ in range(30):  # this pair's sure drafts are rejected: its confidence reads high
+        evidence.saw_drafts([0.97], kept=0, proposed=1)
+    policy = drafting(evidence=Evidence(model=sure(0.8).model))
+    assert policy.enough([0.97]) is None
+    policy.evidence.confidence = evidence.confidence
+    assert policy.enough([0.97]) == 0
+
+
+def test_where_the_drafts_it_makes_are_unsure_auto_parks_and_where_they_are_sure_it_drafts_long():
+    unsure = AdaptiveK(k_max=8, profile=CODER, learn_costs=False)
+    unsure.begin(0, 100)
+    for _ in range(6):  # Polish in an English drafter: unsure drafts, cut before they cost a verification
+        unsure.observe(replace(cycle(1, 0, 0, verify_ms=444.0, draft_ms=55.0), confidence=[0.08]))
+    assert unsure.evidence.mean_chance() < 0.2 and unsure.choose({"model": 8}, 100) == ("", 0)
+    sure_drafts = AdaptiveK(k_max=8, profile=CODER, learn_costs=False)
+    sure_drafts.begin(0, 100)
+    for _ in range(6):
+        sure_drafts.observe(replace(cycle(3, 3, 3, verify_ms=585.0, draft_ms=165.0), confidence=[0.98] * 3))
+    assert sure_drafts.acceptance(0) > 0.9 and sure_drafts.next_k() >= 4
+    assert sure_drafts.choose({"model": 8}, 100) == ("model", 8)
+
+
+def test_kept_drafts_are_counted_in_drafter_tokens_where_translation_changed_their_number():
+    policy = drafting()
+    # 4 drafts translated into 2 target tokens; the target kept 1: the first 2 drafts held, the third did not
+    policy.observe(replace(cycle(4, 2, 1, verify_ms=504.0, draft_ms=220.0), confidence=[0.5, 0.5, 0.5, 0.5]))
+    band = policy.evidence.confidence[confidence_band(0.5)]
+    assert band.accepted[0] == pytest.approx((1 * 0.9 + 1) * 0.9) and band.rejected[0] == pytest.approx(1.0)

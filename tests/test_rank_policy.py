@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from uag.core.config import GenerationConfig
+from uag.core.costmodel import CostProfile
 from uag.core.drafters import Draft
-from uag.core.policy import FixedK, make_policy
+from uag.core.policy import AdaptiveK, FixedK, make_policy
 from uag.distributed.decisions import LeaderDrafter, RankPolicy, Stopped, message_width
 
 
@@ -25,7 +26,7 @@ class Proposing:
 
     name, translation = "proposing", "identity"
 
-    def propose(self, source, k, budget):
+    def propose(self, source, k, budget, stop=None):
         return Draft(source, list(range(min(k, budget))))
 
 
@@ -41,3 +42,32 @@ def test_rank_0_decides_and_drafts_within_the_tokens_left_by_the_policy_own_clam
         policy.choose({"model": 8}, left=10)
     follower = RankPolicy(OneRankLink(), leader, None, name=make_policy(GenerationConfig(strategy="auto")).name)
     assert follower.name == "auto"
+
+
+class Confident:
+    """A drafter whose drafts come with the given confidences, stopping where the policy's rule says."""
+
+    name, translation = "confident", "identity"
+
+    def __init__(self, confidences):
+        self.confidences = confidences
+
+    def propose(self, source, k, budget, stop=None):
+        made = []
+        for q in self.confidences[:k]:
+            made.append(q)
+            keep = stop(made) if stop else None
+            if keep is not None:
+                break
+        keep = len(made) if keep is None else keep
+        return Draft(source, list(range(keep)), passes=len(made), confidence=made if stop else [])
+
+
+def test_rank_0_drafts_by_its_auto_policy_stop_rule_and_every_rank_hears_the_drafts_it_made():
+    leader = LeaderDrafter(Confident([0.99, 0.98, 0.02, 0.9]), watchdog=SimpleNamespace(progress=lambda: None))
+    inner = AdaptiveK(k_max=8, profile=CostProfile({1: 444.0, 2: 504.0, 3: 585.0, 4: 650.0}, drafter_ms=55.0))
+    inner.begin(0, 100)
+    policy = RankPolicy(OneRankLink(), leader, inner, cancel=threading.Event())
+    # the third draft is hardly ever kept: rank 0 proposes two, and k says the three it drafted
+    assert policy.choose({"model": 8}, left=50) == ("model", 3) and leader.pending.proposed == [0, 1]
+    assert policy.stop_rule("model") is None  # the engine's drafter only hands over what rank 0 drafted

@@ -23,6 +23,7 @@ from uag.core.anatomy import Loss
 from uag.core.config import LOOKUP, DrafterSpec, GenerationConfig
 from uag.core.lookup import NGRAMS, NgramIndex
 from uag.core.passes import PREFILL_STEP, PromptCaches, prefill, reuse, settle_allocator, trim_to
+from uag.core.policy import StopRule
 from uag.core.prompt_input import check_context
 from uag.core.records import Cycle, Offer, Rehearsal
 from uag.core.translate import IntersectionTranslator, Proposal, Resync, TextTranslator, Translator, make_translator
@@ -90,6 +91,8 @@ class Draft:
     resync_absorbed: bool = False
     proposal: Proposal | None = None  # the translator's proposal (model drafts), for the loss anatomy
     match: int = 0  # a lookup proposal: how many tokens its match ran back (uag.core.lookup)
+    confidence: list[float] = field(default_factory=list)  # the drafter's probability of each draft it made
+    #                                                        (a stop rule's run; draft_ids are those proposed)
 
     def cycle(
         self, k: int, accepted: int, emitted: int, *, verify_ms: float, resync_ms: float, resync_absorbed: bool,
@@ -118,6 +121,7 @@ class Draft:
             source=self.source,
             loss={name: n for name, n in loss.as_dict().items() if n},
             match=self.match,
+            confidence=self.confidence,
         )
 
 
@@ -135,8 +139,9 @@ class Drafter(Protocol):
         """The sources that can draft now and how many tokens each could propose at most (and how far
         lookup's match runs back)."""
 
-    def propose(self, source: str, k: int, budget: int) -> Draft:
-        """Up to k drafts from `source`, translated, never more than `budget` target tokens."""
+    def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
+        """Up to k drafts from `source`, translated, never more than `budget` target tokens; a model's
+        drafts as many as `stop` says, where there is one."""
 
     def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
         """Where the draft's lost positions went (uag.core.anatomy), before `commit` hears of `written`."""
@@ -173,7 +178,7 @@ class LookupDrafter:
     def offer(self, k_max: int) -> Offer:
         return lookup_offer(self.index, k_max)
 
-    def propose(self, source: str, k: int, budget: int) -> Draft:
+    def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         tic = time.perf_counter()
         ids, match = self.index.propose(min(k, budget)), self.index.match_length()
         ms = (time.perf_counter() - tic) * 1000
@@ -235,11 +240,12 @@ class ModelDrafter:
         trim_to(self.cache, self.seen)
         return resync
 
-    def propose(self, source: str, k: int, budget: int) -> Draft:
+    def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         t0 = time.perf_counter()
         catch_up = self._sync() if self.unsynced else None
         t1 = time.perf_counter()
-        drafts, q, read = self._draft(k)
+        drafts, q, read, confidence = self._draft(k) if stop is None else self._draft_until(k, stop)
+        passes = len(confidence) or k
         t2 = time.perf_counter()
         usable = self.translator.usable(drafts)
         proposal = self.translator.propose(usable)
@@ -254,13 +260,14 @@ class ModelDrafter:
             draft_ms=(t2 - t1) * 1000,
             translate_ms=(t3 - t2) * 1000,
             sync_ms=(t1 - t0) * 1000,
-            passes=k,
+            passes=passes,
             read=read,
             absorbed=proposal.absorbed,
             fallback=proposal.fallback,
             empty=proposal.empty,
             resync_absorbed=bool(catch_up and catch_up.absorbed),
             proposal=proposal,
+            confidence=confidence,
         )
 
     def _restrict(self, logits: mx.array) -> mx.array:
@@ -272,15 +279,20 @@ class ModelDrafter:
             self.id_map = IdMap(self.translator.to_target, logits.shape[-1])
         return logits + self.id_map.drafter_mask
 
-    def _draft(self, k: int) -> tuple[list[int], mx.array | None, int]:
-        """k drafter passes; the first also feeds what the drafter has not seen. Greedy, except TLI at
-        temperature > 0, which samples and keeps each distribution q for rejection sampling."""
+    def _unread(self) -> mx.array:
+        """What the first drafter pass must feed: everything the cache has not seen (a long stretch, the
+        prompt say, read first in chunks, as a prompt is)."""
         ids = self.translator.drafter_ids
-        base, seen = len(ids), self.seen
-        if base - self.seen > PREFILL_STEP:  # a long unread stretch (the prompt): in chunks, like a prompt
-            prefill(self.model.model, self.cache, ids[self.seen : base - 1])
-            self.seen = base - 1
-        y = mx.array(ids[self.seen :])
+        if len(ids) - self.seen > PREFILL_STEP:
+            prefill(self.model.model, self.cache, ids[self.seen : len(ids) - 1])
+            self.seen = len(ids) - 1
+        return mx.array(ids[self.seen :])
+
+    def _draft(self, k: int) -> tuple[list[int], mx.array | None, int, list[float]]:
+        """k drafter passes, pipelined; the first also feeds what the drafter has not seen. Greedy, except TLI
+        at temperature > 0, which samples and keeps each distribution q for rejection sampling."""
+        base, seen = len(self.translator.drafter_ids), self.seen
+        y = self._unread()
         sample = self.tli and self.config.temperature > 0
         guesses, qs = [], []
         for _ in range(k):
@@ -296,7 +308,30 @@ class ModelDrafter:
         drafts = mx.concatenate(guesses).tolist()
         self.seen = base + k - 1  # every draft but the last has been fed back
         settle_allocator()
-        return drafts, (mx.concatenate(qs) if qs else None), base - seen + k - 1
+        return drafts, (mx.concatenate(qs) if qs else None), base - seen + k - 1, []
+
+    def _draft_until(self, k: int, stop: StopRule) -> tuple[list[int], mx.array | None, int, list[float]]:
+        """Greedy drafts, one pass at a time, until `stop` (told the drafter's probability of each draft so far)
+        says how many to propose, or k are drafted; the drafts past that many are dropped."""
+        base, seen = len(self.translator.drafter_ids), self.seen
+        y, sample = self._unread(), self.tli and self.config.temperature > 0
+        drafts, qs, confidence, keep = [], [], [], None
+        while keep is None and len(drafts) < k:
+            logits = self._restrict(self.model.model(y[None], cache=self.cache)[:, -1, :])
+            q = draft_distribution(logits, self.config.temperature if sample else 1.0)
+            y = mx.random.categorical(mx.log(q)) if sample else mx.argmax(logits, axis=-1)
+            chance = q[0, y]  # the drafter's probability of what it drafted
+            mx.eval(y, chance)
+            drafts.append(y.item())
+            confidence.append(chance.item())
+            if sample:
+                qs.append(q)
+            keep = stop(confidence)
+        self.seen = base + len(drafts) - 1
+        settle_allocator()
+        keep = len(drafts) if keep is None else min(keep, len(drafts))
+        q = mx.concatenate(qs[:keep]) if sample and keep else None
+        return drafts[:keep], q, base - seen + len(drafts) - 1, confidence
 
     def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
         proposal = draft.proposal
@@ -329,17 +364,19 @@ class ModelDrafter:
         first = min(max(start, self.prompt_length - 1), end)
         if first > start:
             prefill(self.model.model, self.cache, ids[start:first])
-        hits = []
+        hits, confidence = [], []
         for lo in range(first, end, REHEARSAL_SPAN):
             hi = min(lo + REHEARSAL_SPAN, end)
             logits = self._restrict(self.model.model(mx.array(ids[lo:hi])[None], cache=self.cache)[0])
-            guesses = mx.argmax(logits, axis=-1).tolist()
-            hits += [g == t for g, t in zip(guesses, ids[lo + 1 : hi + 1])]
+            guesses, chances = mx.argmax(logits, axis=-1), mx.max(mx.softmax(logits, axis=-1), axis=-1)
+            hits += [g == t for g, t in zip(guesses.tolist(), ids[lo + 1 : hi + 1])]
+            confidence += chances.tolist()
         self.seen = end
         settle_allocator()
         if not hits:
             return None
-        return Rehearsal(hits, end - start, (time.perf_counter() - tic) * 1000, target_tokens)
+        ms = (time.perf_counter() - tic) * 1000
+        return Rehearsal(hits, end - start, ms, target_tokens, confidence[: len(hits)])
 
     def restore(self) -> None:
         if self.cache is None:
@@ -369,8 +406,8 @@ class HybridDrafter:
         lookup = self.lookup.offer(k_max)
         return Offer({**lookup, **self.model.offer(k_max)}, match=lookup.match)
 
-    def propose(self, source: str, k: int, budget: int) -> Draft:
-        return (self.lookup if source == LOOKUP else self.model).propose(source, k, budget)
+    def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
+        return (self.lookup if source == LOOKUP else self.model).propose(source, k, budget, stop)
 
     def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
         return (self.lookup if draft.source == LOOKUP else self.model).loss(draft, accepted, written)

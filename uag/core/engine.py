@@ -40,7 +40,7 @@ from uag.core.config import LOOKUP, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
 from uag.core.passes import PromptCaches, logprobs, prefill, reuse, settle_allocator, trim_to
-from uag.core.policy import Evidence, Policy, make_policy
+from uag.core.policy import Evidence, Policy, StopRule, make_policy
 from uag.core.records import Cycle, Event, Run, Token
 from uag.core.translate import Translator
 from uag.core.verify import accept_greedy, accept_rejection
@@ -143,17 +143,18 @@ class Speculation:
         self.seen = cached
         self.eos = target.eos_ids
 
-    def open(self, source: str, k: int, budget: int) -> Step:
+    def open(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Step:
         """The prompt pass with a first draft: the target reads the prompt but its last token, then
         verifies a draft made from the prompt alone together with that token (one pass fewer than
         reading the whole prompt and drafting after the target's first token)."""
         prefill(self.target.model, self.cache, self.committed[self.seen : -1])
         self.seen = len(self.committed) - 1
-        return replace(self.cycle(source, k, budget), opening=True)
+        return replace(self.cycle(source, k, budget, stop), opening=True)
 
-    def cycle(self, source: str, k: int, budget: int) -> Step:
-        """Draft → verify → commit: at most `budget` tokens, stopping at EOS."""
-        draft = self.drafter.propose(source, k, budget - 1)
+    def cycle(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Step:
+        """Draft (up to k, as many as `stop` says where there is one) → verify → commit: at most `budget`
+        tokens, stopping at EOS."""
+        draft = self.drafter.propose(source, k, budget - 1, stop)
         t0 = time.perf_counter()
         verdict = self._verify(draft)
         new = verdict.committed(draft.proposed)
@@ -165,6 +166,7 @@ class Speculation:
         loss = self.drafter.loss(draft, accepted, new)
         resync_absorbed = self._commit(draft, new)
         t2 = time.perf_counter()
+        k = draft.passes if draft.confidence else k  # a stop rule ended the drafts: the drafts made
         cycle = draft.cycle(
             k, accepted, len(new), verify_ms=(t1 - t0) * 1000, resync_ms=(t2 - t1) * 1000,
             resync_absorbed=resync_absorbed, loss=loss,
@@ -245,7 +247,7 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
             generated += 1
             yield Step([next(stretch)], opening=True)
         else:  # the prompt pass verifies a first draft
-            step = spec.open(source, k, budget)
+            step = spec.open(source, k, budget, policy.stop_rule(source))
             policy.observe(step.cycle)
             generated += len(step.ids)
             yield step
@@ -268,7 +270,7 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
                 stretch.close()
                 stretch = None
                 continue
-            step = spec.cycle(source, k, budget - generated)
+            step = spec.cycle(source, k, budget - generated, policy.stop_rule(source))
             policy.observe(step.cycle)
             generated += len(step.ids)
             yield step

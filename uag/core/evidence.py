@@ -22,6 +22,19 @@ DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 c
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
 CARRY = 3.0  # the most observations per position a run inherits from earlier runs (its own soon outweigh them)
 BAND_WEIGHT = 1.0  # pseudo-observations pulling a lookup match band's estimate toward all of lookup's
+# Bands of a model draft's confidence (the drafter's probability of the token it drafted): where each ends.
+# What the target keeps follows it closely and in any language (SmolLM2 drafting for Qwen2.5-Coder-1.5B,
+# 18 prompts at k = 4: 14 % kept below 0.2, 45 % at 0.2-0.6, 73 % at 0.6-0.8, 84-90 % above; docs/benchmarks.md).
+CONFIDENCE_BANDS = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)
+CONFIDENCE_WEIGHT = 2.0  # pseudo-observations pulling a confidence band's estimate toward the confidence itself
+
+
+def confidence_band(q: float) -> int:
+    """Which of the `CONFIDENCE_BANDS` a draft of confidence q falls in, 0 (least sure) to len(CONFIDENCE_BANDS).
+
+    Example: confidence_band(0.1) -> 0;  confidence_band(0.85) -> 4;  confidence_band(0.99) -> 6
+    """
+    return sum(q >= edge for edge in CONFIDENCE_BANDS)
 
 
 @dataclass
@@ -107,6 +120,10 @@ class Evidence:
     # lookup's, per band of how far its match ran back (uag.core.lookup.match_band): its drafts from a
     # match of 2-3 tokens fare worse than from one of 16; each band leans on `lookup` until it has its own
     lookup_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
+    # the model's, per band of the drafter's confidence in a draft (`confidence_band`): whether the target kept
+    # a draft of that confidence, wherever in its proposal it stood; and how often drafts fall in each band
+    confidence: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(CONFIDENCE_BANDS) + 1)])
+    drafted: list[float] = field(default_factory=lambda: [0.0] * (len(CONFIDENCE_BANDS) + 1))
     expansion: float = 1.0  # target tokens per drafter token (cross-tokenizer translation)
     verify_ms: dict[int, float] = field(default_factory=dict)  # target pass over w tokens, per w
     drafter_ms: float | None = None  # one drafter pass in a drafting cycle
@@ -118,10 +135,55 @@ class Evidence:
     def counts(self, source: str) -> Counts:
         return self.lookup if source == LOOKUP else self.model
 
+    def kept_chance(self, q: float) -> float:
+        """The chance that the target keeps a model draft of confidence q (its position's earlier drafts kept):
+        its band's evidence, leaning on q itself where that is thin.
+
+        Example: no evidence -> q;  q = 0.9 and its band kept 1 of 4 -> (1 + 2 × 0.9) / (4 + 2) ≈ 0.47
+        """
+        counts = self.confidence[confidence_band(q)]
+        a, b = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
+        return (a + CONFIDENCE_WEIGHT * q) / (a + b + CONFIDENCE_WEIGHT)
+
+    def next_chances(self) -> list[tuple[float, float]]:
+        """What a draft not yet made is worth: (weight, chance kept) per confidence band, weighted by how
+        often drafts fell there (decayed); [] before the model has drafted."""
+        edges = (0.0, *CONFIDENCE_BANDS, 1.0)
+        return [(w, self.kept_chance((edges[i] + edges[i + 1]) / 2)) for i, w in enumerate(self.drafted) if w > 0]
+
+    def saw_drafts(self, confidences: list[float], kept: int, proposed: int) -> None:
+        """A model cycle's drafts: each one's confidence, and how the first `proposed` of them fared (the
+        first `kept` kept, the next one not: later ones were never judged)."""
+        for i, q in enumerate(confidences):
+            band = confidence_band(q)
+            self.drafted[:] = [w * DECAY for w in self.drafted]
+            self.drafted[band] += 1.0
+            if i < proposed and i <= kept:
+                self.confidence[band].add(1, int(i < kept))
+
+    def mean_chance(self) -> float | None:
+        """The chance that the target keeps a model draft not yet made: `next_chances` averaged (None before
+        the model has drafted or rehearsed)."""
+        chances = self.next_chances()
+        total = sum(w for w, _ in chances)
+        return sum(w * c for w, c in chances) / total if total else None
+
+    def saw_guesses(self, confidences: list[float]) -> None:
+        """A rehearsal's guesses: how sure the drafter was of each. Whether they hit does not teach the bands:
+        a guess is a drafter token, and where the target's tokenizer splits the text otherwise (Polish in an
+        English drafter's tokens) a right guess is often a proposal the target would not keep."""
+        for q in confidences:
+            self.drafted[:] = [w * DECAY for w in self.drafted]
+            self.drafted[confidence_band(q)] += 1.0
+
     def carry(self) -> None:
-        """A new run starts from this: what earlier runs accepted weighs at most `CARRY` cycles per position."""
+        """A new run starts from this: what earlier runs accepted weighs at most `CARRY` cycles per position, and
+        how sure the drafter was at most `CARRY` drafts (the text changes; how confidence reads does not)."""
         for counts in (self.model, self.lookup, *self.lookup_bands):
             counts.limit(CARRY)
+        total = sum(self.drafted)
+        if total > CARRY:
+            self.drafted[:] = [w * CARRY / total for w in self.drafted]
 
     def to_dict(self) -> dict[str, Any]:
         """What is worth keeping across processes: acceptance and expansion. Costs are the calibration's
@@ -130,6 +192,8 @@ class Evidence:
             "model": self.model.to_dict(),
             "lookup": self.lookup.to_dict(),
             "lookup_bands": [c.to_dict() for c in self.lookup_bands],
+            "confidence": [c.to_dict() for c in self.confidence],
+            "drafted": list(self.drafted),
             "expansion": self.expansion,
         }
 
@@ -148,6 +212,16 @@ class Evidence:
             if len(bands) != len(MATCH_BANDS) + 1 or not all(c.valid() for c in bands):
                 raise ValueError(f"evidence lookup_bands must be {len(MATCH_BANDS) + 1} valid counts")
             evidence.lookup_bands = bands
+        confidence = data.get("confidence")  # absent in files saved before the confidence bands
+        if confidence is not None:
+            confidence = [Counts.from_dict(c) for c in confidence]
+            drafted = [float(w) for w in data.get("drafted", [])]
+            n = len(CONFIDENCE_BANDS) + 1
+            if len(confidence) != n or not all(c.valid() for c in confidence) or len(drafted) != n:
+                raise ValueError(f"evidence confidence must be {n} valid counts and {n} drafted weights")
+            if not all(math.isfinite(w) and w >= 0 for w in drafted):
+                raise ValueError("evidence drafted weights must be non-negative")
+            evidence.confidence, evidence.drafted = confidence, drafted
         return evidence
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -60,6 +60,10 @@ STRETCH_MAX = 128  # the most plain steps in a row before deciding again
 REHEARSAL_BUDGET = 0.03  # the most a rehearsal may cost, as a share of the parked (target-alone) stretch it ends
 EMA = 0.2  # weight of a new timing in the running cost estimates
 
+# Asked by a model drafter after each draft, with its confidence in every draft so far: None to draft on, or how
+# many of them to propose (`AdaptiveK.enough`). Without one, a drafter drafts the k asked, pipelined.
+StopRule = Callable[[Sequence[float]], "int | None"]
+
 
 class Policy(Protocol):
     """What the engine (uag.core.engine.speculative_steps) and the sharded target's `RankPolicy` ask of a
@@ -73,6 +77,10 @@ class Policy(Protocol):
     def choose(self, offer: Mapping[str, int], left: int | None = None) -> tuple[str, int]:
         """The source and k of the next cycle among what `offer` holds (source -> the most it can propose),
         ("", 0) for plain target steps; never more than `left` − 1 drafts (`within`)."""
+
+    def stop_rule(self, source: str) -> StopRule | None:
+        """How the drafter of the cycle `choose` picked should decide its draft's length as it drafts (None:
+        the k chosen)."""
 
     def plain_steps(self) -> int:
         """Plain target steps to take in a row after `choose` returned ("", 0)."""
@@ -125,6 +133,9 @@ class FixedK:
     def plain_steps(self) -> int:
         return 1
 
+    def stop_rule(self, source: str) -> StopRule | None:
+        return None
+
     def begin(self, unread: int, budget: int | None = None) -> None:
         pass
 
@@ -157,6 +168,8 @@ class AdaptiveK:
     remaining: int | None = field(default=None, init=False)  # tokens the run has yet to write (None: unknown)
     declined_lookup: int | None = field(default=None, init=False)  # the last decision passed a lookup match over
     #                                                                   (the band of its match; -1 unknown)
+    pace: float = field(default=0.0, init=False)  # tokens per ms the last decision expected: what time is worth
+    cap: int = field(default=0, init=False)  # the most drafts the model's cycle may make (`choose`, `enough`)
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -169,6 +182,9 @@ class AdaptiveK:
         """Estimated P(position i accepted | positions before it accepted) for i = 0..n−1, per source; for a
         lookup match of a known `band` (uag.core.lookup.match_band), that band's evidence, leaning where it
         has little on all of lookup's, or on the band's floor (`BAND_FLOORS`: a long match is a copy) if higher."""
+        mean = self.evidence.mean_chance() if source == MODEL else None
+        if mean is not None:  # what the drafter's confidence says of a draft to come, per target token
+            return [mean ** (1 / self.evidence.expansion)] * n
         chances = self.evidence.counts(source).chances(n, self.prior)
         if source == LOOKUP and band is not None:
             floor = BAND_FLOORS[band]
@@ -329,20 +345,68 @@ class AdaptiveK:
     def choose(self, offer: Mapping[str, int], left: int | None = None) -> tuple[str, int]:
         """The source and draft length with the best expected rate among what `offer` holds
         (source -> the most it can propose; an `Offer` also says how far lookup's match runs back);
-        ("", 0) for a plain target step."""
+        ("", 0) for a plain target step. Where drafting with the model pays, it may draft up to what the offer
+        holds: its drafter stops where `enough` says."""
         rates = self.rates()
         if 0 not in rates:
             return "", 0  # time one plain target step first: every decision is relative to it
-        best = (MODEL, min(self.next_k(), offer[MODEL])) if MODEL in offer else ("", 0)
+        self.pace = max(rates.values())
+        drafts = MODEL in offer and self.next_k() > 0
+        self.cap = within((MODEL, offer[MODEL]), left)[1] if drafts else 0
+        best = (MODEL, self.cap) if self.cap else ("", 0)
         self.declined_lookup = None
         if LOOKUP in offer:
             band = match_band(offer.match) if isinstance(offer, Offer) and offer.match else None
             lookup = self.lookup_rates(min(self.k_max, offer[LOOKUP]), band)
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
-            if k and lookup[k] > rates.get(best[1], rates[0]):
+            if k and lookup[k] > rates[self.next_k() if self.cap else 0]:
                 return within((LOOKUP, k), left)
             self.declined_lookup = -1 if band is None else band
         return within(best, left)
+
+    def stop_rule(self, source: str) -> StopRule | None:
+        return self.enough if source == MODEL else None
+
+    def enough(self, confidences: Sequence[float]) -> int | None:
+        """The model drafter's stop rule: after each draft, with its confidence in every draft so far, None to
+        draft another, else how many of them to propose. Each draft's chance of being kept is read from its
+        confidence (`Evidence.kept_chance`); time is worth the rate the cycle was chosen for (`pace`), so
+        proposing n drafts is worth its expected tokens less pace × the target's pass over them. It drafts on
+        while one more draft, with the chance a draft's confidence usually gives (then proposing the best of
+        what it has), or several more at their mean chance, are worth more than their drafter passes cost.
+
+        Example: drafts of confidence 0.95 then 0.05 -> propose 1 (the second would cost its verification and
+        is hardly ever kept); a first draft of confidence 0.05 -> 0 (a plain step: what it read is not lost)
+        """
+        survive, kept = 1.0, []
+        for q in confidences:
+            survive *= self.evidence.kept_chance(q)
+            kept.append(survive)
+        j = len(kept)
+        # n drafts kept are expansion × n target tokens (Polish in an English drafter's tokens: fewer)
+        worth = (
+            lambda n, drafts: 1
+            + self.evidence.expansion * drafts
+            - self.pace
+            * self.target_ms(  # noqa: E731
+                self.proposal_length(n) + 1
+            )
+        )
+        now = [worth(n, sum(kept[:n])) for n in range(j + 1)]
+        best = max(range(j + 1), key=lambda n: (now[n], -n))
+        if j >= self.cap:
+            return best
+        step = self.pace * self.drafter_step_ms(self.target_ms(1) or 0.0)
+        nxt = self.evidence.next_chances() or [(1.0, self.acceptance(0))]
+        total, sure = sum(w for w, _ in nxt), sum(kept)
+        last = kept[-1] if kept else 1.0
+        one = sum(w * max(now[best], worth(j + 1, sure + last * c)) for w, c in nxt) / total - step
+        mean = sum(w * c for w, c in nxt) / total
+        deeper = max(
+            worth(j + m, sure + last * sum(mean**i for i in range(1, m + 1))) - m * step
+            for m in range(1, self.cap - j + 1)
+        )
+        return None if max(one, deeper) > now[best] else best
 
     def plain_steps(self) -> int:
         """Plain target steps to take in a row after choosing none: up to the next rehearsal (at most
@@ -368,6 +432,7 @@ class AdaptiveK:
         if self.learn_costs and rehearsal.read > 1:  # one pass: a step, and what each token read added
             evidence.read_ms = _ema(evidence.read_ms, max(0.0, rehearsal.ms - step) / (rehearsal.read - 1))
         self.unread = self.parked_for = 0
+        evidence.saw_guesses(rehearsal.confidence)
         if rehearsal.hits:
             expansion = rehearsal.target_tokens / len(rehearsal.hits) if rehearsal.target_tokens else evidence.expansion
             for tried, kept in replay_drafts(rehearsal.hits, self.k_max, expansion):
@@ -407,6 +472,10 @@ class AdaptiveK:
             evidence.overhead_ms = _ema(evidence.overhead_ms, cycle.translate_ms + cycle.resync_ms)
         if cycle.draft_ids:
             evidence.expansion = _ema(evidence.expansion, max(len(cycle.proposed_ids), 1) / len(cycle.draft_ids))
+        if cycle.confidence:  # drafts the target kept, in drafter tokens (the proposal's share of them)
+            n, proposed = len(cycle.draft_ids), len(cycle.proposed_ids)
+            kept = n if proposed and cycle.accepted >= proposed else cycle.accepted * n // max(1, proposed)
+            evidence.saw_drafts(cycle.confidence, kept, n)
         # A draft that translated into no target token kept nothing: a miss at the first position, or auto would
         # keep paying for drafts that the translation strips (the likely cause of a Polish chat reply through
         # uag serve that drafted 61 model cycles at α 0.13; docs/server.md).

@@ -61,6 +61,8 @@ class Cycle:
     source: str = ""  # what drafted: "model", "lookup"; "" for a plain target step
     loss: dict[str, int] = field(default_factory=dict)  # lost positions by cause (uag.core.anatomy); {} if none
     match: int = 0  # a lookup draft: how many tokens its match ran back (uag.core.lookup.match_length); else 0
+    confidence: list[float] = field(default_factory=list)  # auto's model drafts: the drafter's probability of
+    #   each draft it made, those it dropped after draft_ids included (k counts them all); [] where unmeasured
 
     @classmethod
     def plain(cls, index: int, verify_ms: float) -> Cycle:
@@ -99,6 +101,7 @@ class Rehearsal:
     read: int  # tokens the drafter's pass read (the stretch, and on a first read what it had not of its prompt)
     ms: float
     target_tokens: int  # target tokens the stretch committed (the hits are over their drafter tokens)
+    confidence: list[float] = field(default_factory=list)  # the drafter's probability of each guess (as hits)
 
 
 @dataclass(slots=True)

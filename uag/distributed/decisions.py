@@ -25,7 +25,7 @@ from uag.core.anatomy import Loss
 from uag.core.config import LOOKUP
 from uag.core.drafters import Draft, Drafter, lookup_offer
 from uag.core.lookup import NgramIndex
-from uag.core.policy import MODEL, Policy
+from uag.core.policy import MODEL, Policy, StopRule
 from uag.core.records import Offer, Rehearsal
 from uag.distributed.collective import Link, Watchdog
 
@@ -63,7 +63,7 @@ class LeaderDrafter:
     def offer(self, k_max: int) -> Offer:
         return self.inner.offer(k_max)
 
-    def propose(self, source: str, k: int, budget: int) -> Draft:
+    def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         draft, self.pending = self.pending, None
         assert draft is not None and draft.source == source and len(draft.proposed) <= budget, (draft, source, k)
         return draft
@@ -105,7 +105,7 @@ class FollowerDrafter:
     def offer(self, k_max: int) -> Offer:
         return lookup_offer(self.index, k_max) if self.lookup else Offer()
 
-    def propose(self, source: str, k: int, budget: int) -> Draft:
+    def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         draft, self.pending = self.pending, None
         assert draft is not None and draft.source == source, (draft, source)
         return draft
@@ -154,6 +154,9 @@ class RankPolicy:
     def plain_steps(self) -> int:
         return self._stretch
 
+    def stop_rule(self, source: str) -> StopRule | None:
+        return None  # rank 0 drafted already, by its own policy's rule (`_decide`)
+
     def wants_rehearsal(self) -> bool:
         return self.inner is not None and self.inner.wants_rehearsal()  # rank 0's drafter reads; nobody waits
 
@@ -186,7 +189,9 @@ class RankPolicy:
         source, k = self.inner.choose(offer, left)
         if k == 0:
             return [PLAIN, self.inner.plain_steps()]
-        draft = self.drafter.inner.propose(source, k, k * PROPOSAL_SPAN if left is None else left - 1)
+        budget = k * PROPOSAL_SPAN if left is None else left - 1
+        draft = self.drafter.inner.propose(source, k, budget, self.inner.stop_rule(source))
+        k = draft.passes if draft.confidence else k  # where auto's rule stopped the drafter: the drafts it made
         # Rank 0 verifies exactly what the others receive (a translation longer than 4·k is cut: still lossless).
         draft.proposed = draft.proposed[: self.link.width - HEADER]
         self.drafter.pending = draft
