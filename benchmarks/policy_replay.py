@@ -14,6 +14,8 @@ over its stretch), and
     predicted speedup = generated tokens × target pass over 1 token ÷ Σ priced cycles
 
 (the first token included on both sides; the prompt's own reading is the same for both and left out).
+For the widest fixed k it also prints how often the target kept a draft per band of the drafter's confidence
+in it (its probability of the token it drafted), which auto's stop rule reads (uag.core.policy.AdaptiveK.enough).
 benchmarks/cost_truth.py checks that pricing against real runs. Policies: fixed k; auto (AdaptiveK,
 deciding by the profile alone: learn_costs=False), each prompt from no evidence; and "auto carried", one
 `Evidence` carried from prompt to prompt in order, as a server keeps it per pair (the opening of each run
@@ -45,6 +47,7 @@ from uag.api import load_drafter, profile_for
 from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.engine import Seams, generate, prompt_ids
+from uag.core.evidence import CONFIDENCE_BANDS, MODEL, confidence_band
 from uag.core.policy import AdaptiveK, Evidence, FixedK
 from uag.core.records import Run
 from uag.machine import cache_dir, device_name
@@ -128,8 +131,35 @@ def position_counts(run: Run) -> dict[str, list[int]]:
     return {"reached": reached, "kept": kept, "after full": after[True], "after miss": after[False]}
 
 
+class FixedKHeard(FixedK):
+    """Fixed k whose model drafter says how sure it was of each draft (a stop rule that never stops): the same
+    drafts, verdicts and price as FixedK, and the record of each cycle carries the drafts' confidence."""
+
+    def stop_rule(self, source: str):
+        return (lambda confidences: None) if source == MODEL else None
+
+
+def confidence_table(runs: list[Run]) -> list[tuple[str, int, float]]:
+    """How often the target kept a model draft, per band of the drafter's confidence in it (uag.core.evidence.
+    CONFIDENCE_BANDS): (band, drafts judged, share kept). Only cycles whose drafts translated one for one
+    into target tokens count, so that a draft's position is its target position."""
+    edges = (0.0, *CONFIDENCE_BANDS, 1.0)
+    judged, kept = [0] * (len(edges) - 1), [0] * (len(edges) - 1)
+    for run in runs:
+        for c in run.cycles:
+            if not c.confidence or len(c.proposed_ids) != len(c.draft_ids):
+                continue
+            for j, q in enumerate(c.confidence[: len(c.draft_ids)]):
+                if j > c.accepted:
+                    break
+                judged[confidence_band(q)] += 1
+                kept[confidence_band(q)] += j < c.accepted
+    bands = [b for b in range(len(judged)) if judged[b]]
+    return [(f"{edges[b]:.2f}–{edges[b + 1]:.2f}", judged[b], kept[b] / judged[b]) for b in bands]
+
+
 def policies(args, profile: CostProfile, carried: Evidence) -> dict[str, object]:
-    out = {f"k={k}": (lambda k=k: FixedK(k)) for k in args.ks}
+    out = {f"k={k}": (lambda k=k: FixedKHeard(k)) for k in args.ks}
     out["auto"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False)
     out["auto carried"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False, evidence=carried)
     for variant in args.auto:  # "rehearse_every=8,k_max=4": AdaptiveK's fields changed
@@ -176,7 +206,7 @@ def main() -> None:
         f"{profile.target_at(1):.0f} ms per token, drafter step {profile.drafter_ms:.1f} ms, {args.max_tokens} tokens"
         f"\ndrafter pass over n tokens (ms): {reads}"
     )
-    rows = []
+    rows, heard = [], {}  # heard: per dataset, the widest fixed k's runs (their drafts' confidence)
     for dataset, pid, ids, base in work:
         replay = replace(template, model=ReplayModel([*ids, *base], vocab_size, eos))
         row = {"dataset": dataset, "id": pid, "target ms": len(base) * profile.target_at(1)}  # the target alone
@@ -191,6 +221,8 @@ def main() -> None:
             row[f"ks {name}"] = [c.k for c in run.cycles]
             row[f"trace {name}"] = " ".join(trace(c) for c in run.cycles)
             row[f"positions {name}"] = position_counts(run)
+            if name == f"k={max(args.ks)}":
+                heard.setdefault(dataset, []).append(run)
         rows.append(row)
         print(f"  {pid:<16} " + "  ".join(f"{n} {row[n]:.2f}" for n in names), flush=True)
         for name in args.trace:
@@ -214,6 +246,9 @@ def main() -> None:
         print(f"{'':<11} {widest}: P(position i kept | the ones before kept) " + ", ".join(shares)
               + f"; first kept after a fully accepted cycle {full[1] / max(full[0], 1):.0%} of {full[0]}, "
               f"after a miss {full[3] / max(full[2], 1):.0%} of {full[2]}")  # fmt: skip
+        table = confidence_table(heard.get(dataset, []))
+        print(f"{'':<11} {widest}: drafts kept by the drafter's confidence in them "
+              + ", ".join(f"{band} {share:.0%} of {n}" for band, n, share in table))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -2,7 +2,8 @@
 (strategy "auto") drafts the k that maximises the expected rate, re-decided every cycle. No mlx.
 
 `AdaptiveK` decides from its `Evidence` (per source and target position i of a proposal, a decaying estimate
-of the chance that the target accepts it given that it accepted positions 1..i−1; running cost estimates)
+of the chance that the target accepts it given that it accepted positions 1..i−1; for the model, the chance
+its drafter's confidence gives a draft, below; running cost estimates)
 and a calibrated `CostProfile`, scaled by how fast this run's target passes actually are (the median ratio
 over the widths it has timed). Each cycle it picks
 
@@ -19,6 +20,18 @@ must read what it has not seen (the prompt, then each parked stretch), in one ba
 profile measured (`CostProfile.reading_ms`); that backlog is charged to drafting, spread over the tokens
 the run has left to write. So a pair that pays at k = 2 drafts from the first token, and one that does not
 (a drafter half the target's cost; an English drafter on Polish, once a run has shown it) parks.
+
+How far the model drafts is decided as it drafts. Once `choose` has picked the model, its drafter drafts one
+token at a time and asks `enough` after each, with its confidence in every draft so far (its probability of
+the token it drafted). How often the target keeps a draft follows that confidence closely, in code and in
+Polish alike, so a draft's chance is read from it (`Evidence.kept_chance`: per band of confidence, the
+target's verdicts on the pair's drafts, leaning on the confidence itself where they are few). Proposing the
+first n drafts is worth their expected tokens less what the wider target pass costs at the rate the cycle was
+chosen for; the drafter drafts on while one more draft (at the chance drafts have had on this text, then
+proposing the best of them) or several more are worth more than their drafter passes. So a draft the target
+would hardly keep is not proposed, and an unsure first draft ends the cycle as a plain step. The estimate
+`choose` decides by is, for the model, that chance of a draft not yet made (`Evidence.mean_chance`: the bands'
+chances weighted by how sure the drafter's recent drafts and rehearsal guesses were) at every position.
 
 Prompt lookup's proposals are judged by how far their match runs back (uag.core.lookup.match_band): a
 lookup from a match of 2–3 tokens is a guess, one from 16 a copy, and its evidence is kept per band, so that
@@ -383,15 +396,11 @@ class AdaptiveK:
             survive *= self.evidence.kept_chance(q)
             kept.append(survive)
         j = len(kept)
+
         # n drafts kept are expansion × n target tokens (Polish in an English drafter's tokens: fewer)
-        worth = (
-            lambda n, drafts: 1
-            + self.evidence.expansion * drafts
-            - self.pace
-            * self.target_ms(  # noqa: E731
-                self.proposal_length(n) + 1
-            )
-        )
+        def worth(n: int, drafts: float) -> float:
+            return 1 + self.evidence.expansion * drafts - self.pace * self.target_ms(self.proposal_length(n) + 1)
+
         now = [worth(n, sum(kept[:n])) for n in range(j + 1)]
         best = max(range(j + 1), key=lambda n: (now[n], -n))
         if j >= self.cap:
