@@ -311,8 +311,9 @@ class ModelDrafter:
         return drafts, (mx.concatenate(qs) if qs else None), base - seen + k - 1, []
 
     def _draft_until(self, k: int, stop: StopRule) -> tuple[list[int], mx.array | None, int, list[float]]:
-        """Greedy drafts, one pass at a time, until `stop` (told the drafter's probability of each draft so far)
-        says how many to propose, or k are drafted; the drafts past that many are dropped."""
+        """Drafts one pass at a time (greedy, or sampled as in `_draft`), until `stop`, told the drafter's
+        probability of each draft so far, says how many to propose, or k are drafted; the drafts past that many
+        are dropped (the cache trims them with the next re-sync)."""
         base, seen = len(self.translator.drafter_ids), self.seen
         y, sample = self._unread(), self.tli and self.config.temperature > 0
         drafts, qs, confidence, keep = [], [], [], None
