@@ -24,7 +24,7 @@ the run has left to write. So a pair that pays at k = 2 drafts from the first to
 How far the model drafts is decided as it drafts. Once `choose` has picked the model, its drafter drafts one
 token at a time and asks `enough` after each, with its confidence in every draft so far (its probability of
 the token it drafted). How often the target keeps a draft follows that confidence closely, in code and in
-Polish alike, so a draft's chance is read from it (`Evidence.kept_chance`: per band of confidence, the
+Polish, so a draft's chance is read from it (`Evidence.kept_chance`: per band of confidence, the
 target's verdicts on the pair's drafts, leaning on the confidence itself where they are few). Proposing the
 first n drafts is worth their expected tokens less what the wider target pass costs at the rate the cycle was
 chosen for; the drafter drafts on while one more draft (at the chance drafts have had on this text, then
