@@ -94,16 +94,20 @@ class Draft:
     confidence: list[float] = field(default_factory=list)  # the drafter's probability of each draft it made
     #                                                        (a stop rule's run; draft_ids are those proposed)
 
+    def length(self, asked: int) -> int:
+        """The draft length a record gives: the drafts made where a stop rule ended them, else the k asked."""
+        return self.passes if self.confidence else asked
+
     def cycle(
         self, k: int, accepted: int, emitted: int, *, verify_ms: float, resync_ms: float, resync_absorbed: bool,
         loss: Loss,
     ) -> Cycle:  # fmt: skip
-        """The record of the cycle this draft went into, once verified (`accepted` of it, `emitted` tokens
-        committed) and committed (`resync_ms`, `resync_absorbed`: the drafter's re-sync after the commit, to
-        which its catch-up before drafting adds)."""
+        """The record of the cycle this draft went into, asked for k drafts (its length: `length`), once verified
+        (`accepted` of it, `emitted` tokens committed) and committed (`resync_ms`, `resync_absorbed`: the
+        drafter's re-sync after the commit, to which its catch-up before drafting adds)."""
         return Cycle(
             index=0,
-            k=k,
+            k=self.length(k),
             draft_ids=self.draft_ids,
             proposed_ids=self.proposed,
             accepted=accepted,

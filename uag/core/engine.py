@@ -166,7 +166,6 @@ class Speculation:
         loss = self.drafter.loss(draft, accepted, new)
         resync_absorbed = self._commit(draft, new)
         t2 = time.perf_counter()
-        k = draft.passes if draft.confidence else k  # a stop rule ended the drafts: the drafts made
         cycle = draft.cycle(
             k, accepted, len(new), verify_ms=(t1 - t0) * 1000, resync_ms=(t2 - t1) * 1000,
             resync_absorbed=resync_absorbed, loss=loss,

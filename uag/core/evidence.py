@@ -156,11 +156,9 @@ class Evidence:
         """A model cycle's drafts: each one's confidence, and how the first `proposed` of them fared (the
         first `kept` kept, the next one not: later ones were never judged)."""
         for i, q in enumerate(confidences):
-            band = confidence_band(q)
-            self.drafted[:] = [w * DECAY for w in self.drafted]
-            self.drafted[band] += 1.0
+            self._count_confidence(q)
             if i < proposed and i <= kept:
-                self.confidence[band].add(1, int(i < kept))
+                self.confidence[confidence_band(q)].add(1, int(i < kept))
 
     def mean_chance(self) -> float | None:
         """The chance that the target keeps a model draft not yet made: `next_chances` averaged (None before
@@ -174,8 +172,12 @@ class Evidence:
         a guess is a drafter token, and where the target's tokenizer splits the text otherwise (Polish in an
         English drafter's tokens) a right guess is often a proposal the target would not keep."""
         for q in confidences:
-            self.drafted[:] = [w * DECAY for w in self.drafted]
-            self.drafted[confidence_band(q)] += 1.0
+            self._count_confidence(q)
+
+    def _count_confidence(self, q: float) -> None:
+        """One more draft or guess of confidence q in the decayed histogram `drafted`."""
+        self.drafted[:] = [w * DECAY for w in self.drafted]
+        self.drafted[confidence_band(q)] += 1.0
 
     def carry(self) -> None:
         """A new run starts from this: what earlier runs accepted weighs at most `CARRY` cycles per position, and

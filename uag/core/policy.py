@@ -364,15 +364,15 @@ class AdaptiveK:
         if 0 not in rates:
             return "", 0  # time one plain target step first: every decision is relative to it
         self.pace = max(rates.values())
-        drafts = MODEL in offer and self.next_k() > 0
-        self.cap = within((MODEL, offer[MODEL]), left)[1] if drafts else 0
+        model_k = self.next_k() if MODEL in offer else 0  # the draft length its estimate pays for best
+        self.cap = within((MODEL, offer[MODEL]), left)[1] if model_k else 0
         best = (MODEL, self.cap) if self.cap else ("", 0)
         self.declined_lookup = None
         if LOOKUP in offer:
             band = match_band(offer.match) if isinstance(offer, Offer) and offer.match else None
             lookup = self.lookup_rates(min(self.k_max, offer[LOOKUP]), band)
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
-            if k and lookup[k] > rates[self.next_k() if self.cap else 0]:
+            if k and lookup[k] > rates[model_k if self.cap else 0]:
                 return within((LOOKUP, k), left)
             self.declined_lookup = -1 if band is None else band
         return within(best, left)

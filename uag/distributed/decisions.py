@@ -191,7 +191,7 @@ class RankPolicy:
             return [PLAIN, self.inner.plain_steps()]
         budget = k * PROPOSAL_SPAN if left is None else left - 1
         draft = self.drafter.inner.propose(source, k, budget, self.inner.stop_rule(source))
-        k = draft.passes if draft.confidence else k  # where auto's rule stopped the drafter: the drafts it made
+        k = draft.length(k)  # where auto's rule stopped the drafter: the drafts it made
         # Rank 0 verifies exactly what the others receive (a translation longer than 4·k is cut: still lossless).
         draft.proposed = draft.proposed[: self.link.width - HEADER]
         self.drafter.pending = draft
