@@ -106,7 +106,8 @@ BASE = RunSpec("t", "d", GenerationConfig("context", 2, window=16, max_tokens=32
 SPEC_CHANGES = [dict(target="t2"), dict(drafter="d2"), dict(drafter="lookup+d"), dict(dataset="alpaca"),
                 dict(prompt_id="wiki-002"), dict(target_dtype="q8"), dict(drafter_dtype="q4")]  # fmt: skip
 CONFIG_CHANGES = [dict(strategy="naive"), dict(k=4), dict(window=8), dict(max_tokens=64), dict(temperature=0.7),
-                  dict(seed=1), dict(chat=True)]  # fmt: skip
+                  dict(seed=1), dict(chat=True), dict(top_p=0.9), dict(top_k=40), dict(min_p=0.1),
+                  dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5)]  # fmt: skip
 
 
 @pytest.mark.parametrize("change", SPEC_CHANGES + CONFIG_CHANGES)
@@ -235,3 +236,9 @@ def test_newer_schema_is_refused(tmp_path):
         conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     with pytest.raises(ValueError, match="schema 99"):
         ResultsDB(path)
+
+
+def test_the_baseline_of_a_penalised_run_carries_its_samplers():
+    spec = replace(BASE, config=BASE.config.replace(repetition_penalty=1.3, top_k=5))
+    assert spec.baseline_spec().config.repetition_penalty == 1.3 and spec.baseline_spec().config.top_k == 5
+    assert BASE.baseline_spec().sampling() == {}

@@ -18,11 +18,12 @@ def sample_outputs(trials: int, temperature: float) -> list[int]:
     """First emitted token of many independent cycles with one draft each."""
     id_map = IdMap(TO_TARGET, 6)
     q = draft_distribution(Q_LOGITS + id_map.drafter_mask, temperature)
+    p = mx.softmax(P_LOGITS / temperature, axis=-1)
     outputs = []
     for _ in range(trials):
         draft = mx.random.categorical(mx.log(q[0])).item()
         assert draft != 5
-        verdict = accept_rejection(P_LOGITS, q, [draft], [TO_TARGET[draft]], id_map, temperature)
+        verdict = accept_rejection(p, q, [draft], [TO_TARGET[draft]], id_map)
         accepted, token = verdict.accepted, verdict.token
         outputs.append(TO_TARGET[draft] if accepted else token)
     return outputs
@@ -52,7 +53,7 @@ def test_a_drafter_that_matches_the_target_is_always_accepted():
     q = draft_distribution(q_logits + id_map.drafter_mask, 1.0)
     mx.random.seed(1)
     for draft in range(5):
-        accepted = accept_rejection(P_LOGITS, q, [draft], [TO_TARGET[draft]], id_map, 1.0).accepted
+        accepted = accept_rejection(mx.softmax(P_LOGITS, axis=-1), q, [draft], [TO_TARGET[draft]], id_map).accepted
         assert accepted == 1
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from uag.core.config import SPECULATIVE, GenerationConfig
+from uag.core.config import FIELDS, SPECULATIVE, GenerationConfig
 from uag.errors import InputError
 from uag.models.dtypes import parse_dtype
 from uag.runtime.presets import DEFAULT
@@ -75,9 +75,11 @@ class Settings:
         return self.generation if strategy is None else self.generation.replace(strategy=strategy)
 
     def flat(self) -> dict[str, Any]:
-        """target, drafter and every decoding setting in one flat dict (stats and history rows)."""
+        """target, drafter and every decoding setting the app has a control for (`FIELDS`) in one flat dict
+        (stats and history rows; the app leaves the samplers and penalties neutral)."""
         dtypes = {"target_dtype": self.target_dtype, "drafter_dtype": self.drafter_dtype}
-        return {"target": self.target, "drafter": self.drafter, **dtypes, **asdict(self.generation)}
+        controls = {f.name: getattr(self.generation, f.name) for f in FIELDS}
+        return {"target": self.target, "drafter": self.drafter, **dtypes, **controls}
 
 
 def check_prompt(prompt: Any) -> str:

@@ -2,7 +2,8 @@
 
 The CLI, the app, its API, sweeps and results all hold a `GenerationConfig`; each parses its raw input
 through `GenerationConfig.parse`, so a setting accepted in one place is accepted everywhere, with the same
-message when it is not. The UI builds its controls from `FIELDS`. Standard library only.
+message when it is not. The UI builds its controls from `FIELDS`; the samplers and penalties OpenAI's clients send
+(`SAMPLING_FIELDS`, mlx-lm's meanings) are settings of the engine and the server, not controls. Standard library only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ MAX_TOKENS = 4096  # a cap, not a target: a run is also bounded by the target's 
 MAX_WINDOW = 64
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**31 - 1  # what mx.random.seed takes
+MAX_TOP_K = 1_000_000  # above any vocabulary: a top_k at or above the target's keeps every token
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range, -2..2
 SPECULATIVE = (*STRATEGIES, "auto")  # "auto": context translation, k re-decided each cycle (k = the maximum)
 MODES = ("baseline", *SPECULATIVE)
 
@@ -45,13 +49,25 @@ FIELDS: tuple[Field, ...] = (
     Field("seed", "seed", 0, MAX_SEED, "random seed for temperature > 0 (empty: none)"),
     Field("chat", "chat template", help="wrap the prompt in the target's chat template"),
 )
-FIELD = {f.name: f for f in FIELDS}
+# The samplers and penalties of OpenAI-style requests, named as the clients send them (mlx-lm's sample_utils
+# applies them: uag.core.sampling); neutral by default. Not among FIELDS: the app shows no control for them.
+SAMPLING_FIELDS: tuple[Field, ...] = (
+    Field("top_p", "top_p", 0, 1, "keep the likeliest tokens up to this probability mass (1 = off)"),
+    Field("top_k", "top_k", 0, MAX_TOP_K, "keep the k likeliest tokens (0 = off)"),
+    Field("min_p", "min_p", 0, 1, "keep tokens at least this share of the likeliest one's probability (0 = off)"),
+    Field("repetition_penalty", "repetition_penalty", 0, MAX_REPETITION_PENALTY, "scale recent tokens' logits down"),
+    Field("presence_penalty", "presence_penalty", -MAX_PENALTY, MAX_PENALTY, "subtract from recent tokens' logits"),
+    Field("frequency_penalty", "frequency_penalty", -MAX_PENALTY, MAX_PENALTY, "the same, once per occurrence"),
+)
+FIELD = {f.name: f for f in (*FIELDS, *SAMPLING_FIELDS)}
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
     """What to generate and how. `strategy="baseline"` runs the target alone; "auto" translates in
-    context and re-decides the draft length each cycle, with `k` as its maximum."""
+    context and re-decides the draft length each cycle, with `k` as its maximum. The samplers (top_p, top_k,
+    min_p: they act at temperature > 0) and penalties (at any temperature) are mlx-lm's; speculation applies
+    them to the target at every position it verifies, so its output stays the target's (uag.core.sampling)."""
 
     strategy: str = "context"
     k: int = DEFAULT_K
@@ -60,10 +76,35 @@ class GenerationConfig:
     temperature: float = 0.0
     seed: int | None = None
     chat: bool = False
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def speculative(self) -> bool:
         return self.strategy != "baseline"
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the target's logits (then each position's token history matters)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def truncated(self) -> bool:
+        """Whether top_p, top_k or min_p cut the target's distribution (they act when it samples)."""
+        return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+
+    @property
+    def processed(self) -> bool:
+        """Whether the target picks from anything but its plain distribution at the temperature.
+
+        Example: GenerationConfig(top_k=40).processed -> False (greedy);  GenerationConfig(temperature=1,
+                 top_k=40).processed -> True;  GenerationConfig(repetition_penalty=1.1).processed -> True
+        """
+        return self.penalized or self.truncated
 
     @property
     def translation(self) -> str:
@@ -105,6 +146,11 @@ class GenerationConfig:
         else:
             values["seed"] = _whole(values["seed"], FIELD["seed"], problems)
         values["chat"] = _flag(values["chat"], FIELD["chat"], problems)
+        values["top_k"] = _whole(values["top_k"], FIELD["top_k"], problems)
+        for name in ("min_p", "presence_penalty", "frequency_penalty"):
+            values[name] = _number(values[name], FIELD[name], problems)
+        for name in ("top_p", "repetition_penalty"):  # 0 would keep no token / divide by zero
+            values[name] = _number(values[name], FIELD[name], problems, above_lo=True)
         if problems:
             raise InputError("; ".join(problems))
         return cls(**values)
@@ -127,13 +173,16 @@ def _whole(value: Any, field: Field, problems: list[str]) -> Any:
     return int(number)
 
 
-def _number(value: Any, field: Field, problems: list[str]) -> Any:
+def _number(value: Any, field: Field, problems: list[str], *, above_lo: bool = False) -> Any:
+    """A float within the field's bounds (`above_lo`: the lower bound itself excluded)."""
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):
         number = math.nan
-    if isinstance(value, bool) or not field.lo <= number <= field.hi:  # NaN and ±inf fail here too
-        problems.append(f"{field.label} must be a number from {_bound(field.lo)} to {_bound(field.hi)} (got {value!r})")
+    low_ok = field.lo < number if above_lo else field.lo <= number
+    if isinstance(value, bool) or not (low_ok and number <= field.hi):  # NaN and ±inf fail here too
+        span = f"above {_bound(field.lo)}, up to" if above_lo else f"from {_bound(field.lo)} to"
+        problems.append(f"{field.label} must be a number {span} {_bound(field.hi)} (got {value!r})")
         return value
     return number
 

@@ -34,26 +34,24 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from uag.core.config import LOOKUP, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
-from uag.core.passes import PromptCaches, logprobs, prefill, reuse, settle_allocator, trim_to
+from uag.core.passes import PromptCaches, prefill, reuse, settle_allocator, trim_to
 from uag.core.policy import Evidence, Policy, StopRule, make_policy
 from uag.core.records import Cycle, Event, Run, Token
+from uag.core.sampling import PENALTY_CONTEXT, Sampler, TargetSampling
 from uag.core.translate import Translator
 from uag.core.verify import accept_greedy, accept_rejection
 from uag.errors import InputError, ModelError
 from uag.models.store import LoadedModel, check_pair
 
-Sampler = Callable[[mx.array], mx.array]
-
 
 @dataclass(frozen=True, slots=True)
 class Seams:
     """Replacements for what a run builds itself (tests, benchmarks): the policy that picks k, the translator
-    of a drafter model's tokens, the target's sampler on speculative runs."""
+    of a drafter model's tokens, the target's sampler on speculative runs (the config's penalties still apply)."""
 
     policy: Policy | None = None
     translator: Translator | None = None
@@ -68,6 +66,7 @@ class Step:
     accepted: int = 0
     cycle: Cycle | None = None  # None for a prompt pass that verified no draft
     opening: bool = False  # the prompt pass made it (its ids are the first ones of the run)
+    read_ms: float | None = None  # an opening step: the target's passes over the prompt (None: all it took)
 
 
 def prompt_ids(target: LoadedModel, prompt: str, *, chat: bool = False) -> list[int]:
@@ -106,11 +105,13 @@ def baseline_steps(
     target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, cache: list, cached: int, budget: int
 ) -> Iterator[Step]:
     """The target alone, through mlx-lm's `generate_step`, reading the prompt after the `cached` tokens the
-    cache holds; the cache is left holding every committed token but the newest."""
-    sampler = make_sampler(config.temperature)
+    cache holds; the cache is left holding every committed token but the newest. Its penalties see the whole
+    committed sequence, the cached tokens included, as speculation's do."""
+    sampling = TargetSampling.of(config)
     steps = generate_step(
-        mx.array(prompt[cached:]), target.model, max_tokens=budget, sampler=sampler, prompt_cache=cache
-    )
+        mx.array(prompt[cached:]), target.model, max_tokens=budget, sampler=sampling.sampler,
+        logits_processors=sampling.with_prefix(prompt[:cached]) or None, prompt_cache=cache,
+    )  # fmt: skip
     generated = 0
     try:
         tic = time.perf_counter()
@@ -138,7 +139,7 @@ class Speculation:
         cached: int = 0, *, sampler: Sampler | None = None,
     ):  # fmt: skip
         self.target, self.config, self.drafter, self.cache = target, config, drafter, cache
-        self.sampler = sampler or make_sampler(config.temperature)
+        self.sampling = TargetSampling.of(config, sampler)
         self.committed = list(prompt)  # target ids: prompt, then every generated token
         self.seen = cached
         self.eos = target.eos_ids
@@ -146,10 +147,14 @@ class Speculation:
     def open(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Step:
         """The prompt pass with a first draft: the target reads the prompt but its last token, then
         verifies a draft made from the prompt alone together with that token (one pass fewer than
-        reading the whole prompt and drafting after the target's first token)."""
+        reading the whole prompt and drafting after the target's first token). Its `read_ms`: that
+        reading and the verify pass, which reads the last prompt token; not the drafting."""
+        tic = time.perf_counter()
         prefill(self.target.model, self.cache, self.committed[self.seen : -1])
+        read_ms = (time.perf_counter() - tic) * 1000
         self.seen = len(self.committed) - 1
-        return replace(self.cycle(source, k, budget, stop), opening=True)
+        step = self.cycle(source, k, budget, stop)
+        return replace(step, opening=True, read_ms=read_ms + step.cycle.verify_ms)
 
     def cycle(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Step:
         """Draft (up to k, as many as `stop` says where there is one) → verify → commit: at most `budget`
@@ -173,14 +178,17 @@ class Speculation:
         return Step(new, accepted, cycle)
 
     def _verify(self, draft: Draft):
-        """One target pass over its pending token and the proposal."""
+        """One target pass over its pending token and the proposal; each position picked as the target alone
+        would pick it there (its penalties reading the proposal before it)."""
         proposed = draft.proposed
         logits = self.target.model(mx.array([self.committed[-1], *proposed])[None], cache=self.cache)[0]
         self.seen += 1 + len(proposed)
+        logits = self.sampling.rows(self.committed, proposed, logits)
         if draft.q is not None:
-            verdict = accept_rejection(logits, draft.q, draft.usable, proposed, draft.id_map, self.config.temperature)
+            p = self.sampling.distribution(logits)
+            verdict = accept_rejection(p, draft.q, draft.usable, proposed, draft.id_map)
         else:
-            verdict = accept_greedy(proposed, self.sampler(logprobs(logits)).tolist())
+            verdict = accept_greedy(proposed, self.sampling.choose(logits).tolist())
         settle_allocator()
         return verdict
 
@@ -198,10 +206,16 @@ class Speculation:
         more than it yields: a whole wasted step at the end of every parked stretch). When `until()`
         turns true after a token, the step already queued is taken and the stretch ends there. At the
         start of a run the stretch opens with the prompt, read as mlx-lm reads it."""
-        model, cache = self.target.model, self.cache
+        model, cache, sampling = self.target.model, self.cache, self.sampling
+        history = mx.array(self.committed[-PENALTY_CONTEXT - 1 : -1], dtype=mx.int32) if sampling.processors else None
 
         def queue(ids: mx.array) -> mx.array:
-            y = self.sampler(logprobs(model(ids[None], cache=cache)[:, -1, :]))
+            nonlocal history
+            logits = model(ids[None], cache=cache)[:, -1, :]
+            if sampling.processors:  # the penalties' history grows by each input, as in generate_step
+                history = mx.concatenate([history, ids.astype(mx.int32)])[-PENALTY_CONTEXT:]
+                logits = sampling.process(history, logits)
+            y = sampling.choose(logits)
             mx.async_eval(y)
             return y
 
@@ -244,7 +258,9 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
         if k == 0:  # parked from the start: the prompt pass opens a stretch
             stretch = spec.plain_steps(min(policy.plain_steps(), budget), lookup_pending)
             generated += 1
-            yield Step([next(stretch)], opening=True)
+            tic = time.perf_counter()
+            token = next(stretch)
+            yield Step([token], opening=True, read_ms=(time.perf_counter() - tic) * 1000)
         else:  # the prompt pass verifies a first draft
             step = spec.open(source, k, budget, policy.stop_rule(source))
             policy.observe(step.cycle)
@@ -389,8 +405,9 @@ def _drive(
     try:
         for step in steps:
             now = time.perf_counter()
-            if step.opening:
-                run.first_token_s, run.prompt_ms, run.opening = now, (now - tic) * 1000, len(step.ids)
+            if step.opening:  # prompt_ms: the target's reading of the prompt (uag.core.records.Run)
+                read_ms = (now - tic) * 1000 if step.read_ms is None else step.read_ms
+                run.first_token_s, run.prompt_ms, run.opening = now, read_ms, len(step.ids)
             if step.cycle is not None:
                 step.cycle.index = len(run.cycles)
                 run.cycles.append(step.cycle)

@@ -12,9 +12,12 @@ the same numbers. Definitions (also in docs/how-it-works.md#metrics):
   over the time from the prompt pass's tokens to the last token, so prompt processing is excluded. The
   prompt pass commits one token, or, where it verified a first draft, that draft's accepted tokens and
   the target's next one (`opening`). None when nothing came after the prompt pass.
-- prompt tokens/s = prompt tokens read / time to the prompt pass's tokens (the target's prompt pass; a
-  drafter reads its prompt with its first draft, which that cycle's draft time includes, and where the
-  prompt pass verified that draft, its time is in there too). Tokens a conversation's cache already held
+- prompt time (`prompt_ms`) = the target's passes that read the prompt tokens its cache did not hold: its
+  prefill of them and the pass that reads the last one, which yields the first token (the target alone, or
+  parked from the start) or also verifies the first draft (a run that drafts from the start: that pass's
+  verify time). Not in it: the first draft's drafting and translation, and the drafter reading its side of
+  the prompt, which it does with that draft (in the first cycle's `draft_ms` and `drafter_read`).
+- prompt tokens/s = prompt tokens read / prompt time. Tokens a conversation's cache already held
   (`cached_tokens`, uag.core.passes.PromptCaches) are not read again and not counted.
 """
 
@@ -106,7 +109,8 @@ class Rehearsal:
 
 @dataclass(slots=True)
 class Run:
-    """A whole generation: what was asked, what came out, and what it cost."""
+    """A whole generation: what was asked, what came out, and what it cost. `prompt_ms` is the target reading
+    the prompt tokens its cache lacked, never the first cycle's drafting (the module's definitions)."""
 
     strategy: str  # translation used: "baseline", "identity", "none", "naive", "context", "tli"
     target: str
@@ -118,7 +122,7 @@ class Run:
     max_tokens: int = 0
     prompt_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # leading prompt tokens the target's cache already held (0: the whole prompt was read)
-    prompt_ms: float = 0.0  # start → the prompt pass's tokens
+    prompt_ms: float = 0.0  # the target reading the uncached prompt tokens (its prefill and the pass of the last)
     opening: int = 1  # tokens the prompt pass committed (more than 1 where it verified a first draft)
     tokens: list[Token] = field(default_factory=list)
     cycles: list[Cycle] = field(default_factory=list)

@@ -9,7 +9,9 @@ uag uses is here.
   accepts x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection it samples from the
   residual max(0, p_i − q_i) renormalised; if every draft is accepted it samples a bonus token from p_n.
   Each emitted token is then distributed exactly as the target alone would sample it (Leviathan et al.
-  2023; Chen et al. 2023), with q carried into the target's vocabulary through the id mapping.
+  2023; Chen et al. 2023), with q carried into the target's vocabulary through the id mapping. p is the
+  distribution the target alone samples from: after its penalties, top_p, min_p and top_k
+  (uag.core.sampling.TargetSampling.distribution).
 
 Either way a cycle commits `accepted` proposed tokens plus one token of the target's own: the output is
 the target's, token for token (greedy) or in distribution (sampling).
@@ -73,15 +75,10 @@ def draft_distribution(masked_logits: mx.array, temperature: float) -> mx.array:
 
 
 def accept_rejection(
-    target_logits: mx.array,
-    q: mx.array,
-    drafts: Sequence[int],
-    proposed: Sequence[int],
-    id_map: IdMap,
-    temperature: float,
+    p: mx.array, q: mx.array, drafts: Sequence[int], proposed: Sequence[int], id_map: IdMap
 ) -> Verdict:
-    """Rejection sampling for one cycle. target_logits: (n + 1, V_target); q: (n, V_drafter)."""
-    p = mx.softmax(target_logits.astype(mx.float32) / temperature, axis=-1)
+    """Rejection sampling for one cycle. p: (n + 1, V_target), the target's distribution at each position;
+    q: (n, V_drafter), the drafter's, from which `drafts` were sampled (`proposed`: them as target ids)."""
     n = len(proposed)
     accepted = 0
     if n:

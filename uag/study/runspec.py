@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from uag.core.config import GenerationConfig
+from uag.core.config import SAMPLING_FIELDS, GenerationConfig
 
 BASELINE = "baseline"
 
@@ -46,8 +46,17 @@ class RunSpec:
         c = self.config
         return RunSpec.baseline(
             target=self.target, dataset=self.dataset, prompt_id=self.prompt_id, target_dtype=self.target_dtype,
-            max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed, chat=c.chat,
+            max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed, chat=c.chat, **self.sampling(),
         )  # fmt: skip
+
+    def sampling(self) -> dict:
+        """The samplers and penalties set away from their neutral values (uag.core.config.SAMPLING_FIELDS).
+
+        Example: a config with top_k=40 -> {"top_k": 40};  the defaults -> {}
+        """
+        neutral = GenerationConfig()
+        return {f.name: getattr(self.config, f.name) for f in SAMPLING_FIELDS
+                if getattr(self.config, f.name) != getattr(neutral, f.name)}  # fmt: skip
 
     @property
     def strategy(self) -> str:
@@ -81,6 +90,8 @@ class RunSpec:
         identity = self.columns()
         if self.target_dtype or (self.drafter_dtype and self.drafter):  # runs without a dtype keep their old key
             identity |= {"dtypes": [self.target_dtype, self.drafter_dtype if self.drafter else None]}
+        if sampling := self.sampling():  # runs with the neutral samplers keep their old key too
+            identity |= {"sampling": sampling}
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
 

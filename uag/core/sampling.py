@@ -1,0 +1,128 @@
+"""How the target picks its token: mlx-lm's logits processors (repetition, presence and frequency penalties,
+which read the tokens before the position), then mlx-lm's sampler (the temperature after top_p, min_p, top_k).
+
+Speculation stays lossless only if every position the target verifies is picked exactly as the target alone
+would pick it there: `TargetSampling.rows` gives each row of a verify pass its own token history (the committed
+tokens and the proposal before it) and `distribution` is what the sampler draws from, for rejection sampling.
+The history is always the whole committed sequence, prompt included, whatever a conversation's cache held.
+
+Example: TargetSampling.of(GenerationConfig(repetition_penalty=1.3)).choose(logits) -> the penalized argmax
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    categorical_sampling,
+    make_logits_processors,
+    make_sampler,
+)
+
+from uag.core.config import GenerationConfig
+from uag.core.passes import logprobs
+
+PENALTY_CONTEXT = 20  # tokens the penalties look back over: mlx-lm's default (make_logits_processors)
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def truncation(config: GenerationConfig) -> Callable[[mx.array], mx.array] | None:
+    """top_p, min_p and top_k as mlx-lm's `make_sampler` chains them (same functions, same order), on
+    log-probabilities of shape (..., V); None where none cuts anything. A top_k at or above V keeps every token
+    (mlx-lm's apply_top_k refuses it)."""
+    if not config.truncated:
+        return None
+    top_p, min_p, top_k = config.top_p, config.min_p, config.top_k
+
+    def cut(x: mx.array) -> mx.array:
+        if 0 < top_p < 1:
+            x = apply_top_p(x, top_p)
+        if min_p:
+            x = apply_min_p(x, min_p)
+        if 0 < top_k < x.shape[-1]:
+            x = apply_top_k(x, top_k)
+        return x
+
+    return cut
+
+
+def penalties(config: GenerationConfig) -> list[LogitsProcessor]:
+    """mlx-lm's logits processors for the config's penalties ([] where none is set)."""
+    if not config.penalized:
+        return []
+    return make_logits_processors(
+        repetition_penalty=config.repetition_penalty if config.repetition_penalty != 1 else None,
+        repetition_context_size=PENALTY_CONTEXT,
+        presence_penalty=config.presence_penalty or None,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=config.frequency_penalty or None,
+        frequency_context_size=PENALTY_CONTEXT,
+    )
+
+
+@dataclass(frozen=True)
+class TargetSampling:
+    """The target's choice of token in one run: `processors` (penalties; [] when none), then `sampler` (on
+    log-probabilities), whose draw at temperature > 0 follows `distribution`."""
+
+    temperature: float
+    processors: list[LogitsProcessor]
+    sampler: Sampler
+    cut: Callable[[mx.array], mx.array] | None = None  # top_p / min_p / top_k, as the sampler applies them
+
+    @classmethod
+    def of(cls, config: GenerationConfig, sampler: Sampler | None = None) -> TargetSampling:
+        """The config's sampling; `sampler` replaces the sampler (tests), the penalties still apply."""
+        cut = truncation(config)
+        if sampler is None:
+            if cut is None:
+                sampler = make_sampler(config.temperature)  # exactly mlx-lm's, as the target alone uses
+            else:
+                temperature = config.temperature
+                sampler = lambda x: categorical_sampling(cut(x), temperature)  # noqa: E731  make_sampler's last step
+        return cls(config.temperature, penalties(config), sampler, cut)
+
+    def process(self, history: mx.array, logits: mx.array) -> mx.array:
+        """One position's logits (1, V) after the penalties, given the tokens up to and including its input."""
+        for processor in self.processors:
+            logits = processor(history, logits)
+        return logits
+
+    def rows(self, committed: Sequence[int], proposed: Sequence[int], logits: mx.array) -> mx.array:
+        """A verify pass's logits (n + 1, V) for its inputs [committed[-1], *proposed], each row penalized as
+        the target alone would at that position: with history committed + proposed[:i] (generate_step's).
+
+        Example: committed [.., 7], proposed [5, 6] -> rows after [.., 7], [.., 7, 5], [.., 7, 5, 6]
+        """
+        if not self.processors:
+            return logits
+        tail = list(committed[-PENALTY_CONTEXT:])
+        window = mx.array([*tail, *proposed])
+        return mx.concatenate(
+            [self.process(window[: len(tail) + i], logits[i : i + 1]) for i in range(logits.shape[0])]
+        )
+
+    def choose(self, logits: mx.array) -> mx.array:
+        """The target's token for each row of (already penalized) logits: argmax, or a draw."""
+        return self.sampler(logprobs(logits))
+
+    def distribution(self, logits: mx.array) -> mx.array:
+        """What the sampler draws from, per row of (already penalized) logits, at temperature > 0: the
+        softmax at the temperature after top_p, min_p and top_k (for rejection sampling)."""
+        x = logits if self.cut is None else self.cut(logprobs(logits))
+        return mx.softmax(x.astype(mx.float32) / self.temperature, axis=-1)
+
+    def with_prefix(self, prefix: Sequence[int]) -> list[LogitsProcessor]:
+        """The processors for mlx-lm's generate_step reading a prompt after a cache already held `prefix`:
+        generate_step shows them only what it read itself, so the prefix's tail is put back in front."""
+        if not prefix or not self.processors:
+            return self.processors
+        head = mx.array(list(prefix[-PENALTY_CONTEXT:]))
+        return [lambda tokens, logits, p=p: p(mx.concatenate([head, tokens]), logits) for p in self.processors]
