@@ -302,7 +302,7 @@ def test_calibrated_verify_curve_keeps_its_measured_shape(monkeypatch, monotone)
 
     calls = {w: 0 for w in CODER_CPU}  # per width: the warm-up, then rounds at 2x, 1x and +50 ms of the curve
 
-    def passes(model, cache, ids, width, n, run_pass):
+    def passes(model, cache, ids, width, n, run_pass, cancel=None):
         calls[width] += 1
         seen = calls[width]
         return [[10 * CODER_CPU[width], 2 * CODER_CPU[width], CODER_CPU[width], CODER_CPU[width] + 50][seen - 1]] * n

@@ -160,17 +160,23 @@ def test_a_streamed_reply_equals_the_whole_one(cluster, client):
         ask(client, cluster.target, {"drafter": "lookup", "check": True}, max_tokens=MAX_TOKENS)
 
 
-def test_costs_removed_as_stale_are_measured_again_over_the_shards(cluster, client):
-    """A run that finds auto's saved costs stale removes them (uag.study.pair_costs.drop_stale_profile); the next
-    request measures them again with every rank taking part, not on rank 0 alone."""
+def test_missing_costs_are_measured_over_the_shards_while_idle_not_in_a_request(cluster, client):
+    """Costs missing while serving (removed by hand, `uag calibrate --reset`): an auto request runs without them
+    and the server measures them in the background, with every rank taking part, not on rank 0 alone."""
     lookup = f"{Path(cluster.target).name}@tensorx2-lookup-*.json"  # the target's costs, for prompt lookup
     profiles = real_tokenizers.cache_root() / "serve-sharded" / "profiles"
-    for path in profiles.glob(lookup):  # (one, unless the last auto run removed it already)
+    for path in profiles.glob(lookup):
         path.unlink()
     alone = ask(client, cluster.target, False, max_tokens=MAX_TOKENS).choices[0].message.content
-    assert len(list(profiles.glob(lookup))) == 1  # measured before the request, whatever it asks for
+    assert not list(profiles.glob(lookup))  # a request never measures them
     reply = ask(client, cluster.target, {"drafter": "lookup", "strategy": "auto"}, max_tokens=MAX_TOKENS)
     assert reply.choices[0].message.content == alone
+    deadline = time.monotonic() + 120
+    while not list(profiles.glob(lookup)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(list(profiles.glob(lookup))) == 1  # measured once the worker was idle
+    again = ask(client, cluster.target, {"drafter": "lookup", "strategy": "auto"}, max_tokens=MAX_TOKENS)
+    assert again.choices[0].message.content == alone
 
 
 def test_a_stop_string_and_a_client_that_leaves_end_the_run_on_every_rank(cluster, client):

@@ -14,7 +14,8 @@ the payload (ids and settings as integers):
 - RUN a b: a request of `a` prompt ids and `b` bytes of settings (JSON), which follow.
 - CALIBRATE: rank 0 measures a pair's costs for `auto` (uag.study.calibrate), which takes every rank's passes;
   the others time the same passes (`calibrate_target`, the target side of every calibration) and discard them.
-  At startup, and before a request where a run found the saved costs stale and removed them.
+  At startup, and while the server is idle for a pair without costs or whose costs a run found off (the
+  Service's CostKeeper, through `Leader.measure`): never inside a request.
 - WAIT a: rank 0 is about to load a drafter: the next word may take `a` seconds.
 - HEARTBEAT: nothing to run; rank 0 is alive.
 - SHUTDOWN: rank 0 is stopping (Ctrl-C, SIGTERM): the others leave their loop and exit 0.
@@ -220,28 +221,34 @@ class Leader:
         self.measure_missing(store, progress)
 
     def measure_missing(self, store: ModelStore, progress: Progress | None = None) -> None:
-        """Measure over the shards, with every rank taking part, the costs `auto` decides by for each pair the
-        server offers that has none saved: at startup, and again where a run found them stale and removed them
-        (uag.study.pair_costs.drop_stale_profile). The Service would measure them on rank 0 alone, which the
-        other ranks cannot follow; ShardedStore calls this before each request, ahead of the Service."""
+        """At startup: measure over the shards the costs `auto` decides by for each pair the server offers that
+        has none saved (model drafters first: a pair's measurement also gives lookup its target-only costs)."""
         from uag.core.loading import load_drafter_choice
-        from uag.models.store import check_pair
-        from uag.study.calibrate import QUICK, calibrate, calibrate_target
-        from uag.study.profiles import save
+        from uag.study.pair_costs import keep_measured
 
         say = progress or log.info
-        for spec, path in self._offered.values():
+        for spec, path in sorted(self._offered.values(), key=lambda offered: offered[0].model is None):
             if path.exists():
                 continue
-            model = load_drafter_choice(store, spec, progress=progress).model
-            say(f"measuring {self.target.name} ← {model.name if model else 'lookup'} over the shards "
+            choice = load_drafter_choice(store, spec, progress=progress)
+            say(f"measuring {self.target.name} ← {choice.model.name if choice.model else 'lookup'} over the shards "
                 "(auto decides by these costs; saved for next time)")  # fmt: skip
-            self._say([CALIBRATE])
-            with self._lockstep(), _bounded(self.ranks, self.link, "measuring the target's costs"):
-                # The target's passes come first in either calibration, as in calibrate_target: the same on every rank.
-                calibration = calibrate_target(self.target, **QUICK) if model is None else \
-                    calibrate(check_pair(self.target, model), **QUICK)  # fmt: skip
-            save(calibration)
+            say(keep_measured(self.measure(self.target, choice), self.target)[1])
+
+    def measure(self, target: LoadedModel, choice: DrafterChoice, *, progress=None, cancel=None):
+        """One quick calibration of the pair over the shards (the Service's `measure`): CALIBRATE, then every rank
+        times the target's passes with rank 0. `cancel` is not asked: rank 0 cannot stop part way alone, the
+        others would wait in a pass it never takes (a request waits for the whole measurement, seconds)."""
+        from uag.models.store import check_pair
+        from uag.study.calibrate import QUICK, calibrate, calibrate_target
+
+        assert target is self.target, (target.name, self.target.name)
+        self._say([CALIBRATE])
+        with self._lockstep(), _bounded(self.ranks, self.link, "measuring the target's costs"):
+            # The target's passes come first in either calibration, as in calibrate_target: the same on every rank.
+            if choice.model is None:
+                return calibrate_target(self.target, progress=progress, **QUICK)
+            return calibrate(check_pair(self.target, choice.model), progress=progress, **QUICK)
 
     def keep_in_touch(self) -> None:
         """From now on a HEARTBEAT goes out whenever rank 0 has said nothing for `HEARTBEAT_S` (a thread queues it
@@ -357,8 +364,6 @@ class ShardedStore(ModelStore):
         if self.identity(name) == self.target_identity:
             if dtype is not None and self.key(name, dtype) != self.key(name):
                 raise ModelError("--shard loads the target as stored: no dtype can be asked for")
-            if threading.current_thread() is self.leader.worker.thread:  # a request starts: auto's costs first
-                self.leader.measure_missing(self)
             return self.leader.target
         if not super().has(name, dtype):
             self.leader.expect_silence(LOAD_TIMEOUT_S)

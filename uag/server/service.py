@@ -3,13 +3,15 @@ the conversation's caches and the pair's evidence, and hand back text deltas and
 the Server tab shows: the recent requests and the time speculation saved.
 
 The HTTP layer (uag.server.app) never touches a model: it queues `Service.job` through the `JobRunner` that the
-app's Session shares, so API requests and the app's comparisons run on one worker, in turn.
+app's Session shares, so API requests and the app's comparisons run on one worker, in turn. No request measures
+costs: `CostKeeper` measures a pair's missing or stale costs while the worker is idle, and stops for a request.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from uag.runtime.jobs import JobRunner
 from uag.runtime.prompt_cache import ConversationCaches
 from uag.runtime.worker import Job
 from uag.server.chat import render
+from uag.server.costs import CostKeeper, Wanted, every
 from uag.server.protocol import APIError, Request, ServerDefaults, bad
 from uag.server.responses import StepTime, report
 from uag.server.streaming import ReplyText
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 
 RECENT = 200  # requests the Server tab keeps
 FINISH = {"eos": "stop", "length": "length", "stopped": "stop"}
+PROGRESS_EVERY_S = 3.0  # a start-up measurement's progress on the console, at most this often
 
 
 @dataclass(frozen=True)
@@ -115,9 +119,27 @@ def saved_seconds(run: Any, step: StepTime | None) -> float:
     return after * step.ms / 1000 - run.generation_s
 
 
+def chars_per_token(tokenizer: Any) -> int | None:
+    """An upper bound on the characters one token of `tokenizer` stands for: its longest vocabulary entry (a
+    byte-level or SentencePiece entry is at least as long as the text it decodes to); None when the tokenizer
+    does not list its vocabulary. So a prompt of more than context × this many characters cannot fit.
+
+    Example: vocabulary {"a": 0, "▁hello": 1, "<0x0A>": 2} -> 6
+    """
+    vocab = getattr(tokenizer, "get_vocab", None)
+    if vocab is None:
+        return None
+    try:
+        return max((len(piece) for piece in vocab()), default=None)
+    except (TypeError, AttributeError, NotImplementedError):
+        return None
+
+
 class Service:
     """The server's state: one model store, the conversation caches, each pair's `auto` evidence, the log of
-    requests. `stream` is the engine's (`uag.api.stream`); tests may pass another with its signature."""
+    requests, the `CostKeeper`. `stream` is the engine's (`uag.api.stream`) and `measure` a pair's quick
+    calibration (`uag.study.pair_costs.measure_costs`; a sharded server's over its ranks); tests may pass
+    others with their signatures."""
 
     def __init__(
         self,
@@ -130,6 +152,7 @@ class Service:
         stream: Callable[..., Iterator[Any]] | None = None,
         target_dtype: str | None = None,
         drafter_dtype: str | None = None,
+        measure: Callable[..., Any] | None = None,
     ):
         import uag.api
 
@@ -137,6 +160,9 @@ class Service:
         self.target_dtype, self.drafter_dtype = target_dtype, drafter_dtype  # None: as stored
         self.caches = ConversationCaches(cache_bytes)
         self.stream = stream or uag.api.stream
+        self.measure = measure
+        self.costs = CostKeeper(runner.worker, self._measure, lambda wanted: self.holds(wanted.drafter))
+        self._chars: dict[str, int | None] = {}  # target name -> `chars_per_token` of its tokenizer
         self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs share
         self.recent: deque[Served] = deque(maxlen=RECENT)
         self.saved_s = 0.0
@@ -144,12 +170,18 @@ class Service:
         self._lock = threading.Lock()
         store.on_evict.append(lambda model: self.caches.forget(model.name))
 
-    def preload(self) -> Job:
-        """Load the default pair in the background, so that the first request finds it loaded."""
+    def preload(self, progress: Callable[[str], None] | None = None) -> Job:
+        """Load the default pair in the background, so that the first request finds it loaded, then measure the
+        costs auto decides by where none are saved, for every drafter offered whose models are loaded now (the
+        default's pair, and prompt lookup's target alone). A request queued meanwhile stops the measuring, which
+        the `CostKeeper` takes up again when the worker is idle; a drafter loaded later is measured then."""
 
         def job(job: Job) -> Iterator[str]:
-            target, _ = self.load(job, self.defaults.drafter)
+            target, _ = self.load(job, self.defaults.drafter, progress=progress)
+            self.chars_bound(target)
             yield target.name
+            job.label = "measuring auto's costs (stops for a request)"
+            self._measure_missing(job, progress)
 
         def drain(queued: Job) -> None:
             try:
@@ -160,29 +192,81 @@ class Service:
 
         queued = self.runner.worker.submit(job, label=f"loading {self.target_name}")
         threading.Thread(target=drain, args=(queued,), name="uag-serve-preload", daemon=True).start()
+        self.costs.start()
         return queued
 
     # --- on the worker thread ------------------------------------------------------------------------------
-    def load(self, job: Job, drafter: str | None):
+    def load(self, job: Job, drafter: str | None, progress: Callable[[str], None] | None = None):
         """The target and the drafter (a `DrafterChoice`, or None) in the server's dtypes, loaded once (memory
-        checked first), failures as user messages."""
+        checked first), failures as user messages; a job cancelled meanwhile (its client left, its time budget
+        ran out) stops between the two."""
         from uag.core.loading import check_memory, load_drafter_choice, load_model
+        from uag.runtime.jobs import report
 
+        say = progress or (lambda text: report(job, text))
         spec = None if drafter is None else DrafterSpec.parse(drafter)
         check_memory(self.store, [("target", self.target_name, self.target_dtype),
                                   ("drafter", spec and spec.model, self.drafter_dtype)])  # fmt: skip
-        target = load_model(self.store, self.target_name, role="target", dtype=self.target_dtype)
+        target = load_model(self.store, self.target_name, role="target", dtype=self.target_dtype, progress=say)
         choice = None
         if spec is not None:
-            choice = load_drafter_choice(self.store, spec, dtype=self.drafter_dtype)
+            self._go_on(job, "loading the models")
+            choice = load_drafter_choice(self.store, spec, dtype=self.drafter_dtype, progress=say)
             target = load_model(self.store, self.target_name, role="target", dtype=self.target_dtype,
                                 keep=[spec.model or self.target_name])  # fmt: skip
+        self._go_on(job, "loading the models")
         return target, choice
 
+    def holds(self, drafter: str | None) -> bool:
+        """Whether the server holds the models of the target's pair with `drafter` now (touches none of them)."""
+        model = None if drafter is None else DrafterSpec.parse(drafter).model
+        return self.store.has(self.target_name, self.target_dtype) and (
+            model is None or self.store.has(model, self.drafter_dtype)
+        )
+
+    def loaded(self, drafter: str | None):
+        """(target, `DrafterChoice` or None) when the server holds the pair's models now (`holds`); None
+        otherwise. Loads nothing."""
+        from uag.core.drafters import DrafterChoice
+
+        if not self.holds(drafter):
+            return None
+        target = self.store.get(self.target_name, dtype=self.target_dtype)
+        if drafter is None:
+            return target, None
+        spec = DrafterSpec.parse(drafter)
+        held = None if spec.model is None else self.store.get(spec.model, dtype=self.drafter_dtype)
+        return target, DrafterChoice(lookup=spec.lookup, model=held)
+
+    def _go_on(self, job: Job, doing: str) -> None:
+        """Stop a request whose client left or whose time budget ran out before it generates anything."""
+        if not job.cancelled.is_set():
+            return
+        if job.out_of_time:
+            raise APIError(503, f"this request's time budget of {self.runner.budget_s:g} s (--time-budget) ran out "
+                           f"while {doing}; what was loaded stays loaded: retry", code="timeout")  # fmt: skip
+        raise APIError(499, "the request was cancelled", code="cancelled")  # nobody is left to read it
+
+    def chars_bound(self, target) -> int | None:
+        """The most characters a prompt may have to fit the target's context (context × `chars_per_token`,
+        worked out once per model); None when either is unknown."""
+        if target.name not in self._chars:
+            self._chars[target.name] = chars_per_token(target.tokenizer)
+        per_token = self._chars[target.name]
+        return None if per_token is None or not target.context_length else target.context_length * per_token
+
     def prompt(self, target, choice, request: Request) -> list[int]:
-        """The request's prompt as target ids, checked against the target's and the drafter's context."""
+        """The request's prompt as target ids, checked against the target's and the drafter's context; a prompt
+        with more characters than the target's context can hold is refused before it is tokenised."""
         from uag.core.loading import check_drafter_fits
 
+        bound = self.chars_bound(target)
+        chars = sum(len(m["content"]) for m in request.messages) if request.kind == "chat" else len(request.prompt)
+        if bound is not None and chars > bound:
+            per_token = bound // target.context_length
+            raise APIError(400, f"the prompt's {chars:,} characters are more than the target {target.name}'s context "
+                           f"of {target.context_length:,} tokens can hold (at most {per_token} characters a token): "
+                           "shorten it", param="messages", code="context_length_exceeded")  # fmt: skip
         if request.kind == "chat":
             ids = render(target.tokenizer, request.messages, request.tools)
         else:
@@ -201,14 +285,16 @@ class Service:
         from uag.core.engine import PromptCaches
         from uag.study.pair_costs import open_auto
 
+        job.limit(self.runner.budget_s)  # loading and reading the prompt count too
         target, choice = self.load(job, request.drafter)
         ids = self.prompt(target, choice, request)
+        self._go_on(job, "reading the prompt")
         config = request.config
         extra: dict[str, Any] = {}
         close = None
-        if config.strategy == "auto":  # a first-use calibration happens here, outside the time budget
-            close = open_auto(target, choice, extra, held=self.evidence)
-        job.limit(self.runner.budget_s)
+        if config.strategy == "auto":  # costs missing or off are measured later, while the worker is idle
+            schedule = lambda key, why: self._want(Wanted(key, request.drafter, why))  # noqa: E731
+            close = open_auto(target, choice, extra, held=self.evidence, schedule=schedule)
         # Keyed by the target: the caches name the models that filled them, and the engine reuses a drafter's
         # cache only for that drafter, so a conversation keeps its target cache when speculation changes.
         pair = target.name
@@ -231,14 +317,14 @@ class Service:
             if clean:
                 self.caches.put(pair, caches)
             if close is not None:
-                close()  # the pair's next process opens from its evidence; a stale profile is measured again
+                close()  # the pair's next process opens from its evidence; costs found off are measured again
         if run is None or run.finish_reason is None:
             raise RuntimeError("the engine's stream ended without a final record")
         tail, calls = text.finish()
         finish = "tool_calls" if calls else "stop" if stopped else FINISH[run.finish_reason]
         if job.out_of_time:
             finish = "length"
-        step = self.step_time(target, choice, run)
+        step = self.step_time(target, choice, run, extra.get("evidence"))
         done_report = report(
             run,
             completion_tokens=run.generated,
@@ -280,22 +366,102 @@ class Service:
         measured = run.tokens_per_second / tps if tps and run.tokens_per_second else None
         return {**verdict.to_dict(), "baseline_tokens_per_second": tps, "measured_speedup": measured}
 
-    def step_time(self, target, choice, run) -> StepTime | None:
+    def step_time(self, target, choice, run, evidence=None) -> StepTime | None:
         """The target's plain step time on this machine: its calibration, else this server's own runs of it
-        alone (which also keep that figure current)."""
-        from uag.study.profiles import find_profile, target_key
+        alone (which also keep that figure current), else what auto's runs of the pair timed of one-token target
+        passes (`evidence`: before the pair's costs are measured)."""
+        from uag.study.pair_costs import read_calibration, saved_profile
+        from uag.study.profiles import target_key
 
         if run.strategy == "baseline" and run.tokens_per_second:
             with self._lock:
                 self._steps[target.name] = StepTime(1000 / run.tokens_per_second, "served with speculation off")
-        profile = find_profile(target_key(target))
+        calibration = read_calibration(target_key(target))
+        profile = None if calibration is None else calibration.profile
         if profile is None and choice is not None and choice.model is not None:
-            from uag.api import saved_profile
-
             profile = saved_profile(target, choice)
-        if profile is not None:
+        if profile is not None and 1 in profile.target_ms:
             return StepTime(profile.target_ms[1], "calibration")
-        return self._steps.get(target.name)
+        if target.name in self._steps:
+            return self._steps[target.name]
+        timed = None if evidence is None else evidence.verify_ms.get(1)
+        return None if not timed else StepTime(timed, "auto's own target passes")
+
+    # --- what auto decides by: measured off the requests' path ---------------------------------------------
+    def _want(self, wanted: Wanted) -> None:
+        from uag.study.profiles import pair_name
+
+        state = self.costs.want(wanted)
+        if state == "deferred":
+            log.info("auto's costs for %s: %s; measured %.0f min ago, so not again before %g min have passed (until "
+                     "then auto rescales them as it runs)", pair_name(wanted.key), wanted.reason,
+                     (self.costs.since(wanted.key) or 0) / 60, self.costs.interval_s / 60)  # fmt: skip
+        if state == "scheduled":
+            first = wanted.reason.startswith("no costs")
+            log.warning("auto's costs for %s: %s; measuring them%s in the background when the server is idle (until "
+                        "then auto %s)", pair_name(wanted.key), wanted.reason, "" if first else " again",
+                        "learns them as it runs" if first else "rescales the saved ones as it runs")  # fmt: skip
+
+    def _measure_missing(self, job: Job, progress: Callable[[str], None] | None) -> None:
+        """At start-up: measure every offered pair whose models are loaded and that has no costs saved (model
+        drafters first: a pair's measurement also gives prompt lookup its target-only costs)."""
+        from uag.study.pair_costs import evidence_key, read_calibration
+
+        offered = sorted(self.defaults.allowed, key=lambda text: DrafterSpec.parse(text).model is None)
+        stopped = False
+        for drafter in offered:
+            pair = self.loaded(drafter)
+            if pair is None:
+                continue  # measured once a request has loaded it
+            key = evidence_key(*pair)
+            if read_calibration(key) is not None:
+                continue
+            wanted = Wanted(key, drafter, "no costs are saved for it yet")
+            stopped = stopped or not self._measure(job, wanted, self.costs.cancel_for(job), progress)
+            if stopped:  # a request came in: the rest wait for an idle moment
+                self._want(wanted)
+            else:
+                self.costs.measured(key)
+
+    def _measure(self, job: Job, wanted: Wanted, cancel: Callable[[], bool], progress=None) -> bool:
+        """Measure the pair `wanted` names (`CostKeeper`'s `measure`): True once done with it (measured and saved,
+        or kept because the saved costs were measured quieter, or not measured because the machine is busy now
+        and they were), False when its models are not loaded or a request stopped the measurement."""
+        from uag.study.calibrate import MeasurementStopped
+        from uag.study.pair_costs import evidence_key, keep_measured, measure_costs, read_calibration
+        from uag.study.profiles import machine_load, pair_name, replaces
+
+        pair = self.loaded(wanted.drafter)
+        if pair is None:
+            return False
+        target, choice = pair
+        if evidence_key(target, choice) != wanted.key:  # the models loaded now are not those it was asked for
+            return True
+        name, saved, now = pair_name(wanted.key), read_calibration(wanted.key), machine_load()
+        if saved is not None and not replaces(now, saved):
+            log.info("not measuring auto's costs for %s now: the machine is busy (%s) and the saved ones were "
+                     "measured at %s; tried again after %g min", name, now, saved.load,
+                     self.costs.interval_s / 60)  # fmt: skip
+        else:
+            log.info("measuring auto's costs for %s (%s)%s", name, wanted.reason,
+                     "; a request stops it" if progress is None else "")  # fmt: skip
+
+            def said(text: str) -> None:
+                job.progress = text
+                if tell is not None:
+                    tell(f"{name}: {text}")
+
+            tell = None if progress is None else every(progress, PROGRESS_EVERY_S)
+            tic = time.monotonic()
+            try:
+                calibration = (self.measure or measure_costs)(target, choice, progress=said, cancel=cancel)
+            except MeasurementStopped:
+                log.info("stopped measuring auto's costs for %s: a request came in (measured when the server is "
+                         "idle again)", name)  # fmt: skip
+                return False
+            kept, line = keep_measured(calibration, target)
+            (log.info if kept else log.warning)("%s (in %.0f s)", line, time.monotonic() - tic)
+        return True
 
     def _record(self, request: Request, run, done_report: dict, step: StepTime | None, choice, target) -> None:
         speedup = done_report["speculative"]["estimated_speedup"]

@@ -6,8 +6,9 @@ the way a run spends it: the target's verification over w = 1..16 new tokens wit
 row scored, as a cycle scores it), a drafter step (pipelined, as drafting runs k of them), the drafter's
 one pass over n new tokens (reading a prompt or a parked stretch: a batched pass, not n steps), and the
 translation's bookkeeping per cycle. The profile is saved per (device, backend, model pair, dtype) in
-the user cache; `--strategy auto` and the app use it. `--reset` forgets what was saved for a pair: its
-profile and what earlier auto runs of it accepted (uag.study.profiles).
+the user cache, with the machine's load meanwhile; `--strategy auto` and the app use it. A `cancel` check
+between passes lets a server stop a measurement when a request comes in. `--reset` forgets what was saved
+for a pair: its profile and what earlier auto runs of it accepted (uag.study.profiles).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import mlx.core as mx
@@ -29,7 +32,7 @@ from uag.core.passes import logprobs, settle_allocator
 from uag.core.translate import DEFAULT_WINDOW, make_translator, text_after
 from uag.errors import UserError
 from uag.models.store import LoadedModel, ModelStore, Pair, check_pair
-from uag.study.profiles import Calibration, forget, profile_key, save, target_key
+from uag.study.profiles import Calibration, forget, machine_load, others_load, profile_key, save, target_key
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
 DEFAULT_WIDTHS = tuple(range(1, 17))
@@ -37,10 +40,20 @@ READ_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # drafter passes over n tokens
 DRAFT_STEPS = 4  # drafter steps timed in a row, pipelined as a draft runs them
 # On first use of auto: verifying up to k = 8 drafts; wider passes are extrapolated until a run times them.
 QUICK = {"widths": tuple(range(1, 10)), "repeats": 3}
+Cancel = Callable[[], bool]  # asked between passes: True stops the measurement (`MeasurementStopped`)
 CALIBRATION_TEXT = (
     "Kraków – miasto na prawach powiatu w południowej Polsce, położone nad Wisłą. W latach 1038–1596 "
     "był stolicą Polski, a do 1734 roku miejscem koronacji królów. The city lies on the Vistula river. "
 )
+
+
+class MeasurementStopped(Exception):
+    """A measurement stopped part way by its `cancel` (a server's request came in); nothing was measured."""
+
+
+def _go_on(cancel: Cancel | None) -> None:
+    if cancel is not None and cancel():
+        raise MeasurementStopped
 
 
 def filled_cache(model: LoadedModel, context: int) -> tuple[list, list[int]]:
@@ -75,11 +88,15 @@ def time_forward(
     return min(_time_passes(model, cache, ids, width, repeats + 1, run_pass)[1:])
 
 
-def time_draft(model: LoadedModel, cache: list, ids: list[int], repeats: int, steps: int = DRAFT_STEPS) -> float:
+def time_draft(
+    model: LoadedModel, cache: list, ids: list[int], repeats: int, steps: int = DRAFT_STEPS,
+    cancel: Cancel | None = None,
+) -> float:  # fmt: skip
     """The least milliseconds per drafter step of `repeats` drafts of `steps` tokens, run as ModelDrafter
     drafts: each pass reads the previous guess, queued without waiting, the guesses read back at the end."""
     offset, times = cache[0].offset, []
     for _ in range(repeats + 1):  # the first warms up
+        _go_on(cancel)
         y, guesses = mx.array(ids[-1:]), []
         tic = time.perf_counter()
         for _ in range(steps):
@@ -94,11 +111,14 @@ def time_draft(model: LoadedModel, cache: list, ids: list[int], repeats: int, st
     return min(times[1:])
 
 
-def _time_passes(model: LoadedModel, cache: list, ids: list[int], width: int, passes: int, run_pass) -> list[float]:
+def _time_passes(
+    model: LoadedModel, cache: list, ids: list[int], width: int, passes: int, run_pass, cancel: Cancel | None = None
+) -> list[float]:  # fmt: skip
     tokens = mx.array(ids[-width:])[None]
     offset = cache[0].offset
     times = []
     for _ in range(passes):
+        _go_on(cancel)
         tic = time.perf_counter()
         run_pass(model, cache, tokens)
         times.append((time.perf_counter() - tic) * 1000)
@@ -109,7 +129,7 @@ def _time_passes(model: LoadedModel, cache: list, ids: list[int], width: int, pa
 
 def target_curve(
     model: LoadedModel, cache: list, ids: list[int], widths, repeats: int, say, run_pass=verify_pass,
-    label: str = "target", monotone: bool = False,
+    label: str = "target", monotone: bool = False, cancel: Cancel | None = None,
 ) -> dict[int, float]:  # fmt: skip
     """Time per width of `run_pass` (a verification, by default), robust to a busy machine: `repeats`
     rounds over every width (so that a burst of other work lands on one round, not on one width), the
@@ -124,11 +144,11 @@ def target_curve(
     """
     widths = sorted(w for w in widths if w <= len(ids))
     for w in widths:  # warm-up: kernel selection and allocation for every shape
-        _time_passes(model, cache, ids, w, 1, run_pass)
+        _time_passes(model, cache, ids, w, 1, run_pass, cancel)
     times = {w: math.inf for w in widths}
     for i in range(repeats):
         for w in widths:
-            times[w] = min(times[w], *_time_passes(model, cache, ids, w, 1, run_pass))
+            times[w] = min(times[w], *_time_passes(model, cache, ids, w, 1, run_pass, cancel))
             say(f"{label}, {w} new token(s): {times[w]:.2f} ms (round {i + 1} of {repeats})")
     if not monotone:
         return times
@@ -165,32 +185,51 @@ def calibrate(
     widths=DEFAULT_WIDTHS,
     repeats: int = 5,
     progress=None,
+    cancel: Cancel | None = None,
 ) -> Calibration:
-    """Measure the pair's costs on this machine (a few seconds to a minute; `QUICK` settings: seconds)."""
+    """Measure the pair's costs on this machine (a few seconds to a minute; `QUICK` settings: seconds), and the
+    machine's load meanwhile; `cancel`, asked between passes, stops it (`MeasurementStopped`)."""
     say = progress or (lambda _: None)
+    start = others_load()
+    _go_on(cancel)
     cache, ids = filled_cache(pair.target, context)
-    target_ms = target_curve(pair.target, cache, ids, widths, repeats, say)
+    target_ms = target_curve(pair.target, cache, ids, widths, repeats, say, cancel=cancel)
+    _go_on(cancel)
     d_cache, d_ids = filled_cache(pair.drafter, context)
-    drafter_ms = time_draft(pair.drafter, d_cache, d_ids, repeats)
+    drafter_ms = time_draft(pair.drafter, d_cache, d_ids, repeats, cancel=cancel)
     say(f"drafter step: {drafter_ms:.2f} ms")
-    read_ms = target_curve(
-        pair.drafter, d_cache, d_ids, READ_WIDTHS, repeats, say, read_pass, "drafter reading", monotone=True
-    )  # a prompt or a parked stretch: reading more never costs less
+    # a prompt or a parked stretch: reading more never costs less
+    read_ms = target_curve(pair.drafter, d_cache, d_ids, READ_WIDTHS, repeats, say, read_pass, "drafter reading",
+                           monotone=True, cancel=cancel)  # fmt: skip
     translate_ms = time_translation(pair)
     say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
     profile = CostProfile(target_ms, drafter_ms, translate_ms, form="study", read_ms=read_ms)
-    return Calibration(profile_key(pair), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)
+    return Calibration(profile_key(pair), profile, _now(), context, machine_load(start))
 
 
 def calibrate_target(
-    target: LoadedModel, *, context: int = DEFAULT_CONTEXT, widths=DEFAULT_WIDTHS, repeats: int = 5, progress=None
-) -> Calibration:
+    target: LoadedModel, *, context: int = DEFAULT_CONTEXT, widths=DEFAULT_WIDTHS, repeats: int = 5, progress=None,
+    cancel: Cancel | None = None,
+) -> Calibration:  # fmt: skip
     """The target's costs alone, for prompt lookup (no drafter model to time; a lookup costs microseconds,
     which the policy measures per cycle): the same verify curve as `calibrate`, drafter and translation 0."""
+    start = others_load()
+    _go_on(cancel)
     cache, ids = filled_cache(target, context)
-    target_ms = target_curve(target, cache, ids, widths, repeats, progress or (lambda _: None))
+    target_ms = target_curve(target, cache, ids, widths, repeats, progress or (lambda _: None), cancel=cancel)
     profile = CostProfile(target_ms=target_ms, drafter_ms=0.0, translate_ms=0.0, form="study")
-    return Calibration(target_key(target), profile, datetime.now(timezone.utc).isoformat(timespec="seconds"), context)
+    return Calibration(target_key(target), profile, _now(), context, machine_load(start))
+
+
+def target_part(calibration: Calibration, target: LoadedModel) -> Calibration:
+    """What a pair's calibration says of its target alone: prompt lookup's profile (`calibrate_target` times
+    exactly the same passes), so that measuring a pair also measures lookup's costs."""
+    profile = CostProfile(target_ms=calibration.profile.target_ms, drafter_ms=0.0, translate_ms=0.0, form="study")
+    return replace(calibration, key=target_key(target), profile=profile)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def summary(calibration: Calibration, ks=(1, 2, 4, 8)) -> str:
@@ -262,12 +301,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         pair = check_pair(target, load_model(store, spec.model, role="drafter", progress=say))
         calibration = calibrate(pair, progress=say, **settings)
-    path = save(calibration)
+    path = save(calibration)  # asked for here: saved whatever the load (a server keeps a quieter one)
     if args.json:
         print(json.dumps({**calibration.to_dict(), "path": str(path)}, indent=2))
     else:
         print(summary(calibration))
         print(f"saved {path}")
+    if calibration.load is not None and calibration.load.busy:
+        print(f"[uag] note: measured while other work kept the machine busy ({calibration.load}): auto rescales "
+              "these costs by each run's own passes, but measure again when it is quiet", file=sys.stderr)  # fmt: skip
     return 0
 
 

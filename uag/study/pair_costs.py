@@ -2,6 +2,10 @@
 `python -m uag calibrate` (or the app) saved, or on a pair's first use a quick calibration, saved for next time.
 The API (`uag.saved_profile`, `uag.api.profile_for`), the app and the sweeps all read them here. Also what
 earlier runs of the pair accepted (`saved_evidence`, `keep_evidence`): auto's opening starts from it.
+
+A run that finds the saved costs off (`uag.study.profiles.why_measure_again`) never removes them: the CLI and
+the API say so in one warning line, and a server (`open_auto(…, schedule=…)`) measures them again off the
+request's path (uag.server.costs.CostKeeper), saving the new ones only if they were not measured busier.
 """
 
 from __future__ import annotations
@@ -15,20 +19,25 @@ from uag.core.drafters import DrafterChoice
 from uag.core.evidence import Evidence
 from uag.models.store import LoadedModel, Pair, check_pair
 from uag.study.profiles import (
+    STALE,  # noqa: F401  (where callers found it before it moved to uag.study.profiles)
+    Calibration,
+    find_calibration,
     find_evidence,
-    find_profile,
+    machine_load,
+    pair_name,
     profile_key,
-    profile_path,
+    replaces,
     save,
     save_evidence,
     target_key,
+    why_measure_again,
 )
 
 log = logging.getLogger(__name__)
 
-STALE = 2.0  # a run whose target passes are this many times faster or slower than its saved profile's
-
 Progress = Callable[[str], None]
+Schedule = Callable[[dict, str], None]  # (the pair's profile key, why its costs should be measured)
+MEASURING = "measuring this pair's costs once (auto decides by them; saved for next time)"
 
 
 def saved_profile(target: LoadedModel, drafter: DrafterChoice | LoadedModel | None) -> CostProfile | None:
@@ -37,13 +46,16 @@ def saved_profile(target: LoadedModel, drafter: DrafterChoice | LoadedModel | No
     if drafter is None:
         return None
     model = DrafterChoice.of(drafter).model
-    return None if model is None else _read_profile(check_pair(target, model))
+    if model is None:
+        return None
+    calibration = read_calibration(check_pair(target, model))
+    return None if calibration is None else calibration.profile
 
 
-def _read_profile(key: dict | Pair) -> CostProfile | None:
-    """`find_profile(key)`, with a damaged or foreign file in the cache logged and read as none."""
+def read_calibration(key: dict | Pair) -> Calibration | None:
+    """`find_calibration(key)`, with a damaged or foreign file in the cache logged and read as none."""
     try:
-        return find_profile(key)
+        return find_calibration(key)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         log.warning("the saved cost profile could not be read; it is measured again", exc_info=True)
         return None
@@ -59,24 +71,52 @@ def profile_for(
     alone has no drafter model: its profile is the target's verify curve (what a lookup of k tokens costs
     to check), so auto drafts from the first cycle with the right k instead of learning widths one by one.
     """
+    key = evidence_key(target, drafter)
+    if key is None:
+        return None
+    calibration = read_calibration(key)
+    if calibration is None:
+        (progress or (lambda _: None))(MEASURING)
+        calibration = measure_costs(target, drafter, progress=progress)
+        keep_measured(calibration, target)
+    return calibration.profile
+
+
+def measure_costs(
+    target: LoadedModel,
+    drafter: DrafterChoice | LoadedModel,
+    *,
+    progress: Progress | None = None,
+    cancel: Callable[[], bool] | None = None,
+) -> Calibration:
+    """One quick calibration (`QUICK`) of the pair, or of the target alone for prompt lookup; `cancel`, asked
+    between passes, stops it (uag.study.calibrate.MeasurementStopped). Not saved: `keep_measured` decides."""
     from uag.study.calibrate import QUICK, calibrate, calibrate_target
 
-    if drafter is None:
-        return None
     model = DrafterChoice.of(drafter).model
     if model is None:
-        profile = _read_profile(target_key(target))
-        measure = lambda say: calibrate_target(target, progress=say, **QUICK)  # noqa: E731
-    else:
-        profile = saved_profile(target, drafter)
-        measure = lambda say: calibrate(check_pair(target, model), progress=say, **QUICK)  # noqa: E731
-    if profile is None:
-        say = progress or (lambda _: None)
-        say("measuring this pair's costs once (auto decides by them; saved for next time)")
-        calibration = measure(say)
-        save(calibration)
-        profile = calibration.profile
-    return profile
+        return calibrate_target(target, progress=progress, cancel=cancel, **QUICK)
+    return calibrate(check_pair(target, model), progress=progress, cancel=cancel, **QUICK)
+
+
+def keep_measured(calibration: Calibration, target: LoadedModel) -> tuple[bool, str]:
+    """Save `calibration` unless the saved one was measured quieter (`uag.study.profiles.replaces`); a pair's
+    calibration also gives prompt lookup its target-only profile where none is saved. (saved, what to say)."""
+    from uag.study.calibrate import target_part
+
+    saved = read_calibration(calibration.key)
+    name, load = pair_name(calibration.key), calibration.load or "an unknown load"
+    if not replaces(calibration.load, saved):
+        was = saved.load or "an unknown load"
+        return False, (f"kept the saved costs of {name} (measured at {was}): the new measurement ran at {load}, "
+                       "and a busy machine's costs are not saved over a quieter one's")  # fmt: skip
+    path = save(calibration)
+    lookup = target_key(target)
+    if calibration.key != lookup and read_calibration(lookup) is None:
+        save(target_part(calibration, target))
+    step = calibration.profile.target_ms.get(1)
+    before = "" if saved is None or 1 not in saved.profile.target_ms else f" (was {saved.profile.target_ms[1]:.1f})"
+    return True, f"saved the costs of {name} measured at {load}: target step {step:.1f} ms{before}; {path}"
 
 
 def evidence_key(target: LoadedModel, drafter: DrafterChoice | LoadedModel | None) -> dict | None:
@@ -104,27 +144,14 @@ def keep_evidence(key: dict | None, evidence: Evidence) -> None:
         log.warning("could not save auto's evidence for the next run", exc_info=True)
 
 
-def drop_stale_profile(key: dict | None, evidence: Evidence) -> bool:
-    """After an auto run on the pair's saved profile: where the run's own target passes took less than 1/STALE
-    or more than STALE times the profile's (`Evidence.scale`), the profile was measured on a busier (or
-    quieter) machine than this one is now, and its ratios — drafter to target, wide pass to narrow — are
-    suspect too: remove it, so the pair's next auto run measures its costs again. True when removed.
+def judge_profile(calibration: Calibration, evidence: Evidence) -> str | None:
+    """After an auto run on `calibration`'s profile: why its costs should be measured again, by the run's own
+    target passes (`Evidence.scale`) and the machine's load now against the measurement's; None when they hold.
 
     Example: a profile calibrated while a test suite ran (target 495 ms a step) and a quiet run (147 ms):
-    scale 0.3 -> removed
+    scale 0.3 -> "this run's target passes took 0.3× the saved times"
     """
-    if key is None or 1 / STALE <= evidence.scale <= STALE:
-        return False
-    path = profile_path(key)
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        log.warning("could not remove the stale cost profile %s", path, exc_info=True)
-        return False
-    log.warning(
-        "this pair's saved costs were %.1f× off what this run measured: measured again on next use", 1 / evidence.scale
-    )
-    return True
+    return why_measure_again(evidence.scale, calibration.load, machine_load())
 
 
 def open_auto(
@@ -134,21 +161,36 @@ def open_auto(
     *,
     progress: Progress | None = None,
     held: dict[str, Evidence] | None = None,
+    schedule: Schedule | None = None,
 ) -> Callable[[], None] | None:
     """What an `auto` run of the pair opens from, filled into the engine's keyword arguments `kw` where the
-    caller gave none: `profile` (`profile_for`) and `evidence` — what earlier runs of the pair accepted on this
-    machine (`saved_evidence`), or the one a long-lived caller keeps in `held` across its runs (the server, per
-    pair; read from the saved evidence on the pair's first run there). Returns what to call once the run has
-    ended, also when stopped early: it saves the evidence for the pair's next run and removes a profile the
-    run's own passes showed stale (`drop_stale_profile`) — or None where a caller's own evidence and profile
-    leave nothing to save.
+    caller gave none: `profile` and `evidence` — what earlier runs of the pair accepted on this machine
+    (`saved_evidence`), or the one a long-lived caller keeps in `held` across its runs (the server, per pair;
+    read from the saved evidence on the pair's first run there). Returns what to call once the run has ended,
+    also when stopped early: it saves the evidence for the pair's next run and judges the profile by the run
+    (`judge_profile`) — or None where a caller's own evidence and profile leave nothing to do.
+
+    Without `schedule` (the CLI, the API) a pair with no saved profile is measured here (`profile_for`), and a
+    profile the run found off is said in one warning line (`uag calibrate` measures it again). With it (a
+    server) nothing is measured here: the run goes on the saved profile or none (auto then learns the costs as
+    it runs), and `schedule(key, why)` hears of a missing profile now and of one the run found off at the end.
     """
-    own_profile = "profile" not in kw
-    if own_profile:
-        kw["profile"] = profile_for(target, drafter, progress=progress)
+    if "profile" in kw and "evidence" in kw:
+        return None  # the caller's own: nothing to open, save or judge
+    key = evidence_key(target, drafter)
+    calibration = None
+    if "profile" not in kw:
+        calibration = None if key is None else read_calibration(key)
+        if calibration is None and key is not None:
+            if schedule is not None:
+                schedule(key, "no costs are saved for it yet")
+            else:
+                (progress or (lambda _: None))(MEASURING)
+                calibration = measure_costs(target, drafter, progress=progress)
+                keep_measured(calibration, target)
+        kw["profile"] = None if calibration is None else calibration.profile
     if "evidence" in kw:
         return None  # the caller's evidence stays the caller's
-    key = evidence_key(target, drafter)
     if held is None:
         kw["evidence"] = saved_evidence(key)
     else:
@@ -160,7 +202,16 @@ def open_auto(
 
     def close() -> None:
         keep_evidence(key, evidence)
-        if own_profile:
-            drop_stale_profile(key, evidence)
+        why = None if calibration is None else judge_profile(calibration, evidence)
+        if why is None:
+            return
+        if schedule is not None:
+            schedule(key, why)
+        else:
+            log.warning(
+                "auto's saved costs for %s look off: %s; auto rescales them as it runs (measure them again with "
+                "`uag calibrate --target %s --drafter %s` on a quiet machine)",
+                pair_name(key), why, key["target"], key["drafter"],
+            )  # fmt: skip
 
     return close

@@ -2,7 +2,8 @@
 models and dtypes:
 
 - profiles/: what a speculative cycle costs (uag.study.calibrate measures it), timed the way runs spend it
-  (`METHOD`: a profile timed another way is not found, so the next auto run measures it again);
+  (`METHOD`: a profile timed another way is not found, so the next auto run measures it again), and how busy
+  the machine was meanwhile (`MachineLoad`): `replaces` and `why_measure_again` decide by it;
 - evidence/: what earlier runs of the pair accepted (uag.core.evidence.Evidence), the prior of the next
   run's opening decision. `forget` (`uag calibrate --reset`) removes both; deleting the files does too.
 
@@ -14,6 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,6 +46,129 @@ class _Model(Protocol):
 class _Pair(Protocol):
     target: _Model
     drafter: _Model
+
+
+STALE = 2.0  # a run whose target passes take under 1/STALE or over STALE times the profile's: it is off
+BUSY = 0.75  # others' load per core above which a measurement is a busy machine's
+QUIETER = 0.25  # a moment this much quieter per core than the profile's measurement ...
+DISAGREES = 1.25  # ... whose run's passes are this many times faster than the profile's: measure again
+LOAD_TAU_S = 60.0  # the time constant of the 1-minute load average (os.getloadavg()[0])
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    """How busy the machine was while a profile was measured: the 1-minute load average less this process's
+    own share (`others_load`) at the measurement's start and end, and the machine's cores."""
+
+    start: float
+    end: float
+    cpus: int
+
+    @property
+    def per_core(self) -> float:
+        """The busier end's load per core. Example: start 0.4, end 1.8, 2 cores -> 0.9"""
+        return max(self.start, self.end) / max(1, self.cpus)
+
+    @property
+    def busy(self) -> bool:
+        return self.per_core > BUSY
+
+    def __str__(self) -> str:
+        return f"load {max(self.start, self.end):.2f} on {self.cpus} core{'s' * (self.cpus != 1)}"
+
+    def to_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "cpus": self.cpus}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MachineLoad:
+        return cls(float(data["start"]), float(data["end"]), int(data["cpus"]))
+
+
+def decayed(share: float, rate: float, seconds: float, tau_s: float = LOAD_TAU_S) -> float:
+    """A process's share of the 1-minute load average after `seconds` spent at `rate` CPU seconds per second,
+    from `share` before: the average's own exponential decay.
+
+    Example: share 0, one core busy for 60 s -> 1 − e⁻¹ ≈ 0.63;  share 1, idle for 60 s -> 0.37
+    """
+    weight = math.exp(-max(0.0, seconds) / tau_s)
+    return share * weight + rate * (1 - weight)
+
+
+class _OwnShare:
+    """This process's share of the load average, followed from its CPU time (all threads) at each reading."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._at, self._cpu, self._share = time.monotonic(), _cpu_s(), 0.0
+
+    def now(self) -> float:
+        with self._lock:
+            at, cpu = time.monotonic(), _cpu_s()
+            if at > self._at:
+                self._share = decayed(self._share, (cpu - self._cpu) / (at - self._at), at - self._at)
+                self._at, self._cpu = at, cpu
+            return self._share
+
+
+def _cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+_own = _OwnShare()
+
+
+def others_load() -> float | None:
+    """The 1-minute load average less this process's own share (a server's worker: the measurement itself, the
+    requests it just served); None where the system has no load average. Read it now and then (a server does,
+    every few seconds) so that the process's own share follows when it worked."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    return max(0.0, load - _own.now())
+
+
+def machine_load(start: float | None = None) -> MachineLoad | None:
+    """The machine's load now (`others_load`), with `start` read at a measurement's start; None without one."""
+    end = others_load()
+    if end is None:
+        return None
+    return MachineLoad(round(end if start is None else start, 3), round(end, 3), os.cpu_count() or 1)
+
+
+def replaces(new: MachineLoad | None, saved: Calibration | None) -> bool:
+    """Whether a measurement made under `new` load is saved over the `saved` calibration (None: nothing saved).
+
+    A busy machine only ever adds time: the least of several rounds keeps a burst out, but not a load that lasts
+    the whole measurement. So a measurement counts as busy when others' load per core passed `BUSY` at its start
+    or its end (the 1-minute average lags: both ends are read; this process's own share is not counted, since
+    at the end it is the measurement itself), and a busy one never replaces one measured quieter, nor one of
+    unknown load (files saved before loads were recorded). A quiet one, or one where the system reports no
+    load, always does: it is the newer truth.
+
+    Example: new load 1.6 on 2 cores, saved at 0.3 on 2 -> False;  new 0.4 on 2 -> True;  nothing saved -> True
+    """
+    if saved is None or new is None or not new.busy:
+        return True
+    return saved.load is not None and saved.load.per_core >= new.per_core
+
+
+def why_measure_again(scale: float, measured: MachineLoad | None, now: MachineLoad | None) -> str | None:
+    """Why a run's target passes, at `scale` times the profile's (`Evidence.scale`), say that the profile should
+    be measured again; None when they do not. Off by more than `STALE` either way; or, at a moment well quieter
+    than the profile's measurement (`QUIETER` per core less, and not busy), faster by `DISAGREES` or more.
+
+    Example: scale 0.3 -> "this run's target passes took 0.3× the saved times";  scale 0.7, measured at 1.6 on
+    2 cores, now 0.2 on 2 -> a reason;  scale 0.7, both quiet -> None
+    """
+    if not 1 / STALE <= scale <= STALE:
+        return f"this run's target passes took {scale:.2g}× the saved times"
+    quieter = measured is not None and now is not None and not now.busy and now.per_core <= measured.per_core - QUIETER
+    if quieter and scale < 1 / DISAGREES:
+        return (f"this run's target passes took {scale:.2g}× the saved times, measured at {measured} (now "
+                f"{now.end:.2f})")  # fmt: skip
+    return None
 
 
 def profile_key(pair: _Pair) -> dict:
@@ -86,19 +214,30 @@ def _path(folder: str, key: dict) -> Path:
 
 @dataclass(frozen=True)
 class Calibration:
-    """A measured profile with what it is valid for and when it was measured."""
+    """A measured profile with what it is valid for, when it was measured and how busy the machine was then
+    (None in files saved before that was recorded, or where the machine has no load average)."""
 
     key: dict
     profile: CostProfile
     measured_at: str
     context: int
+    load: MachineLoad | None = None
 
     def to_dict(self) -> dict:
-        return {"key": self.key, "measured_at": self.measured_at, "context": self.context, **self.profile.to_dict()}
+        load = {} if self.load is None else {"machine_load": self.load.to_dict()}
+        return {"key": self.key, "measured_at": self.measured_at, "context": self.context, **load,
+                **self.profile.to_dict()}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict) -> Calibration:
-        return cls(data["key"], CostProfile.from_dict(data), data["measured_at"], int(data["context"]))
+        load = data.get("machine_load")
+        return cls(data["key"], CostProfile.from_dict(data), data["measured_at"], int(data["context"]),
+                   None if load is None else MachineLoad.from_dict(load))  # fmt: skip
+
+
+def pair_name(key: dict) -> str:
+    """The pair a profile key is for, as messages name it. Example: "org/target ← lookup" """
+    return f"{key['target']} ← {key['drafter']}"
 
 
 def find_calibration(pair: _Pair | dict) -> Calibration | None:

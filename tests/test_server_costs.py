@@ -1,0 +1,347 @@
+"""auto's costs are never measured inside a server request: a pair without a profile, or whose profile a run found
+off, is measured in the background while the MLX worker is idle, stops for a request, at most once per interval,
+and a busy machine's measurement is never saved over a quieter one's. Fakes throughout: a fake target, a
+scripted engine stream, a fake measurement, injected machine loads (no model, no real calibration)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import uag.study.calibrate
+import uag.study.pair_costs
+import uag.study.profiles
+from tests.support.server_scripted import Scripted
+from uag.core.config import GenerationConfig
+from uag.core.costmodel import CostProfile
+from uag.core.drafters import DrafterChoice
+from uag.core.evidence import Evidence
+from uag.core.records import Run
+from uag.models.store import ModelStore
+from uag.runtime.jobs import JobRunner
+from uag.runtime.worker import MLXWorker
+from uag.server.costs import CostKeeper, Wanted, due
+from uag.server.protocol import APIError, Request, ServerDefaults
+from uag.server.service import Service, chars_per_token
+from uag.study.pair_costs import keep_measured, open_auto
+from uag.study.profiles import (
+    Calibration,
+    MachineLoad,
+    decayed,
+    find_calibration,
+    profile_path,
+    replaces,
+    save,
+    target_key,
+    why_measure_again,
+)
+
+QUIET, BUSY = MachineLoad(0.3, 0.2, 2), MachineLoad(1.2, 1.7, 2)
+SAVED = CostProfile({1: 300.0, 2: 320.0}, drafter_ms=0.0)  # measured when the machine was slower
+MEASURED = CostProfile({1: 100.0, 2: 110.0}, drafter_ms=0.0)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def now_quiet(monkeypatch):
+    """The machine's load now, as the server reads it: quiet (the test machine's real load varies)."""
+    monkeypatch.setattr(uag.study.profiles, "machine_load", lambda start=None: QUIET)
+    monkeypatch.setattr(uag.study.pair_costs, "machine_load", lambda start=None: QUIET)
+
+
+@pytest.fixture
+def no_calibration(monkeypatch):
+    """Any real calibration fails the test."""
+    for name in ("calibrate", "calibrate_target"):
+        monkeypatch.setattr(uag.study.calibrate, name, lambda *a, **kw: pytest.fail("a calibration ran"))
+
+
+class Tokenizer:
+    """A tokenizer whose longest vocabulary entry is 4 characters; `encode` counts its calls."""
+
+    has_chat_template = False
+
+    def __init__(self):
+        self.encoded = 0
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": 0, "ab": 1, "abcd": 2}
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded += 1
+        return list(range(1, 1 + (len(text) + 3) // 4))
+
+
+def fake_target(context: int = 4096):
+    return SimpleNamespace(name="org/target", dtype="float32", tokenizer=Tokenizer(), context_length=context,
+                           weight_bytes=1000)  # fmt: skip
+
+
+def calibration(profile: CostProfile, load: MachineLoad | None, target=None) -> Calibration:
+    return Calibration(target_key(target or fake_target()), profile, "2026-11-25T04:38:47+00:00", 256, load)
+
+
+def request(prompt: str = "Stolica Polski to", **kw) -> Request:
+    config = GenerationConfig(strategy="auto", k=4, max_tokens=4)
+    return Request("completion", model="org/target", config=config, drafter="lookup", prompt=prompt, **kw)
+
+
+class Stream:
+    """The engine's stream with its signature: a scripted reply; the run's target passes are found to take
+    `scale` × the profile's (what `AdaptiveK` writes into the evidence)."""
+
+    def __init__(self, scale: float):
+        self.scale, self.profiles = scale, []
+
+    def __call__(self, target, drafter, ids, config, *, cancel=None, caches=None, profile=None, evidence=None):
+        self.profiles.append(profile)
+        if evidence is not None and profile is not None:
+            evidence.scale = self.scale
+        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens, policy="baseline")
+        return Scripted._events(run, "Warszawa.")
+
+
+class Measure:
+    """A pair's measurement: `MEASURED` at a quiet load, counted; `hold` keeps it going until cancelled."""
+
+    def __init__(self, hold: bool = False):
+        self.calls, self.hold, self.stopped = 0, hold, 0
+
+    def __call__(self, target, choice, *, progress=None, cancel=None):
+        self.calls += 1
+        if self.hold and self.calls == 1:
+            while not cancel():
+                time.sleep(0.01)
+            self.stopped += 1
+            raise uag.study.calibrate.MeasurementStopped
+        return calibration(MEASURED, QUIET, target)
+
+
+def service(measure, stream, *, budget_s: float | None = 60.0, load_s: float = 0.0) -> Service:
+    """A Service on a fake target whose pair (with prompt lookup) is always loaded."""
+    target, choice = fake_target(), DrafterChoice(lookup=True)
+    defaults = ServerDefaults(model="org/target", drafter="lookup", drafters=("lookup",))
+    runner = JobRunner(MLXWorker(), budget_s=budget_s)
+    served = Service(ModelStore(), runner, defaults, target="org/target", cache_bytes=0, stream=stream,
+                     measure=measure)  # fmt: skip
+
+    def load(job, drafter, progress=None):
+        time.sleep(load_s)
+        return target, choice
+
+    served.load, served.loaded, served.holds = load, lambda drafter: (target, choice), lambda drafter: True
+    served.costs.settle_s, served.costs.poll_s = 0.3, 0.01
+    return served
+
+
+def ask(served: Service, req: Request | None = None) -> list:
+    return list(served.runner.run(served.job, req or request(), label="an API request"))
+
+
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+# --- what decides: pure ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("scale", "off"), [(0.3, True), (0.6, False), (1.0, False), (1.9, False), (2.5, True)])
+def test_a_run_finds_saved_costs_off_beyond_twice_either_way(scale, off):
+    assert (why_measure_again(scale, QUIET, QUIET) is not None) is off
+
+
+def test_a_quiet_moment_that_disagrees_with_a_busy_measurement_asks_for_another():
+    assert "measured at load 1.70 on 2 cores" in why_measure_again(0.7, BUSY, QUIET)
+    assert why_measure_again(0.7, QUIET, QUIET) is None  # no quieter than the measurement: within noise
+    assert why_measure_again(0.9, BUSY, QUIET) is None  # quieter, but the passes agree
+    assert why_measure_again(0.7, BUSY, MachineLoad(1.6, 1.6, 2)) is None  # busy now too
+    assert why_measure_again(0.7, None, QUIET) is None  # an old file: its load unknown
+
+
+def test_a_busy_measurement_is_never_saved_over_a_quieter_one():
+    assert replaces(BUSY, None)  # nothing saved: a busy measurement beats none
+    assert replaces(QUIET, calibration(SAVED, BUSY)) and replaces(QUIET, calibration(SAVED, None))
+    assert not replaces(BUSY, calibration(SAVED, QUIET))
+    assert not replaces(BUSY, calibration(SAVED, None))  # saved before loads were recorded: kept
+    assert replaces(BUSY, calibration(SAVED, MachineLoad(1.9, 1.9, 2)))  # the saved one was busier still
+    assert replaces(None, calibration(SAVED, QUIET))  # a system without a load average: the newer one
+
+
+def test_a_pair_is_measured_again_at_most_once_per_interval():
+    assert due(None, 5.0)
+    assert not due(100.0, 699.0, 600.0) and due(100.0, 700.0, 600.0)
+
+
+def test_the_process_s_own_share_of_the_load_decays_as_the_load_average_does():
+    assert decayed(0.0, 1.0, 60.0) == pytest.approx(0.632, abs=1e-3)
+    assert decayed(1.0, 0.0, 60.0) == pytest.approx(0.368, abs=1e-3)
+    assert decayed(0.5, 0.5, 3.0) == pytest.approx(0.5)
+
+
+# --- what is saved ---------------------------------------------------------------------------------------------
+
+
+def test_an_old_profile_without_a_load_still_loads_and_a_new_one_keeps_it(cache):
+    old = calibration(SAVED, None).to_dict()
+    assert "machine_load" not in old  # as files were saved before loads were recorded
+    assert Calibration.from_dict(old).load is None and Calibration.from_dict(old).profile == SAVED
+    save(calibration(SAVED, BUSY))
+    assert find_calibration(target_key(fake_target())).load == BUSY
+
+
+def test_keep_measured_keeps_a_quieter_profile_and_says_why(cache):
+    target = fake_target()
+    save(calibration(SAVED, QUIET))
+    kept, line = keep_measured(calibration(MEASURED, BUSY), target)
+    assert not kept and "measured at load 0.30 on 2 cores" in line and "load 1.70" in line
+    assert find_calibration(target_key(target)).profile == SAVED
+    saved, line = keep_measured(calibration(MEASURED, QUIET), target)
+    assert saved and "target step 100.0 ms (was 300.0)" in line
+    assert find_calibration(target_key(target)).profile == MEASURED
+
+
+def test_the_api_keeps_a_profile_a_run_found_off_and_warns_once(cache, now_quiet, no_calibration, caplog):
+    """uag.api.stream / generate (and so the CLI): the profile stays; one warning line names the fix."""
+    target, lookup = fake_target(), DrafterChoice(lookup=True)
+    save(calibration(SAVED, QUIET))
+    kw: dict = {}
+    close = open_auto(target, lookup, kw)
+    assert kw["profile"] == SAVED
+    kw["evidence"].scale = 1 / 3  # the run's passes took a third of the saved times
+    with caplog.at_level(logging.WARNING, logger="uag.study.pair_costs"):
+        close()
+    (line,) = [r.getMessage() for r in caplog.records if "org/target" in r.getMessage()]  # not other tests' servers
+    assert "took 0.33× the saved times" in line and "uag calibrate --target org/target --drafter lookup" in line
+    assert profile_path(target_key(target)).exists()
+
+
+# --- the server ------------------------------------------------------------------------------------------------
+
+
+def test_a_stale_profile_does_not_stall_a_request_and_is_measured_again_once_when_idle(
+    cache, now_quiet, no_calibration, caplog
+):
+    measure, stream = Measure(), Stream(scale=1 / 3)
+    served = service(measure, stream)
+    worker = served.runner.worker
+    save(calibration(SAVED, QUIET))
+    path = profile_path(target_key(fake_target()))
+    release = threading.Event()
+
+    def hold(_job):  # other work holding the worker: the app's run, the next request
+        release.wait(30)
+        yield
+
+    with caplog.at_level(logging.INFO, logger="uag.server.service"):
+        items = served.runner.run(served.job, request(), label="an API request")
+        first = next(items)
+        held = worker.submit(hold, label="other work")  # queued behind the request, before its run ends
+        done = [first, *items][-1]
+        assert done.finish == "stop" and stream.profiles == [SAVED] and path.exists()
+        time.sleep(1.0)  # the keeper waits while the worker is busy: nothing measured, nothing queued behind it
+        assert measure.calls == 0 and worker.backlog == 0 and [w.reason for w in served.costs.pending]
+        release.set()
+        held.wait(5)
+        assert wait_for(lambda: measure.calls == 1 and not served.costs.pending)
+    assert find_calibration(target_key(fake_target())).profile == MEASURED
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("measuring them again in the background" in m for m in messages) == 1, messages
+    assert any("saved the costs of org/target ← lookup measured at load 0.30 on 2 cores" in m for m in messages)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="uag.server.service"):
+        ask(served)  # the same verdict again within the interval: not measured again, said once
+        ask(served)
+        time.sleep(0.8)
+    assert measure.calls == 1 and stream.profiles[-1] == MEASURED
+    (line,) = [r.getMessage() for r in caplog.records if "org/target" in r.getMessage()]  # not other tests' servers
+    assert "measured 0 min ago, so not again before 10 min have passed" in line
+
+
+def test_a_request_without_a_profile_runs_without_one_and_schedules_its_measurement(cache, now_quiet, no_calibration):
+    measure, stream = Measure(), Stream(scale=1.0)
+    served = service(measure, stream)
+    done = ask(served)[-1]
+    assert done.finish == "stop" and stream.profiles == [None]
+    assert wait_for(lambda: measure.calls == 1) and find_calibration(target_key(fake_target())) is not None
+
+
+def test_a_background_measurement_stops_for_a_request_and_starts_again_when_idle():
+    worker, measure = MLXWorker(), Measure(hold=True)
+    started = threading.Event()
+
+    def measured(job, wanted, cancel):
+        try:
+            started.set()
+            measure(None, None, cancel=cancel)
+        except uag.study.calibrate.MeasurementStopped:
+            return False
+        return True
+
+    keeper = CostKeeper(worker, measured, lambda wanted: True, settle_s=0.05, poll_s=0.01)
+    wanted = Wanted({"target": "t", "drafter": "lookup"}, "lookup", "no costs are saved for it yet")
+    assert keeper.want(wanted) == "scheduled"
+    assert started.wait(10)
+
+    def answer(_job):
+        yield "a reply"
+
+    request_job = worker.submit(answer, label="a request")
+    assert request_job.wait(5)  # it waited one of the measurement's passes, not the measurement
+    assert wait_for(lambda: measure.calls == 2 and not keeper.pending)
+    assert measure.stopped == 1
+    assert keeper.want(wanted) == "deferred" and keeper.want(wanted) == ""  # within the interval: said once
+
+
+def test_the_time_budget_starts_when_the_job_does(cache, now_quiet):
+    """Loading that outlasts --time-budget ends the request with a 503 before anything is generated."""
+    served = service(Measure(), Stream(scale=1.0), budget_s=0.2, load_s=0.6)
+    with pytest.raises(APIError) as err:
+        ask(served)
+    assert err.value.status == 503 and err.value.code == "timeout" and "--time-budget" in err.value.message
+
+
+def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising():
+    served = service(Measure(), Stream(scale=1.0))
+    target = fake_target(context=10)  # at most 4 characters a token: 40 characters
+    with pytest.raises(APIError) as err:
+        served.prompt(target, None, request("x" * 41))
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded" and target.tokenizer.encoded == 0
+    chat = Request("chat", model="m", config=GenerationConfig(), drafter=None,
+                   messages=({"role": "user", "content": "y" * 41},))  # fmt: skip
+    with pytest.raises(APIError, match="41 characters"):
+        served.prompt(target, None, chat)
+    assert served.prompt(target, None, request("x" * 36)) and target.tokenizer.encoded == 1
+    assert chars_per_token(SimpleNamespace()) is None  # a tokenizer that lists no vocabulary: no bound
+
+
+def test_the_step_time_survives_a_profile_found_off_and_is_learned_without_one(cache):
+    served = service(Measure(), Stream(scale=1.0))
+    target, run = fake_target(), Run("auto", "org/target", policy="auto")
+    evidence = Evidence(verify_ms={1: 42.0})
+    assert served.step_time(target, DrafterChoice(lookup=True), run, evidence).ms == 42.0
+    save(calibration(SAVED, QUIET))
+    assert served.step_time(target, DrafterChoice(lookup=True), run, evidence).ms == 300.0
+
+
+def test_start_up_measures_the_offered_pairs_without_costs(cache, now_quiet, no_calibration):
+    measure, said = Measure(), []
+    served = service(measure, Stream(scale=1.0))
+    served.preload(progress=said.append).wait(10)
+    assert measure.calls == 1 and find_calibration(target_key(fake_target())).profile == MEASURED
+    served.preload().wait(10)
+    assert measure.calls == 1  # saved: not measured again

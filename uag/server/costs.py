@@ -1,0 +1,190 @@
+"""Measuring a pair's costs off every request's path: `CostKeeper` measures the costs auto decides by, for a pair
+with none saved or whose saved ones a run found off, on the MLX worker only while it is idle, stops for a request
+and measures a pair at most once per interval (`due`). What is measured and saved is `uag.server.service`'s
+(`Service._measure`) and `uag.study.pair_costs`'s; this module only decides when. Standard library only.
+
+    keeper = CostKeeper(worker, measure, ready)
+    keeper.want(Wanted(key, "lookup+demo-drafter", "no costs are saved for it yet"))   # -> "scheduled"
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from uag.runtime.worker import Job, MLXWorker
+
+log = logging.getLogger(__name__)
+
+REMEASURE_S = 600.0  # a pair's costs are measured at most this often: a few busy minutes cause no storm
+SETTLE_S = 2.0  # the worker idle this long before a background measurement starts
+POLL_S = 0.25  # how often the keeper looks at the worker
+LOAD_EVERY_S = 5.0  # how often it reads the load, so that this process's own share follows its work
+
+
+def due(last_s: float | None, now_s: float, interval_s: float = REMEASURE_S) -> bool:
+    """Whether a pair last measured at `last_s` (None: not by this server) may be measured again at `now_s`.
+
+    Example: due(None, 5.0) -> True;  due(100.0, 400.0, 600.0) -> False;  due(100.0, 700.0, 600.0) -> True
+    """
+    return last_s is None or now_s - last_s >= interval_s
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A pair whose costs are to be measured: its profile key, the drafter as a request named it, and why."""
+
+    key: dict
+    drafter: str | None
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return json.dumps(self.key, sort_keys=True)
+
+
+class CostKeeper:
+    """Measures the server's pairs' costs off every request's path. A pair with none saved, or whose saved ones a
+    run found off, is measured on the MLX worker only once it has been idle (nothing queued or running) for
+    `settle_s`; `measure(job, wanted, cancel)` runs there, asks `cancel` between passes (True once a request is
+    queued: it stops, and starts again at the next idle moment) and returns True once the pair is done with
+    (measured, kept, or not worth measuring now), False to try again later. A pair is measured at most once per
+    `interval_s`; `ready(wanted)` says whether its models are loaded (none is loaded for a measurement). At the
+    process's exit a measurement in progress is stopped and waited for (MLX aborts the process when it exits in
+    the middle of a pass on another thread)."""
+
+    def __init__(
+        self,
+        worker: MLXWorker,
+        measure: Callable[[Job, Wanted, Callable[[], bool]], bool],
+        ready: Callable[[Wanted], bool],
+        *,
+        interval_s: float = REMEASURE_S,
+        settle_s: float = SETTLE_S,
+        poll_s: float = POLL_S,
+    ):
+        self.worker, self.measure, self.ready = worker, measure, ready
+        self.interval_s, self.settle_s, self.poll_s = interval_s, settle_s, poll_s
+        self._pending: dict[str, Wanted] = {}
+        self._last: dict[str, float] = {}  # pair -> when this server last measured it (time.monotonic)
+        self._deferred: set[str] = set()  # pairs wanted again within their interval, and said so
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._running: Job | None = None  # the job measuring now, if any
+        atexit.register(self.close)
+
+    def want(self, wanted: Wanted) -> str:
+        """Measure `wanted` when the worker is idle, unless it is waiting already or was measured less than
+        `interval_s` ago: "scheduled", "waiting", "deferred" (measured lately; said once per interval) or ""
+        (deferred, and said already)."""
+        with self._lock:
+            name, last = wanted.name, self._last.get(wanted.name)
+            if name in self._pending:
+                return "waiting"
+            if not due(last, time.monotonic(), self.interval_s):
+                if name in self._deferred:
+                    return ""
+                self._deferred.add(name)
+                return "deferred"
+            self._pending[name] = wanted
+        self.start()
+        self._wake.set()
+        return "scheduled"
+
+    def start(self) -> None:
+        """Start watching the worker (and reading the load every few seconds, so that this process's own share
+        of it is known when a measurement needs it); `want` starts it too."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="uag-serve-costs", daemon=True)
+                self._thread.start()
+
+    def measured(self, key: dict) -> None:
+        """The pair was just measured (or judged) elsewhere (the start-up job): its interval starts now."""
+        with self._lock:
+            self._last[json.dumps(key, sort_keys=True)] = time.monotonic()
+            self._deferred.discard(json.dumps(key, sort_keys=True))
+
+    def since(self, key: dict) -> float | None:
+        """Seconds since this server last measured the pair; None if it has not."""
+        last = self._last.get(json.dumps(key, sort_keys=True))
+        return None if last is None else time.monotonic() - last
+
+    @property
+    def pending(self) -> list[Wanted]:
+        with self._lock:
+            return list(self._pending.values())
+
+    def cancel_for(self, job: Job) -> Callable[[], bool]:
+        """What a measurement on `job` asks between passes: True once a request is queued behind it, the job is
+        cancelled, or the keeper is closing."""
+        self._running = job
+        return lambda: job.cancelled.is_set() or self.worker.backlog > 0 or self._closing.is_set()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Measure nothing more; stop a measurement in progress at its next pass and wait for it."""
+        self._closing.set()
+        self._wake.set()
+        running = self._running
+        if running is not None and running.started.is_set():
+            running.wait(timeout_s)
+
+    def _loop(self) -> None:
+        from uag.study.profiles import others_load
+
+        idle_since, read_load = None, 0.0
+        while not self._closing.is_set():
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            now = time.monotonic()
+            if now >= read_load:
+                others_load()
+                read_load = now + LOAD_EVERY_S
+            busy = self.worker.current is not None or self.worker.backlog
+            ready = [] if busy else [wanted for wanted in self.pending if self.ready(wanted)]
+            if not ready:
+                idle_since = None
+                continue
+            idle_since = now if idle_since is None else idle_since
+            if now - idle_since >= self.settle_s and not self._closing.is_set():
+                self._run(ready[0])
+                idle_since = None
+
+    def _run(self, wanted: Wanted) -> None:
+        job = self.worker.submit(self._job, wanted, label=f"measuring auto's costs for {wanted.key['target']} ← "
+                                 f"{wanted.key['drafter']} (stops for a request)")  # fmt: skip
+        try:
+            (done,) = list(job)
+        except Exception:
+            log.error("measuring auto's costs failed; not tried again for this pair", exc_info=True)
+            done = True
+        if done:
+            with self._lock:
+                self._pending.pop(wanted.name, None)
+                self._last[wanted.name] = time.monotonic()
+                self._deferred.discard(wanted.name)
+
+    def _job(self, job: Job, wanted: Wanted) -> Iterator[bool]:
+        if self.worker.backlog:  # a request came in between the look and the submission: it goes first
+            yield False
+            return
+        yield self.measure(job, wanted, self.cancel_for(job))
+
+
+def every(say: Callable[[str], None], seconds: float) -> Callable[[str], None]:
+    """`say`, at most once every `seconds` (the first line at once)."""
+    last = [-float("inf")]
+
+    def throttled(text: str) -> None:
+        if time.monotonic() - last[0] >= seconds:
+            last[0] = time.monotonic()
+            say(text)
+
+    return throttled
