@@ -28,6 +28,11 @@ WEATHER = {
 }
 
 
+def _schema(parameters) -> dict:
+    """Request fields declaring one tool with these `parameters` (what uag.server.chat.fits later reads)."""
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
+
+
 def chat(**fields):
     return parse_chat({"model": "demo-target", "messages": HI, **fields}, DEFAULTS)
 
@@ -66,7 +71,13 @@ def test_speculative_narrows_the_defaults(speculative, drafter, strategy, k):
     ("fields", "status", "param", "words"),
     [
         ({"n": 2}, 400, "n", "n must be 1"),
-        ({"top_p": 0.5}, 400, "top_p", "top_p must be 1"),
+        ({"top_p": 0}, 400, "top_p", "above 0 and at most 1"),
+        ({"top_k": -1}, 400, "top_k", "from 0 to"),
+        ({"top_k": 2.5}, 400, "top_k", "whole number"),
+        ({"min_p": 1.5}, 400, "min_p", "from 0 to 1"),
+        ({"repetition_penalty": 0}, 400, "repetition_penalty", "above 0 and at most 10"),
+        ({"presence_penalty": 3}, 400, "presence_penalty", "from -2 to 2"),
+        ({"frequency_penalty": "some"}, 400, "frequency_penalty", "must be a number"),
         ({"temperature": 3}, 400, "temperature", "from 0 to 2"),
         ({"temperature": "hot"}, 400, "temperature", "must be a number"),
         ({"seed": -1}, 400, "seed", "from 0 to"),
@@ -77,7 +88,7 @@ def test_speculative_narrows_the_defaults(speculative, drafter, strategy, k):
         ({"stream": "yes"}, 400, "stream", "true or false"),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when stream"),
         ({"logprobs": True}, 400, "logprobs", "does not support logprobs"),
-        ({"presence_penalty": 0.5}, 400, "presence_penalty", "does not support"),
+        ({"logit_bias": {"15": 5}}, 400, "logit_bias", "does not support"),
         ({"frobnicate": 1}, 400, "frobnicate", "unrecognized"),
         ({"model": "gpt-4"}, 404, "model", "does not exist"),
         ({"messages": []}, 400, "messages", "at least one message"),
@@ -90,8 +101,17 @@ def test_speculative_narrows_the_defaults(speculative, drafter, strategy, k):
         ({"speculative": {"strategy": "baseline"}}, 400, "speculative", 'speculative": false'),
         ({"speculative": {"drafter": "lookup", "speed": 2}}, 400, "speculative", "unknown key"),
         ({"speculative": "fast"}, 400, "speculative", "must be false, true or an object"),
+        ({"speculative": {"window": "4"}}, 400, "speculative", "window must be a whole number"),
+        ({"speculative": {"strategy": ["auto"]}}, 400, "speculative", "strategy must be one of"),
+        ({"n": 10**400}, 400, "n", "from 1 to"),
+        ({"temperature": 10**400}, 400, "temperature", "from 0 to 2"),
+        ({"max_tokens": float("inf")}, 400, "max_tokens", "whole number"),
+        ({"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, "messages[0].name", "must be a string"),
         ({"tools": [{"type": "function"}]}, 400, "tools[0]", "function"),
         ({"tool_choice": "required"}, 400, "tool_choice", "auto"),
+        (_schema({"required": "city"}), 400, "tools[0].function.parameters", "required must be a list of strings"),
+        (_schema({"properties": {"a": {"enum": None}}}), 400, "tools[0].function.parameters", "enum must be a list"),
+        (_schema({"type": 3}), 400, "tools[0].function.parameters", "type must be a string"),
     ],
 )
 def test_bad_fields_are_one_clear_error(fields, status, param, words):
@@ -302,3 +322,103 @@ def test_serve_k_defaults_to_autos_longest_draft_and_the_studys_k_for_a_fixed_st
     assert serve_args("--strategy", "context")[1]["config"].k == 2
     assert serve_args("--strategy", "context", "-k", "5")[1]["config"].k == 5
     assert serve_args("-k", "8")[1]["config"].k == 8
+
+
+# --- samplers, nulls, and values no error may echo raw ------------------------------------------------------------
+SAMPLING = {"top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+            "frequency_penalty": -0.5}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_the_samplers_clients_send_reach_the_config(kind):
+    body = {"model": "demo-target", "temperature": 0.7, **SAMPLING}
+    parse = parse_chat if kind == "chat" else parse_completion
+    config = parse({**body, **({"messages": HI} if kind == "chat" else {"prompt": "Ala"})}, DEFAULTS).config
+    assert {name: getattr(config, name) for name in SAMPLING} == SAMPLING and config.temperature == 0.7
+    plain = chat(**dict.fromkeys(SAMPLING)).config  # null: as if absent, every sampler off
+    assert (plain.top_p, plain.top_k, plain.min_p, plain.repetition_penalty) == (1, 0, 0, 1)
+    assert plain.presence_penalty == plain.frequency_penalty == 0
+
+
+def test_check_takes_penalties_at_temperature_0():
+    """Greedy with a penalty is still deterministic, so the check compares it; sampling still is refused."""
+    request = chat(repetition_penalty=1.3, top_k=5, speculative={"check": True})
+    assert request.check and request.config.repetition_penalty == 1.3
+    with pytest.raises(APIError, match="temperature 0"):
+        chat(temperature=0.5, repetition_penalty=1.3, speculative={"check": True})
+
+
+def test_null_keys_of_speculative_take_the_servers_defaults():
+    request = chat(speculative={"k": None, "window": None, "strategy": None, "drafter": None, "check": None})
+    assert (request.drafter, request.config.strategy, request.config.k) == ("lookup+demo-drafter", "auto", 8)
+    assert request.config.window == DEFAULTS.window and not request.check
+
+
+LONE = "\ud800"  # what a client's JSON "\\ud800" decodes to: no UTF-8 encoding exists for it
+
+
+def _called(*calls) -> dict:
+    """Request fields whose second message is an assistant's with these tool calls."""
+    return {"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": list(calls)}]}
+
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+ARGUMENTS = "messages[1].tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": LONE}, "n"),
+        ({"model": LONE}, "model"),
+        ({LONE: 1}, "\\ud800"),
+        ({"speculative": {"strategy": LONE}}, "speculative"),
+        ({"speculative": {"drafter": LONE}}, "speculative"),
+        ({"speculative": {LONE: 1}}, "speculative"),
+        ({"messages": [{"role": LONE, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x", "name": LONE}]}, "messages[0].name"),
+        ({"messages": [{"role": "user", "content": [{"type": LONE}]}]}, "messages[0].content"),
+        (_called({"id": LONE, "function": {"name": "f", "arguments": "{}"}}), "messages[1].tool_calls[0].id"),
+        (_called({"function": {"name": "f", "arguments": {"x": [LONE]}}}), ARGUMENTS),
+        (_called({"function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}), ARGUMENTS),  # the escape, in JSON text
+        ({"tool_choice": LONE}, "tool_choice"),
+        ({"tools": [{**TOOL, "function": {"name": LONE}}]}, "tools[0].function"),
+        ({"tools": [{**TOOL, "function": {"name": "f", "description": LONE}}]}, "tools[0].function"),
+        ({"stop": [LONE]}, "stop"),
+        ({"logprobs": LONE}, "logprobs"),
+        ({"stream": True, "stream_options": {"include_usage": LONE}}, "stream_options"),
+    ],
+)
+def test_no_error_echoes_a_lone_surrogate(body, param):
+    """Found by an attacker: "\\ud800" echoed into a message could not be encoded, and the server answered 500."""
+    with pytest.raises(APIError) as caught:
+        parse_chat({"model": "demo-target", "messages": HI, **body}, DEFAULTS)
+    err = caught.value
+    assert (err.status // 100, err.param) == (4, param)
+    json.dumps(err.body(), ensure_ascii=False).encode("utf-8")  # what the HTTP layer does: no UnicodeEncodeError
+    assert err.message.isprintable()
+
+
+def test_a_completions_prompt_list_is_echoed_printable():
+    with pytest.raises(APIError) as caught:
+        parse_completion({"model": "demo-target", "prompt": [LONE, "\x1b[31m"]}, DEFAULTS)
+    assert '"\\ud800", "\\u001b[31m"' in caught.value.message
+
+
+def test_assistant_tool_calls_are_typed():
+    def calls(*items):
+        return chat(**_called(*items))
+
+    blank = calls({"id": "c1", "function": {"name": "f", "arguments": "  "}}).messages[1]["tool_calls"][0]
+    assert blank["function"]["arguments"] == {} and blank["id"] == "c1"
+    deep: object = 1
+    for _ in range(40):
+        deep = [deep]
+    for call, words in (
+        ({"id": 7, "function": {"name": "f"}}, "must be a string"),
+        ({"function": {"name": "f", "arguments": "[1]"}}, "must be a JSON object"),
+        ({"function": {"name": "f", "arguments": "{"}}, "not JSON"),
+        ({"function": {"name": "f", "arguments": {"a": deep}}}, "nested more than 32 levels"),
+    ):
+        with pytest.raises(APIError, match=words):
+            calls(call)

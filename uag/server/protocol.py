@@ -1,38 +1,64 @@
 """OpenAI's wire format for uag: a request body checked into one `Request` (a `GenerationConfig` and a drafter)
 and OpenAI error objects; the response and chunk objects are in uag.server.responses. Pure: no mlx, no HTTP.
 
-    request = parse_chat({"model": "demo-target", "messages": [{"role": "user", "content": "Hi"}]}, defaults)
-    request.config             # GenerationConfig(strategy="auto", k=16, max_tokens=512, temperature=0.0, …)
-    parse_chat({"model": "demo-target", "messages": [], "n": 2}, defaults)
-        -> APIError(400, "messages: give at least one message …", param="messages")
+    parse_chat({"model": "demo-target", "messages": [{"role": "user", "content": "Hi"}], "top_k": 40}, defaults)
+        -> Request(config=GenerationConfig(strategy="auto", k=16, top_k=40, …), …)
 
-Every problem is one `APIError` with the HTTP status, OpenAI's error `type`, the `param` at fault and a message
-that says how to fix it; it never names a Python type or a path. Fields OpenAI defines but uag does not
-implement are accepted at their neutral value (`presence_penalty: 0`) and refused otherwise, by name; fields
-OpenAI does not define are refused, as OpenAI refuses them.
-"""
+Accepted, typed and bounded as the engine bounds them (null: absent): temperature, top_p, seed, presence_penalty,
+frequency_penalty, and the top_k, min_p, repetition_penalty that llama.cpp, vLLM and Open WebUI send; uag's
+`speculative` object. OpenAI fields uag does not implement (n, logprobs, logit_bias, …) pass only at their neutral
+value; unknown fields are refused by name. Every problem is one 4xx `APIError` naming its `param`, the client's
+value shown printable and short (`show`), never a 500."""
 
 from __future__ import annotations
 
-import math
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from uag.core.config import DEFAULT_K, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig
+from uag.core.config import DEFAULT_K, FIELD, MAX_K, MAX_WINDOW, SPECULATIVE, DrafterSpec, GenerationConfig
 from uag.core.prompt_input import check_text
 from uag.errors import InputError
 
 MAX_STOP = 4  # stop sequences, as OpenAI allows
+MAX_DEPTH = 32  # nesting of a tool's schema or a call's arguments (real ones are a few levels deep)
+SHOWN = 60  # characters of a client's value an error message repeats
 ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": OpenAI's newer name for system
 
 
+def printable(text: str) -> str:
+    """`text` with every character Python would not print (lone surrogates, control and format characters,
+    line separators) written as its escape, so that an error message always encodes as UTF-8 and reads on one line.
+
+    Example: printable("a\\ud800\\n") -> "a\\\\ud800\\\\n"
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def show(value: Any, limit: int = SHOWN) -> str:
+    """A client's value as JSON, printable and at most `limit` characters: what an error message repeats.
+
+    Example: show("\\ud800") -> '"\\\\ud800"';  show("x" * 100) -> '"xxx…'
+    """
+    if isinstance(value, str) and len(value) > limit:
+        value = value[:limit]  # the cut shows below (the closing quote goes)
+    try:
+        text = printable(json.dumps(value, ensure_ascii=False))
+    except (ValueError, TypeError, RecursionError):  # over 4300 digits, nested past the stack, not JSON
+        text = "(a value too large to show)"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 class APIError(Exception):
-    """An OpenAI error object with its HTTP status."""
+    """An OpenAI error object with its HTTP status. The message and param are made printable (`printable`)."""
 
     TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        message, param = printable(message), None if param is None else printable(param)[:SHOWN]
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = self.TYPES.get(status, "invalid_request_error")
@@ -84,9 +110,10 @@ class Request:
 
 
 # --- request fields -------------------------------------------------------------------------------------------
+SAMPLERS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 COMMON = {
-    "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
-    "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "speculative", "metadata", "store",
+    "model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "n", "user", "logit_bias",
+    "logprobs", "speculative", "metadata", "store", *SAMPLERS,
 }  # fmt: skip
 CHAT = COMMON | {
     "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
@@ -95,23 +122,24 @@ CHAT = COMMON | {
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
 # Fields accepted only at a value that asks for nothing (what uag does anyway).
 NEUTRAL = {
-    "frequency_penalty": (0, None), "presence_penalty": (0, None), "logit_bias": ({}, None),
-    "logprobs": (False, None), "top_logprobs": (None, 0), "echo": (False, None), "suffix": (None, ""),
-    "best_of": (1, None), "response_format": (None, {"type": "text"}), "service_tier": (None, "auto", "default"),
-    "reasoning_effort": (None,), "modalities": (None, ["text"]), "prediction": (None,), "functions": (None,),
+    "logit_bias": ({}, None), "logprobs": (False, None), "top_logprobs": (None, 0), "echo": (False, None),
+    "suffix": (None, ""), "best_of": (1, None), "response_format": (None, {"type": "text"}),
+    "service_tier": (None, "auto", "default"), "reasoning_effort": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "functions": (None,),
 }  # fmt: skip
+SPECULATIVE_KEYS = ("drafter", "k", "strategy", "window", "check")
 
 
 def _object(body: Any, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
+    unknown = sorted(set(body) - allowed, key=str)
     if unknown:
-        raise bad(unknown[0], f"unrecognized request field {unknown[0]!r}", "unknown_parameter")
+        raise bad(str(unknown[0]), f"unrecognized request field {show(unknown[0])}", "unknown_parameter")
     for name, values in NEUTRAL.items():
         value = body.get(name)
         if value is not None and not any(_same(value, v) for v in values):
-            raise bad(name, f"uag does not support {name} (got {_show(value)}); leave it out")
+            raise bad(name, f"uag does not support {name} (got {show(value)}); leave it out")
     return body
 
 
@@ -122,33 +150,34 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-def _show(value: Any) -> str:
-    """A value as the client wrote it (JSON), shortened."""
-    import json
-
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 60 else text[:57] + "…"
+def _where(name: str, param: str | None) -> tuple[str, str]:
+    """(the param an error names, the words that open its message): a nested key names itself after its field."""
+    return (name, "") if param is None else (param, f"{name} ")
 
 
-def _whole(body: Mapping, name: str, lo: int, hi: int) -> int | None:
+def _whole(body: Mapping, name: str, lo: int, hi: int, *, param: str | None = None) -> int | None:
+    """body[name] as an int from lo to hi (None when absent or null); `param`: the field it sits in."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
-        raise bad(name, f"must be a whole number (got {_show(value)})")
+    where, label = _where(name, param)
+    if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+        raise bad(where, f"{label}must be a whole number (got {show(value)})")
     if not lo <= value <= hi:
-        raise bad(name, f"must be from {lo} to {hi} (got {_show(value)})")
+        raise bad(where, f"{label}must be from {lo} to {hi} (got {show(value)})")
     return int(value)
 
 
-def _number(body: Mapping, name: str, lo: float, hi: float) -> float | None:
+def _number(body: Mapping, name: str, lo: float, hi: float, *, above: bool = False) -> float | None:
+    """body[name] as a float from lo (`above`: greater than lo) to hi; None when absent or null."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(name, f"must be a number (got {_show(value)})")
-    if not lo <= value <= hi:
-        raise bad(name, f"must be from {lo:g} to {hi:g} (got {_show(value)})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(name, f"must be a number (got {show(value)})")
+    if not (lo < value if above else lo <= value) or not value <= hi:  # NaN fails here too
+        first = f"above {lo:g} and at most" if above else f"from {lo:g} to"
+        raise bad(name, f"must be {first} {hi:g} (got {show(value)})")
     return float(value)
 
 
@@ -158,18 +187,35 @@ def _flag(body: Mapping, name: str, param: str | None = None) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        where = name if param is None else param
-        raise bad(where, f"{'' if param is None else name + ' '}must be true or false (got {_show(value)})")
+        where, label = _where(name, param)
+        raise bad(where, f"{label}must be true or false (got {show(value)})")
     return value
 
 
 def _text(value: Any, param: str) -> str:
     if not isinstance(value, str):
-        raise bad(param, f"must be a string (got {_show(value)})")
+        raise bad(param, f"must be a string (got {show(value)})")
     try:
         return check_text(value, param)
     except InputError as err:
         raise bad(param, str(err).removeprefix(f"{param} ")) from None
+
+
+def _plain(value: Any, param: str, depth: int = 0) -> Any:
+    """`value` (JSON) unchanged, or 400 when a string in it (a key too) is not valid text or it nests deeper than
+    MAX_DEPTH: what reaches the chat template and the tokenizer. Example: _plain({"a": ["\\ud800"]}, "p") -> 400"""
+    if depth > MAX_DEPTH:
+        raise bad(param, f"is nested more than {MAX_DEPTH} levels deep")
+    if isinstance(value, str):
+        _text(value, param)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _text(key, param)
+            _plain(item, param, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _plain(item, param, depth + 1)
+    return value
 
 
 def _stop(body: Mapping) -> tuple[str, ...]:
@@ -178,32 +224,43 @@ def _stop(body: Mapping) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP:
-        raise bad("stop", f"must be a string or a list of 1 to {MAX_STOP} strings (got {_show(value)})")
+        raise bad("stop", f"must be a string or a list of 1 to {MAX_STOP} strings (got {show(value)})")
     out = tuple(_text(s, "stop") for s in stops)
     if not all(out):
         raise bad("stop", "a stop sequence cannot be empty")
     return out
 
 
+def _samplers(body: Mapping) -> dict[str, float | int]:
+    """The sampling fields the request sets (absent and null left out), typed and bounded as the engine bounds
+    them (uag.core.config.SAMPLING_FIELDS); top_k 0, min_p 0, top_p 1, repetition_penalty 1 and the two
+    penalties 0 are off. Example: {"top_k": 40, "min_p": null} -> {"top_k": 40}"""
+    given = {}
+    for name in SAMPLERS:
+        lo, hi = FIELD[name].lo, FIELD[name].hi
+        if name == "top_k":
+            given[name] = _whole(body, name, int(lo), int(hi))
+        else:  # top_p 0 would keep no token, repetition_penalty 0 divide by zero
+            given[name] = _number(body, name, lo, hi, above=name in ("top_p", "repetition_penalty"))
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def _common(body: Mapping, defaults: ServerDefaults, max_tokens_field: str) -> dict[str, Any]:
     """The fields chat and completions share: model, sampling, stop, streaming, n, speculation."""
     model = body.get("model")
     if model is None:
-        raise bad("model", f"required: name the model to use ({defaults.model!r}, see GET /v1/models)")
+        raise bad("model", f"required: name the model to use ({show(defaults.model)}, see GET /v1/models)")
     if not isinstance(model, str):
-        raise bad("model", f"must be a string (got {_show(model)})")
+        raise bad("model", f"must be a string (got {show(model)})")
     if model != defaults.model:
         raise APIError(
             404,
-            f"the model {model[:80]!r} does not exist on this server: it serves {defaults.model!r} (GET /v1/models)",
+            f"the model {show(model)} does not exist on this server: it serves {show(defaults.model)} (GET /v1/models)",
             param="model",
             code="model_not_found",
         )
     if _whole(body, "n", 1, 2**31) not in (None, 1):
-        raise bad("n", f"uag generates one choice per request: n must be 1 (got {_show(body['n'])})")
-    top_p = _number(body, "top_p", 0, 1)
-    if top_p is not None and top_p != 1:
-        raise bad("top_p", f"uag samples from the whole distribution: top_p must be 1 (got {top_p:g}); use temperature")
+        raise bad("n", f"uag generates one choice per request: n must be 1 (got {show(body['n'])})")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -211,8 +268,8 @@ def _common(body: Mapping, defaults: ServerDefaults, max_tokens_field: str) -> d
         if not stream:
             raise bad("stream_options", "only allowed when stream is true")
         if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
-            raise bad("stream_options", f'takes {{"include_usage": true|false}} (got {_show(options)})')
-        include_usage = _flag(options, "include_usage")
+            raise bad("stream_options", f'takes {{"include_usage": true|false}} (got {show(options)})')
+        include_usage = _flag(options, "include_usage", param="stream_options")
     max_tokens = _whole(body, max_tokens_field, 1, 2**31)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens, max_tokens_field = _whole(body, "max_tokens", 1, 2**31), "max_tokens"
@@ -220,73 +277,73 @@ def _common(body: Mapping, defaults: ServerDefaults, max_tokens_field: str) -> d
         "max_tokens": defaults.max_tokens if max_tokens is None else max_tokens,
         "temperature": _number(body, "temperature", 0, 2) or 0.0,
         "seed": _whole(body, "seed", 0, 2**31 - 1),
+        **_samplers(body),
     }
     drafter, speculation, check = _speculative(body.get("speculative"), defaults)
     if check and fields["temperature"]:
         raise bad("speculative", "check compares greedy outputs token for token: send temperature 0 (or none)")
-    fields.update(speculation)
-    names = {"max_tokens": max_tokens_field, "temperature": "temperature", "seed": "seed"}
+    names = {"max_tokens": max_tokens_field}  # the request field each setting came from (speculation's: its own)
     for name, value in fields.items():  # each checked alone, so that the message names its request field
         try:
             GenerationConfig.parse(**{name: value})
         except InputError as err:
-            param = names.get(name, "speculative")
-            raise bad(param, str(err)) from None
-    config = GenerationConfig.parse(**fields, chat=False)
+            raise bad(names.get(name, name), str(err)) from None
+    try:
+        config = GenerationConfig.parse(**fields, **speculation, chat=False)
+    except InputError as err:
+        raise bad("speculative", str(err)) from None
     return {"model": model, "config": config, "drafter": drafter, "stop": _stop(body), "stream": stream,
             "include_usage": include_usage, "check": check}  # fmt: skip
 
 
 def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict[str, Any], bool]:
-    """(drafter or None, config fields, check) for the request's `speculative`: false, true/absent, or an object.
-    `check`: also run the target alone and compare (greedy only; see uag.server.service)."""
-    base = {"strategy": defaults.strategy, "k": defaults.k, "window": defaults.window}
+    """(drafter or None, config fields, check) for the request's `speculative`: false, true/absent, or an object
+    whose keys are each optional (null: absent). `check`: also run the target alone and compare (greedy only; see
+    uag.server.service)."""
     if value is None or value is True:
         if defaults.drafter is None:
             return None, {"strategy": "baseline"}, False
-        return defaults.drafter, base, False
+        return defaults.drafter, {"strategy": defaults.strategy, "k": defaults.k, "window": defaults.window}, False
     if value is False:
         return None, {"strategy": "baseline"}, False
     if not isinstance(value, dict):
         raise bad("speculative", f'must be false, true or an object like {{"drafter": "lookup", "k": 4}} '
-                  f"(got {_show(value)})")  # fmt: skip
-    unknown = sorted(set(value) - {"drafter", "k", "strategy", "window", "check"})
+                  f"(got {show(value)})")  # fmt: skip
+    unknown = sorted(set(value) - set(SPECULATIVE_KEYS), key=str)
     if unknown:
-        raise bad("speculative", f"unknown key {unknown[0]!r}: it takes drafter, k, strategy, window and check")
+        raise bad("speculative", f"unknown key {show(unknown[0])}: it takes {', '.join(SPECULATIVE_KEYS)}")
     check = _flag(value, "check", param="speculative")
     if check and not defaults.checks:
         raise bad("speculative", "check is not available on a sharded server (--shard): its near-tie margins need "
                   "the whole target on one machine; compare with `uag generate --strategy baseline` there")  # fmt: skip
     allowed = defaults.allowed
-    drafter = value.get("drafter", defaults.drafter)
+    drafter = defaults.drafter if value.get("drafter") is None else value["drafter"]
     if drafter is None:
         raise bad("speculative", f"name a drafter: this server allows {_listed(allowed)}")
     if not isinstance(drafter, str):
-        raise bad("speculative", f"drafter must be a string (got {_show(drafter)})")
+        raise bad("speculative", f"drafter must be a string (got {show(drafter)})")
     try:
         normal = str(DrafterSpec.parse(drafter))
     except InputError:
         normal = drafter
     if normal not in allowed:
-        raise bad("speculative", f"drafter {drafter[:80]!r} is not served here: choose one of {_listed(allowed)}")
-    strategy = value.get("strategy", defaults.strategy)
-    if strategy not in SPECULATIVE:
-        raise bad("speculative", f"strategy must be one of {', '.join(SPECULATIVE)} (got {_show(strategy)}); "
+        raise bad("speculative", f"drafter {show(drafter)} is not served here: choose one of {_listed(allowed)}")
+    strategy = defaults.strategy if value.get("strategy") is None else value["strategy"]
+    if not isinstance(strategy, str) or strategy not in SPECULATIVE:
+        raise bad("speculative", f"strategy must be one of {', '.join(SPECULATIVE)} (got {show(strategy)}); "
                   "for the target alone send \"speculative\": false")  # fmt: skip
-    if "k" in value:
-        k = _whole(value, "k", 1, MAX_K)
-    elif strategy != "auto" and defaults.strategy == "auto":  # auto's -k is its longest draft, not a fixed length
-        k = min(defaults.k, DEFAULT_K)
-    else:
-        k = defaults.k
+    k = _whole(value, "k", 1, MAX_K, param="speculative")
+    if k is None:  # auto's -k is its longest draft, not a fixed length
+        k = min(defaults.k, DEFAULT_K) if strategy != "auto" and defaults.strategy == "auto" else defaults.k
     if k > defaults.k:
         raise bad("speculative", f"k must be from 1 to {defaults.k}, this server's -k (got {k})")
-    window = value.get("window", defaults.window)
-    return normal, {**base, "strategy": strategy, "k": k, "window": window}, check
+    window = _whole(value, "window", 0, MAX_WINDOW, param="speculative")
+    window = defaults.window if window is None else window
+    return normal, {"strategy": strategy, "k": k, "window": window}, check
 
 
 def _listed(names: Sequence[str]) -> str:
-    return ", ".join(repr(n) for n in names) if names else "no drafter (speculation is off on this server)"
+    return ", ".join(show(n) for n in names) if names else "no drafter (speculation is off on this server)"
 
 
 # --- chat and completions ---------------------------------------------------------------------------------------
@@ -301,12 +358,12 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> Request:
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        raise bad("tool_choice", f'uag supports "auto" and "none" (got {_show(choice)})')
+        raise bad("tool_choice", f'uag supports "auto" and "none" (got {show(choice)})')
     if choice == "none":
         tools = ()
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls", f"must be true or false (got {_show(parallel)})")
+        raise bad("parallel_tool_calls", f"must be true or false (got {show(parallel)})")
     return Request("chat", messages=checked, tools=tools, **common)
 
 
@@ -318,7 +375,7 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> Request:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise bad("prompt", f"must be one string (got {_show(prompt)})")
+        raise bad("prompt", f"must be one string (got {show(prompt)})")
     prompt = _text(prompt, "prompt")
     if not prompt.strip():
         raise bad("prompt", "the prompt is empty")
@@ -329,10 +386,10 @@ def _message(message: Any, i: int) -> dict:
     """One message as the chat template takes it: role, content text, and an assistant's tool calls."""
     where = f"messages[{i}]"
     if not isinstance(message, dict):
-        raise bad(where, f"must be an object with role and content (got {_show(message)})")
+        raise bad(where, f"must be an object with role and content (got {show(message)})")
     role = message.get("role")
-    if role not in ROLES:
-        raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {_show(role)})")
+    if not isinstance(role, str) or role not in ROLES:
+        raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {show(role)})")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role}
     content = message.get("content")
     calls = message.get("tool_calls")
@@ -343,12 +400,10 @@ def _message(message: Any, i: int) -> dict:
         if role != "assistant":
             raise bad(f"{where}.tool_calls", "only assistant messages carry tool calls")
         out["tool_calls"] = _calls(calls, f"{where}.tool_calls")
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if call_id is not None:
-            out["tool_call_id"] = _text(call_id, f"{where}.tool_call_id")
-    if isinstance(message.get("name"), str):
-        out["name"] = message["name"]
+    if role == "tool" and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = _text(message["tool_call_id"], f"{where}.tool_call_id")
+    if message.get("name") is not None:
+        out["name"] = _text(message["name"], f"{where}.name")
     return out
 
 
@@ -357,35 +412,43 @@ def _content(content: Any, param: str) -> str:
     if isinstance(content, str):
         return _text(content, param)
     if not isinstance(content, list):
-        raise bad(param, f"must be a string or a list of text parts (got {_show(content)})")
+        raise bad(param, f"must be a string or a list of text parts (got {show(content)})")
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
             raise bad(param, f"uag reads text only: parts must be {{\"type\": \"text\", \"text\": …}} "
-                      f"(got a part of type {_show(kind)})")  # fmt: skip
+                      f"(got a part of type {show(kind)})")  # fmt: skip
         texts.append(_text(part["text"], param))
     return "".join(texts)
 
 
 def _calls(calls: Any, param: str) -> list[dict]:
-    import json
-
+    """An assistant's tool calls as the template takes them: id, name, and the arguments as an object."""
     if not isinstance(calls, list):
-        raise bad(param, "must be a list of tool calls")
+        raise bad(param, f"must be a list of tool calls (got {show(calls)})")
     out = []
-    for call in calls:
+    for j, call in enumerate(calls):
+        where = f"{param}[{j}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad(param, 'each tool call needs {"function": {"name": …, "arguments": …}}')
-        arguments = function.get("arguments", "{}")
+            raise bad(where, 'each tool call needs {"function": {"name": …, "arguments": …}}')
+        name = _text(function["name"], f"{where}.function.name")
+        call_id = None if call.get("id") is None else _text(call["id"], f"{where}.id")
+        arguments = function.get("arguments")
+        if arguments is None:
+            arguments = {}
         if isinstance(arguments, str):
+            text = _text(arguments, f"{where}.function.arguments")
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                raise bad(param, f"the arguments of {function['name']!r} are not JSON") from None
-        out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})  # fmt: skip
+                arguments = json.loads(text) if text.strip() else {}
+            except (ValueError, RecursionError):
+                raise bad(f"{where}.function.arguments", f"the arguments of {show(name)} are not JSON") from None
+        if not isinstance(arguments, dict):
+            raise bad(f"{where}.function.arguments", f"must be a JSON object, or a string holding one "
+                      f"(got {show(arguments)})")  # fmt: skip
+        _plain(arguments, f"{where}.function.arguments")
+        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 
 
@@ -399,8 +462,34 @@ def _tools(tools: Any) -> tuple[dict, ...]:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": …, "parameters": {…}}}')
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        _plain(function, f"tools[{i}].function")  # its name, description and schema reach the template as text
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
             raise bad(f"tools[{i}].function.parameters", "must be a JSON Schema object")
+        _schema(parameters, f"tools[{i}].function.parameters")
         out.append({"type": "function", "function": {**function, "parameters": parameters}})
     return tuple(out)
+
+
+def _schema(schema: dict, param: str) -> None:
+    """400 unless the keywords uag.server.chat.fits reads (type, enum, required, properties, items) have the
+    shapes JSON Schema gives them, here and in every nested schema. Example: {"required": "city"} -> 400"""
+    kinds, properties = schema.get("type"), schema.get("properties")
+    if kinds is not None and not _strings(kinds, alone=True):
+        raise bad(param, f"type must be a string or a list of strings (got {show(kinds)})")
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        raise bad(param, f"enum must be a list (got {show(schema['enum'])})")
+    if "required" in schema and not _strings(schema["required"]):
+        raise bad(param, f"required must be a list of strings (got {show(schema['required'])})")
+    if properties is not None and not isinstance(properties, dict):
+        raise bad(param, f"properties must be an object (got {show(properties)})")
+    for sub in [*(properties or {}).values(), schema.get("items")]:
+        if isinstance(sub, dict):
+            _schema(sub, param)
+
+
+def _strings(value: Any, alone: bool = False) -> bool:
+    """Whether `value` is a list of strings (`alone`: or one string)."""
+    return (alone and isinstance(value, str)) or isinstance(value, list) and all(isinstance(v, str) for v in value)
