@@ -1,4 +1,5 @@
-"""The job runner every long request goes through: cancel on close, per-client limit, time budget."""
+"""The job runner every long request goes through: cancel on close, per-client share (refused or held back), time
+budget."""
 
 from __future__ import annotations
 
@@ -102,6 +103,59 @@ def test_a_client_may_queue_only_so_many_jobs(worker):
         list(items)
     assert runner.queued("203.0.113.9") == 0
     assert list(runner.run(held, label="again", client="203.0.113.9"))[-1] == "done"
+
+
+def test_beyond_its_share_a_client_waits_and_another_client_goes_between(worker):
+    """Four requests at once from one client under per_client 2: none refused; the third and fourth are held back
+    until the client's first ones end, so a second client's request queued meanwhile runs before them."""
+    runner, gate, order = JobRunner(worker, per_client=2, heartbeat_s=0.02), threading.Event(), []
+
+    def blocker(job):
+        gate.wait(10)
+        yield "open"
+
+    def record(job, name):
+        order.append(name)
+        yield name
+
+    holder = runner.run(blocker, label="holder")
+    assert isinstance(next(holder), Tick)  # the worker is held
+    mine = [runner.run(record, f"A{i}", label=f"A{i}", client="A", wait=True) for i in range(1, 5)]
+    for items in mine:
+        assert isinstance(next(items), Waiting)
+    assert runner.queued("A") == 2 and runner.held("A") == 2
+    other = runner.run(record, "B1", label="B1", client="B", wait=True)
+    assert isinstance(next(other), Waiting) and runner.queued("B") == 1
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.update({i: list(i)})) for i in (*mine, other)]
+    for thread in threads:
+        thread.start()
+    gate.set()
+    list(holder)
+    for thread in threads:
+        thread.join(10)
+    assert order == ["A1", "A2", "B1", "A3", "A4"]
+    assert [results[items][-1] for items in (*mine, other)] == ["A1", "A2", "A3", "A4", "B1"]
+    assert runner.queued("A") == runner.held("A") == runner.queued("B") == 0
+
+
+def test_a_held_job_closed_never_runs_and_the_next_in_line_takes_its_place(worker):
+    runner, gate, ran = JobRunner(worker, per_client=1, heartbeat_s=0.02), threading.Event(), []
+
+    def held(job, name):
+        gate.wait(10)
+        ran.append(name)
+        yield name
+
+    first, second, third = (runner.run(held, n, label=n, client="A", wait=True) for n in ("1", "2", "3"))
+    for items in (first, second, third):
+        next(items)
+    assert runner.held("A") == 2
+    second.close()  # its client left while it was held back
+    assert runner.held("A") == 1
+    gate.set()
+    assert list(first)[-1] == "1" and list(third)[-1] == "3"
+    assert ran == ["1", "3"] and runner.queued("A") == runner.held("A") == 0
 
 
 def test_the_time_budget_stops_a_job_and_says_so(worker):

@@ -39,8 +39,11 @@ def tiny_server():
     args, opts = serve_args("--target", folder, "--drafter", "off", "--no-ui", "--max-tokens", "64")
     script = Scripted()
     app, service = build(args, opts, stream=script)
-    with serving(app) as url:
-        yield url, service, script, folder
+    try:
+        with serving(app) as url:
+            yield url, service, script, folder
+    finally:
+        service.costs.close()  # no measuring in the background during later tests
 
 
 @pytest.fixture(scope="module")

@@ -158,10 +158,10 @@ def test_remote_users_never_see_or_use_a_path_a_local_user_loaded(tmp_path):  # 
     assert str(tmp_path) not in str(err.value) and "org/model" in str(err.value)
 
 
-def test_a_hub_shaped_name_that_is_a_local_folder_is_local(tmp_path, monkeypatch):
+def test_a_hub_shaped_name_that_is_a_local_folder_is_not_loaded_for_remote_users(tmp_path, monkeypatch):
     (tmp_path / "org" / "model").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)  # mlx-lm would load "org/model" from here rather than from the hub
-    with pytest.raises(InputError, match="not a hub id"):
+    with pytest.raises(InputError, match="not available to remote users"):  # not "a folder": tests/test_ui_boundary.py
         check_model("org/model", "target", access=REMOTE_ANY)
 
 
@@ -192,8 +192,12 @@ def test_drafter_kinds_refused(text, message):
         check_drafter(text, access=REMOTE)
 
 
-def test_client_of_takes_the_forwarded_address():
-    assert client_of("127.0.0.1", {"X-Forwarded-For": "203.0.113.9, 10.0.0.1"}) == "203.0.113.9"
+def test_client_of_believes_forwarded_addresses_only_from_trusted_proxies():
+    forwarded = {"X-Forwarded-For": "6.6.6.6, 203.0.113.9, 10.0.0.2"}  # the client wrote 6.6.6.6 itself
+    assert client_of("127.0.0.1", forwarded) == "127.0.0.1"  # no trusted proxy: anyone could send the header
+    assert client_of("198.51.100.7", forwarded, trusted_proxies=["10.0.0.0/8"]) == "198.51.100.7"
+    assert client_of("10.0.0.1", forwarded, trusted_proxies=["10.0.0.0/8"]) == "203.0.113.9"
+    assert client_of("::ffff:10.0.0.1", {"X-Real-IP": "203.0.113.5"}, trusted_proxies=["10.0.0.1"]) == "203.0.113.5"
     assert client_of("192.168.1.7", {}) == "192.168.1.7" and client_of(None) == "unknown"
 
 

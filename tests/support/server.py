@@ -19,12 +19,15 @@ def serve_args(*argv: str):
 
 
 @contextmanager
-def serving(app) -> Iterator[str]:
-    """`app` at http://127.0.0.1:<free port> while the block runs."""
+def serving(app, **limits) -> Iterator[str]:
+    """`app` at http://127.0.0.1:<free port> while the block runs, configured as `uag serve` configures uvicorn
+    (`limits`: max_connections, idle_timeout_s)."""
     import uvicorn
 
+    from uag.server.connections import server_config
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port, lifespan="on", **limits))
     thread = threading.Thread(target=server.run, name="uag-serve-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

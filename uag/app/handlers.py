@@ -20,7 +20,6 @@ from uag.app.session import Session
 from uag.app.settings import Settings
 from uag.core.config import FIELDS
 from uag.errors import UserError
-from uag.runtime.presets import by_label
 
 KEEP = object()  # leave the component as it is
 TABLE_COLUMNS = ["time", "prompt", "drafter", "strategy", "k", "alpha", "tps_base", "tps", "speedup", "identical"]
@@ -80,9 +79,8 @@ class Handlers:
         note = self.session.access_note(access)
         return Shown(note, bool(note))
 
-    @staticmethod
-    def preset(label: str) -> tuple:
-        chosen = by_label(label)
+    def preset(self, label: str) -> tuple:
+        chosen = self.session.preset(label)
         if chosen is None:
             return KEEP, KEEP, ""
         return chosen.target, chosen.drafter, chosen.note

@@ -39,6 +39,7 @@ from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore, check_pair
 from uag.runtime.access import (
     LOCAL,
     Access,
+    ServedModels,
     check_drafter,
     check_model,
     client_of,
@@ -55,7 +56,7 @@ from uag.runtime.jobs import (
     failure,
     report,
 )
-from uag.runtime.presets import DEFAULT, PRESETS
+from uag.runtime.presets import DEFAULT, PRESETS, Preset
 from uag.runtime.worker import Job, MLXWorker
 from uag.study.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
 from uag.study.margins import compare_runs
@@ -73,7 +74,10 @@ class _Cancelled(Exception):
 
 
 class Session:
-    """The app's state shared by all users: models, the MLX worker, the rules on what may be loaded."""
+    """The app's state shared by all users: models, the MLX worker, the rules on what may be loaded.
+
+    `served` (uag serve's app at /ui) replaces the app's own rules: every user may load what the API serves,
+    no more, and counts as remote for what the app shows (no server paths)."""
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class Session:
         export_dir: str | Path | None = None,
         per_client: int = DEFAULT_PER_CLIENT,
         budget_s: float | None = DEFAULT_BUDGET_S,
+        served: ServedModels | None = None,
     ):
         self.store = store or ModelStore()
         self.worker = worker or MLXWorker()
@@ -94,20 +99,36 @@ class Session:
         self.exports = Exports(export_dir)
         self.share = share
         self.remote_models = remote_models
-        self.defaults = Settings(target=target, drafter=drafter)
+        self.served = served
+        dtypes = (served.target_dtype, served.drafter_dtype) if served is not None else (None, None)
+        self.defaults = Settings(target=target, drafter=drafter, target_dtype=dtypes[0], drafter_dtype=dtypes[1])
         self._warm: set[tuple[str, str]] = set()  # pairs warmed up; touched on the worker thread only
         self._loaded: dict[tuple[str, str], Loaded] = {}  # pairs loaded and checked here (set on the worker thread)
         self.store.on_evict.append(self._forget)
 
     # --- who may load what -------------------------------------------------------------------------------
     def access(self, host: str | None, headers: Mapping[str, str] | None = None) -> Access:
-        return Access(is_remote(host, headers, share=self.share), self.remote_models)
+        # On uag serve everyone is remote: a web page can reach its loopback port through DNS rebinding.
+        remote = self.served is not None or is_remote(host, headers, share=self.share)
+        return Access(remote, self.remote_models)
 
     @staticmethod
     def client(host: str | None, headers: Mapping[str, str] | None = None) -> str:
         return client_of(host, headers)
 
-    def check_models(self, target: str, drafter: str, *, access: Access = LOCAL) -> tuple[str, str]:
+    def check_models(
+        self,
+        target: str,
+        drafter: str,
+        *,
+        access: Access = LOCAL,
+        target_dtype: str | None = None,
+        drafter_dtype: str | None = None,
+    ) -> tuple[str, str]:
+        """(target, drafter) if this user may load them; InputError saying why not, decided before the disk is
+        looked at for a remote user or on uag serve. Dtypes count only on uag serve (`served`)."""
+        if self.served is not None:
+            return self.served.check(target, drafter, target_dtype=target_dtype, drafter_dtype=drafter_dtype)
         loaded = self.store.loaded
         return (
             check_model(target, "target", access=access, loaded=loaded),
@@ -115,20 +136,29 @@ class Session:
         )
 
     def loaded_names(self, access: Access = LOCAL) -> list[str]:
-        """The models loaded now, as this user may see them (no local paths for remote users)."""
+        """The models loaded now, as this user may see them (no local paths for remote users; on uag serve,
+        the served models only)."""
+        if self.served is not None:
+            return [name for name in self.store.loaded if name in self.served.models]
         return names_for_remote(self.store.loaded) if access.remote else self.store.loaded
 
-    @staticmethod
-    def access_note(access: Access) -> str:
-        return note_for(access)
+    def access_note(self, access: Access) -> str:
+        """What this user may load, in a sentence ("" for the local user of the app)."""
+        return self.served.note if self.served is not None else note_for(access)
 
-    @staticmethod
-    def preset_choices() -> list[str]:
-        return [p.label for p in PRESETS]
+    @property
+    def presets(self) -> tuple[Preset, ...]:
+        """The pairs offered in the app's list: on uag serve, the served pairs."""
+        return self.served.presets() if self.served is not None else PRESETS
 
-    @staticmethod
-    def preset_for(target: str, drafter: str) -> str | None:
-        return next((p.label for p in PRESETS if (p.target, p.drafter) == (target, drafter)), None)
+    def preset(self, label: str | None) -> Preset | None:
+        return next((p for p in self.presets if p.label == label), None)
+
+    def preset_choices(self) -> list[str]:
+        return [p.label for p in self.presets]
+
+    def preset_for(self, target: str, drafter: str) -> str | None:
+        return next((p.label for p in self.presets if (p.target, p.drafter) == (target, drafter)), None)
 
     def r_of(self, target: str, drafter: str) -> float | None:
         """Drafter bytes / target bytes of a pair that has run here (None before, or for lookup)."""
@@ -283,7 +313,8 @@ class Session:
         """
         try:
             prompt = check_prompt(prompt)
-            target, drafter = self.check_models(settings.target, settings.drafter, access=access)
+            dtypes = {"target_dtype": settings.target_dtype, "drafter_dtype": settings.drafter_dtype}
+            target, drafter = self.check_models(settings.target, settings.drafter, access=access, **dtypes)
         except UserError as err:
             yield Update(failure(err, "run"), state="error")
             return
@@ -365,7 +396,8 @@ class Session:
         being timed. Every failure ends in an error update, never an exception.
         """
         try:
-            target, drafter = self.check_models(target, drafter, access=access)
+            dtypes = {"target_dtype": self.defaults.target_dtype, "drafter_dtype": self.defaults.drafter_dtype}
+            target, drafter = self.check_models(target, drafter, access=access, **dtypes)
         except UserError as err:
             yield CalibrationUpdate(failure(err, "calibrate"), state="error")
             return

@@ -25,7 +25,6 @@ from uag.core.config import FIELDS, SPECULATIVE
 from uag.core.highlight import DRAFT, TARGET
 from uag.errors import UserError
 from uag.models.dtypes import AS_STORED, DTYPES
-from uag.runtime.presets import by_label
 from uag.study.datasets import examples
 
 log = logging.getLogger(__name__)
@@ -99,6 +98,9 @@ def build(session: Session) -> gr.Blocks:
     """The app's page, wired to `session`: the Compare tab, the Plot tab, then the events between them."""
     handlers = Handlers(session)
     with gr.Blocks(title="uag: does speculation pay?", delete_cache=(3600, 3600)) as demo:
+        # gradio refuses an input file that was not uploaded (any other path on the server) only once the Blocks
+        # has launched, which one mounted into another app never does (uag serve's /ui): say that it has.
+        demo.has_launched = True
         page = SimpleNamespace(
             history=gr.State([]),  # this tab's completed comparisons (history rows)
             results=gr.State(None),  # this tab's loaded results file, as a DataFrame
@@ -116,27 +118,26 @@ def build(session: Session) -> gr.Blocks:
 
 def _compare_tab(page: SimpleNamespace, session: Session) -> None:
     """The pair and decoding controls on the left; the prompt, both texts, the cycles and the stats on the right."""
-    defaults = session.defaults
+    defaults, served = session.defaults, session.served
     preset_label = session.preset_for(defaults.target, defaults.drafter)
+    target_info = "preset model, hub id (org/name) or local folder"
+    drafter_info = "the model that drafts; lookup copies spans from the context; lookup+<model> both"
+    if served is not None:  # uag serve: its target, and one of the drafters it allows
+        target_info = "the target this server serves"
+        drafter_info = f"one this server serves: {', '.join(served.drafters) or 'none'}"
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=330):
             page.preset = gr.Dropdown(session.preset_choices(), value=preset_label, label="Preset pair")
             page.preset_note = gr.Markdown(
-                by_label(preset_label).note if preset_label else "", elem_classes="preset-note"
+                session.preset(preset_label).note if preset_label else "", elem_classes="preset-note"
             )
-            page.target = gr.Textbox(
-                defaults.target, label="Target", info="preset model, hub id (org/name) or local folder"
-            )
-            page.drafter = gr.Textbox(
-                defaults.drafter,
-                label="Drafter",
-                elem_id="drafter",
-                info="the model that drafts; lookup copies spans from the context; lookup+<model> both",
-            )
+            page.target = gr.Textbox(defaults.target, label="Target", info=target_info, interactive=served is None)
+            page.drafter = gr.Textbox(defaults.drafter, label="Drafter", elem_id="drafter", info=drafter_info)
             with gr.Row():  # the dtypes users run: mlx-lm's 8-/4-bit quantisation or a cast, converted once
                 page.target_dtype, page.drafter_dtype = (
                     gr.Dropdown(
-                        [AS_STORED, *DTYPES], value=getattr(defaults, f"{role}_dtype") or AS_STORED,
+                        [AS_STORED, *DTYPES] if served is None else [getattr(defaults, f"{role}_dtype") or AS_STORED],
+                        value=getattr(defaults, f"{role}_dtype") or AS_STORED, interactive=served is None,
                         label=f"{role.capitalize()} dtype",
                         info="as stored (offline models: float32), a cast, or q8 / q4 (mlx-lm's quantisation)",
                     )
@@ -316,7 +317,8 @@ def _api(handlers: Handlers, session: Session):
         """Generate `prompt` with the target alone, then speculatively with the drafter.
 
         Parameters: prompt (required); target, drafter: preset names ("demo-target", "demo-drafter"), hub
-        ids or (local callers only) model folders; the drafter may also be "lookup" or "lookup+<model>";
+        ids or (local callers only) model folders, on uag serve's /ui only the pairs it serves; the drafter
+        may also be "lookup" or "lookup+<model>";
         strategy: "none" | "naive" | "context" | "tli" | "auto"; k: draft length 1..32 (the maximum for
         auto); window: context window 0..64; max_tokens: 1..4096; temperature: 0..2 (0 = greedy); seed:
         int or None; chat: true/false, apply the target's chat template; target_dtype, drafter_dtype: None (as

@@ -21,7 +21,7 @@ from pathlib import Path
 from uag.core.config import DrafterSpec
 from uag.errors import InputError
 from uag.models.store import DEMO_NAMES
-from uag.runtime.presets import preset_models
+from uag.runtime.presets import PRESETS, Preset, preset_models
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 FORWARDED = ("forwarded", "x-forwarded-for", "x-real-ip")  # a proxy in front: the real client is elsewhere
@@ -68,16 +68,39 @@ def is_remote(host: str | None, headers: Mapping[str, str] | None = None, *, sha
         return True
 
 
-def client_of(host: str | None, headers: Mapping[str, str] | None = None) -> str:
-    """Who a request counts as for the per-client job limit: the address a proxy forwarded for, else the
-    connecting address.
+def client_of(
+    host: str | None,
+    headers: Mapping[str, str] | None = None,
+    *,
+    trusted_proxies: Collection[str | ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
+) -> str:
+    """Who a request counts as for the per-client limits: the connecting address, or, when that is a trusted
+    proxy (IP networks, or their texts), the address it forwarded for: the last one in X-Forwarded-For that is
+    not itself a trusted proxy (a client may write any it likes before its proxy's), else X-Real-IP. Anyone
+    else's forwarded headers are ignored.
 
-    Example: client_of("127.0.0.1", {"X-Forwarded-For": "203.0.113.9, 10.0.0.1"}) -> "203.0.113.9"
+    Example: client_of("10.0.0.1", {"X-Forwarded-For": "6.6.6.6, 203.0.113.9"}, trusted_proxies=["10.0.0.0/8"])
+             -> "203.0.113.9";  client_of("198.51.100.7", {"X-Forwarded-For": "203.0.113.9"}) -> "198.51.100.7"
     """
-    for name, value in (headers or {}).items():
-        if name.lower() in ("x-forwarded-for", "x-real-ip") and value.strip():
-            return value.split(",")[0].strip()
-    return host or "unknown"
+    networks = [ipaddress.ip_network(n, strict=False) if isinstance(n, str) else n for n in trusted_proxies]
+
+    def trusted(address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        ip = getattr(ip, "ipv4_mapped", None) or ip
+        return any(ip in network for network in networks)
+
+    if host is None or not trusted(host):
+        return host or "unknown"
+    pairs = [(name.lower(), value) for name, value in (headers or {}).items()]
+    forwarded = [a.strip() for name, value in pairs if name == "x-forwarded-for" for a in value.split(",") if a.strip()]
+    for address in reversed(forwarded):
+        if not trusted(address):
+            return address
+    real = [value.strip() for name, value in pairs if name == "x-real-ip" and value.strip()]
+    return forwarded[0] if forwarded else real[0] if real else host
 
 
 def is_local_name(name: str) -> bool:
@@ -105,7 +128,7 @@ def check_model(name: str, role: str, *, access: Access, loaded: Collection[str]
         raise InputError(f"choose a {role}: {kinds}")
     if not access.remote:
         return name
-    if is_local_name(name):
+    if name not in DEMO_NAMES and (not HUB_ID.match(name) or ".." in name):  # by its shape: the disk is not asked
         raise InputError(
             f"{role} {name!r} is not a hub id (org/name): model folders on the server can be chosen only by "
             "someone on that machine. Choose a preset or a hub id."
@@ -113,7 +136,9 @@ def check_model(name: str, role: str, *, access: Access, loaded: Collection[str]
     allowed = {*DEMO_NAMES, *names_for_remote(loaded)}
     if access.remote_models in ("presets", "any"):
         allowed |= preset_models()
-    if name in allowed or access.remote_models == "any":
+    # A hub id that is also a folder here would load the folder: refused with the words a name not served gets,
+    # so that the answer does not say whether the folder exists.
+    if (name in allowed or access.remote_models == "any") and not is_local_name(name):
         return name
     raise InputError(
         f"{role} {name!r} is not available to remote users of this app, which serves them "
@@ -137,3 +162,87 @@ def note_for(access: Access) -> str:
     if not access.remote:
         return ""
     return f"You are connected remotely: this app serves you {REMOTE_RULES[access.remote_models]} (no local folders)."
+
+
+# --- `uag serve`'s app at /ui: what the API serves, for everyone ---------------------------------------------
+@dataclass(frozen=True)
+class ServedModels:
+    """What the app mounted on `uag serve` may load, for every user of it, local or remote: the served target
+    and the drafters the API allows (uag.server.protocol.ServerDefaults.allowed), in the dtypes the API loads
+    them in. Decided by the names as typed, before the disk is looked at: no answer says whether a path exists.
+
+        ServedModels("demo-target", ("lookup",)).check("demo-target", "lookup")  -> ("demo-target", "lookup")
+        ServedModels("demo-target", ("lookup",)).check("/etc", "lookup")         -> InputError("this server's …")
+    """
+
+    target: str
+    drafters: tuple[str, ...]  # normalised DrafterSpec strings: "lookup", "demo-drafter", "lookup+demo-drafter"
+    target_dtype: str | None = None  # None: as stored
+    drafter_dtype: str | None = None
+
+    def check(
+        self, target: str, drafter: str, *, target_dtype: str | None = None, drafter_dtype: str | None = None
+    ) -> tuple[str, str]:
+        """(target, drafter as a normalised DrafterSpec) if they are what this server serves; InputError naming
+        what it serves otherwise. A drafter's dtype matters only where it has a model."""
+        target = (target or "").strip() if isinstance(target, str) else target
+        try:
+            spec = DrafterSpec.parse(drafter)
+        except InputError:
+            spec = None
+        served = (
+            target == self.target
+            and spec is not None
+            and str(spec) in self.drafters
+            and target_dtype == self.target_dtype
+            and (spec.model is None or drafter_dtype == self.drafter_dtype)
+        )
+        if not served:
+            dtypes = any((target_dtype, drafter_dtype, self.target_dtype, self.drafter_dtype))
+            got = f"target {_shown(target)}{_in(target_dtype, dtypes)}, drafter {_shown(drafter)}"
+            if dtypes and spec is not None and spec.model is not None:
+                got += _in(drafter_dtype, True)
+            raise InputError(f"{self.rule(dtypes)}. Choose one of them (got {got})")
+        return target, str(spec)
+
+    @property
+    def models(self) -> set[str]:
+        """The model names this server may load: the target and the drafters' models."""
+        return {self.target} | {m for d in self.drafters if (m := DrafterSpec.parse(d).model) is not None}
+
+    def rule(self, dtypes: bool = False) -> str:
+        """What it serves, in a sentence; with `dtypes` (or dtypes set), in which dtypes.
+
+        Example: "this server's app runs the served pair only: target 'demo-target', drafters 'lookup'"
+        """
+        return f"this server's app runs the served pair only: {self._listed(dtypes)}"
+
+    @property
+    def note(self) -> str:
+        """What every user of the app is told on opening it."""
+        return f"This app runs what this server's API serves: {self._listed()} (uag serve's --target and --drafters)."
+
+    def _listed(self, dtypes: bool = False) -> str:
+        drafters = ", ".join(repr(d) for d in self.drafters) or "none (speculation is off on this server)"
+        dtypes = dtypes or bool(self.target_dtype or self.drafter_dtype)
+        models = f" (drafter models{_in(self.drafter_dtype, True)})" if dtypes and self.models - {self.target} else ""
+        return f"target {self.target!r}{_in(self.target_dtype, dtypes)}, drafters {drafters}{models}"
+
+    def presets(self) -> tuple[Preset, ...]:
+        """The served pairs as presets: a bundled preset's label and note where one matches, else the names."""
+        bundled = {(p.target, p.drafter): p for p in PRESETS}
+        return tuple(
+            bundled.get((self.target, d)) or Preset(f"{self.target} ← {d}", self.target, d, "served by this server")
+            for d in self.drafters
+        )
+
+
+def _shown(value: object) -> str:
+    """A name as typed, cut for a one-line message. Example: _shown("x" * 100) -> "'xxxx…'" """
+    text = value if isinstance(value, str) else repr(value)
+    return repr(text[:80] + ("…" if len(text) > 80 else ""))
+
+
+def _in(dtype: str | None, shown: bool) -> str:
+    """Example: _in("q4", True) -> " in q4";  _in(None, True) -> " as stored";  _in("q4", False) -> "" """
+    return "" if not shown else f" in {dtype}" if dtype else " as stored"

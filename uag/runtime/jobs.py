@@ -3,9 +3,10 @@
 `JobRunner.run` submits a job function, says what the request waits for while other work holds the
 worker, hands over what the job yields (with a heartbeat, so that a web server can close the consumer at
 any time), and cancels the job whenever the consumer stops reading: the Stop button, an API client's
-cancel, a client that went away. It also holds the per-client limit on queued jobs and starts each job's
-time budget. `failure` turns an exception into the line a user sees: a `UserError` is theirs to fix;
-anything else is a bug, logged with its traceback and shown as an internal error. Standard library only.
+cancel, a client that went away. It also keeps each client to its share of the worker's queue (beyond it
+a job is refused, or held back until one of the client's ends) and starts each job's time budget.
+`failure` turns an exception into the line a user sees: a `UserError` is theirs to fix; anything else is
+a bug, logged with its traceback and shown as an internal error. Standard library only.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from uag.errors import UserError
@@ -24,12 +26,12 @@ from uag.runtime.worker import TICK, Job, MLXWorker
 log = logging.getLogger(__name__)
 
 DEFAULT_PER_CLIENT = 2  # jobs one client may have queued or running at once
-DEFAULT_BUDGET_S = 300.0  # generation time one request may take on the worker (models loading not counted)
+DEFAULT_BUDGET_S = 300.0  # worker time one request may take: loading, reading the prompt and generating
 HEARTBEAT_S = 0.25  # the consumer gets control back at least this often
 
 
 class Busy(UserError):
-    """The client already has as many jobs queued or running as it may."""
+    """The client already has as many jobs queued or running as it may (and its job was not to wait)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,12 @@ def failure(err: BaseException, doing: str) -> str:
 
 
 class JobRunner:
-    """Submits users' jobs to the one MLX worker, within each client's limit and each job's time budget."""
+    """Submits users' jobs to the one MLX worker, within each client's share and each job's time budget.
+
+    A client has at most `per_client` jobs on the worker's queue (queued or running). Beyond that a job is
+    refused (`Busy`), or, with `wait=True`, held back here, not yet queued, until one of the client's jobs ends:
+    so another client's job never waits behind more than `per_client` of one client's.
+    """
 
     def __init__(
         self,
@@ -104,7 +111,9 @@ class JobRunner:
         self.budget_s = budget_s
         self.heartbeat_s = heartbeat_s
         self._lock = threading.Lock()
-        self._clients: Counter[str] = Counter()
+        self._turn = threading.Condition(self._lock)  # a client's job ended: its next held job may go
+        self._clients: Counter[str] = Counter()  # jobs on the worker's queue, per client
+        self._held: dict[str, deque[object]] = {}  # jobs held back, per client, first come first
         self._owned: dict[str, Job] = {}
 
     def run(
@@ -114,28 +123,31 @@ class JobRunner:
         label: str,
         client: str | None = None,
         owner: str | None = None,
+        wait: bool = False,
     ) -> Iterator[Any]:
         """Queue `fn(job, *args)` and yield `Waiting` until it starts, then its items and a `Tick` whenever
-        none came for a heartbeat; then raise what it raised. Busy if `client` is at its limit.
+        none came for a heartbeat; then raise what it raised. When `client` has its share queued or running:
+        Busy, or with `wait` held back (yielding `Waiting`) until one of its jobs ends.
 
         `owner` (a browser tab) lets `stop(owner)` cancel it from another request. Closing this generator
-        cancels the job (a queued job never starts; a running one stops at its next check).
+        cancels the job (a queued or held job never starts; a running one stops at its next check).
         """
-        self._claim(client)
-        try:
-            job = self.worker.submit(fn, *args, label=label)
-        except BaseException:
-            self._release(client)
-            raise
+        started = time.monotonic()
+        submit = partial(self.worker.submit, fn, *args, label=label)
+        job, ticket = self._enter(client, wait, submit)
+        if job is None:
+            try:
+                while (job := self._take_turn(client, ticket, submit)) is None:
+                    yield self._waiting(started, self.worker.backlog + self._place(client, ticket))
+            except BaseException:
+                self._withdraw(client, ticket)
+                raise
         if owner:
             with self._lock:
                 self._owned[owner] = job
-        started = time.monotonic()
         try:
             while not job.started.wait(self.heartbeat_s):  # another user's run, or the start-up preload, goes first
-                current = self.worker.current
-                doing = " — ".join(filter(None, (current.label, current.progress))) if current else ""
-                yield Waiting(time.monotonic() - started, self.worker.ahead_of(job), doing)
+                yield self._waiting(started, self.worker.ahead_of(job))
             for item in job.items(self.heartbeat_s):
                 yield Tick() if item is TICK else item
         finally:
@@ -156,25 +168,80 @@ class JobRunner:
         return True
 
     def queued(self, client: str) -> int:
-        """Jobs `client` has queued or running now."""
+        """Jobs `client` has on the worker's queue now (queued or running)."""
         with self._lock:
             return self._clients[client]
 
-    def _claim(self, client: str | None) -> None:
-        if client is None:
-            return
+    def held(self, client: str) -> int:
+        """Jobs of `client` held back beyond its share, waiting for one of its jobs to end."""
         with self._lock:
-            if self._clients[client] >= self.per_client:
+            return len(self._held.get(client, ()))
+
+    def _waiting(self, started: float, ahead: int) -> Waiting:
+        current = self.worker.current
+        doing = " — ".join(filter(None, (current.label, current.progress))) if current else ""
+        return Waiting(time.monotonic() - started, ahead, doing)
+
+    def _enter(self, client: str | None, wait: bool, submit: Callable[[], Job]) -> tuple[Job | None, object]:
+        """(the job, queued on the worker and counted against `client`'s share, None) when the share allows;
+        else (None, its ticket in the client's line of held jobs) with `wait`, and Busy without."""
+        if client is None:
+            return submit(), None
+        with self._lock:
+            count = self._clients[client]
+            if count < self.per_client and not self._held.get(client):
+                job = submit()  # under the lock: a client's jobs reach the worker in the order they came
+                self._clients[client] += 1
+                return job, None
+            if not wait:
                 raise Busy(
-                    f"you already have {self._clients[client]} request{'s' * (self._clients[client] != 1)} queued "
+                    f"you already have {count} request{'s' * (count != 1)} queued "
                     f"or running, the most this app takes from one client: wait for one to finish, or stop it"
                 )
+            ticket = object()
+            self._held.setdefault(client, deque()).append(ticket)
+            return None, ticket
+
+    def _take_turn(self, client: str, ticket: object, submit: Callable[[], Job]) -> Job | None:
+        """Wait up to a heartbeat for `ticket` to lead its client's line while the client is under its share;
+        then the job, queued on the worker and counted against the share (None: not yet)."""
+        with self._turn:
+            line = self._held[client]
+
+            def ready() -> bool:
+                return line[0] is ticket and self._clients[client] < self.per_client
+
+            if not self._turn.wait_for(ready, self.heartbeat_s):
+                return None
+            line.popleft()
+            if not line:
+                del self._held[client]
+            self._turn.notify_all()  # the next in line may go too, if the share allows
+            job = submit()
             self._clients[client] += 1
+            return job
+
+    def _place(self, client: str, ticket: object) -> int:
+        """How many of the client's held jobs go before this one."""
+        with self._lock:
+            line = self._held.get(client, ())
+            return line.index(ticket) if ticket in line else 0
+
+    def _withdraw(self, client: str, ticket: object) -> None:
+        """A held job's consumer left: it leaves the line without ever being queued."""
+        with self._turn:
+            line = self._held.get(client)
+            if line is not None and ticket in line:
+                line.remove(ticket)
+                if not line:
+                    del self._held[client]
+                self._turn.notify_all()
 
     def _release(self, client: str | None) -> None:
         if client is None:
             return
-        with self._lock:
+        with self._turn:
             self._clients[client] -= 1
             if self._clients[client] <= 0:
                 del self._clients[client]
+            self._turn.notify_all()

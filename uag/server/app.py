@@ -1,14 +1,15 @@
 """The HTTP layer: OpenAI's routes over `uag.server.service.Service`. It owns framing, limits and errors; every
 model call is a job on the one MLX worker (`JobRunner`), so it never generates anything itself.
 
-    POST /v1/chat/completions    POST /v1/completions    GET /v1/models    GET /health
+    POST /v1/chat/completions    POST /v1/completions    GET /v1/models[/{id}]    GET|HEAD /health
 
-Limits, in the order a request meets them: the API key (constant-time compare), the body size, the request's
-fields (uag.server.protocol), the queue (`max_queue` requests admitted at once, then 429), the client's share of
-the worker (`JobRunner.per_client`, then 429), the wait for the worker (`queue_wait_s`, then 503), the generation
-time (`JobRunner.budget_s`, then finish_reason "length"). A client that disconnects, or closes its stream,
-cancels its job within a cycle. Every error is OpenAI's error object; internal errors are logged with their
-traceback and answered with a neutral 500.
+Limits, in the order a request meets them: open connections and the time to send a request's head
+(uag.server.connections); Host, Origin and JSON POSTs (uag.server.guards); the wait after failed keys (429); the
+API key; the body size; the fields (uag.server.protocol); the queue (`max_queue` requests, at most half one
+client's, then 429); the client's share of the worker (`per_client`: beyond it a request waits, held back so that
+others go between); the wait for the worker (`queue_wait_s`, then 503); the generation time (`budget_s`, then
+finish_reason "length"). 429 and 503 carry Retry-After. A client that leaves cancels its job within a second.
+Errors are OpenAI's error object; internal errors are logged with their traceback and answered with a neutral 500.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import threading
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -24,10 +28,13 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from uag.errors import UserError
-from uag.runtime.access import client_of
-from uag.runtime.jobs import Busy, OutOfTime, Status, Tick, Waiting
+from uag.runtime.jobs import Busy, Waiting
+from uag.server.guards import Guard, KeyBackoff, Perimeter
+from uag.server.logs import RequestLog, note_served
 from uag.server.protocol import APIError, parse_chat, parse_completion
 from uag.server.responses import chat_response, chunk, completion_response, new_id, now, usage_chunk
 from uag.server.service import Accepted, Delta, Done, Service
@@ -37,6 +44,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 4 * 2**20  # bytes of a request body (a long code conversation is well under 1 MB)
 DEFAULT_MAX_QUEUE = 8
+DISCONNECT_CHECK_S = 0.5  # how often a request looks whether its client is still there, whatever arrives
+RETRY_FULL_S = 5  # Retry-After when the queue is full: a short request's time
+RETRY_OVERLOADED_S = 30  # Retry-After when a request waited too long for the worker
 _END = object()
 
 
@@ -46,27 +56,45 @@ def internal() -> APIError:
                     "keeps serving")  # fmt: skip
 
 
+class RetryLater(APIError):
+    """A 429 or 503 that says when to retry (the Retry-After header, in whole seconds)."""
+
+    def __init__(self, status: int, message: str, *, code: str, seconds: float):
+        super().__init__(status, message, code=code)
+        self.retry_after = seconds
+
+
 class Disconnected(Exception):
     """The client went away while its request waited or ran."""
 
 
 class Gate:
-    """At most `limit` requests admitted at once (queued or running); the rest get 429."""
+    """At most `limit` requests admitted at once (queued, running, or waiting for their client's turn), and at most
+    `per_client` of them one client's; the rest get 429."""
 
-    def __init__(self, limit: int):
-        self.limit, self.count = limit, 0
+    def __init__(self, limit: int, per_client: int):
+        self.limit, self.per_client, self.count = limit, per_client, 0
+        self._clients: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def enter(self) -> None:
+    def enter(self, client: str) -> None:
         with self._lock:
             if self.count >= self.limit:
-                raise APIError(429, f"the server's queue is full ({self.limit} requests): retry in a moment",
-                               code="queue_full")  # fmt: skip
+                raise RetryLater(429, f"the server's queue is full ({self.limit} requests): retry in a moment",
+                                 code="queue_full", seconds=RETRY_FULL_S)  # fmt: skip
+            if (mine := self._clients[client]) >= self.per_client:
+                raise RetryLater(429, f"you already have {mine} requests running or waiting, the most this server "
+                                 "takes from one client: retry when one has finished", code="too_many_requests",
+                                 seconds=RETRY_FULL_S)  # fmt: skip
             self.count += 1
+            self._clients[client] += 1
 
-    def leave(self) -> None:
+    def leave(self, client: str) -> None:
         with self._lock:
             self.count -= 1
+            self._clients[client] -= 1
+            if self._clients[client] <= 0:
+                del self._clients[client]
 
 
 def create_app(
@@ -76,15 +104,27 @@ def create_app(
     max_body: int = DEFAULT_MAX_BODY,
     max_queue: int = DEFAULT_MAX_QUEUE,
     queue_wait_s: float | None = None,
+    perimeter: Perimeter | None = None,
+    backoff: KeyBackoff | None = None,
 ) -> FastAPI:
-    """The API as a FastAPI app (uag.server.main mounts the Gradio app beside it)."""
+    """The API as a FastAPI app behind uag.server.guards' `Guard` and one log line per request (uag.server.main
+    mounts the Gradio app beside it, behind the same guard)."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    gate = Gate(max_queue)
+    perimeter = perimeter or Perimeter()
+    backoff = backoff or KeyBackoff()
+    gate = Gate(max_queue, max(service.runner.per_client, max_queue // 2))
     wait_s = queue_wait_s if queue_wait_s is not None else service.runner.budget_s
+    app.add_middleware(Guard, perimeter=perimeter, backoff=backoff)
+    app.add_middleware(RequestLog)
+    if perimeter.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(perimeter.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"])  # fmt: skip
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+        retry = getattr(err, "retry_after", RETRY_FULL_S if err.status in (429, 503) else None)
+        headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -101,20 +141,36 @@ def create_app(
     def authorise(request: Request) -> None:
         if api_key is None:
             return
+        client = _client(request)
+        if (wait := backoff.retry_after(client)) > 0:
+            raise RetryLater(429, f"too many wrong keys from your address: retry in {math.ceil(wait)} s",
+                             code="too_many_failed_keys", seconds=wait)  # fmt: skip
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            backoff.failed(client)
             raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key")  # fmt: skip
+        backoff.succeeded(client)
 
-    @app.get("/health")
+    def served_model() -> dict:
+        return {"id": service.defaults.model, "object": "model", "created": now(), "owned_by": "uag"}
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         authorise(request)
-        model = {"id": service.defaults.model, "object": "model", "created": now(), "owned_by": "uag"}
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [served_model()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict:
+        authorise(request)
+        if model_id != service.defaults.model:
+            raise APIError(404, f"no model {model_id[:100]!r} here: GET /v1/models lists the one this server serves",
+                           param="model", code="model_not_found")  # fmt: skip
+        return served_model()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -126,42 +182,54 @@ def create_app(
 
     async def serve(request: Request, parse: Callable[..., Any]):
         authorise(request)
-        parsed = parse(await read_json(request, max_body), service.defaults)
-        gate.enter()
-        items = _guarded(service, parsed, client_of(request.client.host if request.client else None, request.headers))
+        try:
+            body = await read_json(request, max_body)
+        except Disconnected:  # left mid-body: nobody to answer
+            return Response(status_code=499)
+        parsed = parse(body, service.defaults)
+        client = _client(request)
+        gate.enter(client)
+        feed = Feed(request, _guarded(service, parsed, client), wait_s)
         handed_over = False
         try:
-            first = await pull(request, items, wait_s)  # Accepted, or the error that stopped the request first
+            first = await feed.next()  # Accepted, or the error that stopped the request first
             if parsed.stream:
-                handed_over = True  # the stream closes the items and leaves the gate
+                handed_over = True  # the stream closes the feed and leaves the gate
                 return StreamingResponse(
-                    stream(request, parsed, items, first, gate, wait_s),
+                    stream(request, parsed, feed, first, lambda: gate.leave(client)),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             done = first
             while not isinstance(done, Done):
-                done = await pull(request, items, wait_s)
+                done = await feed.next()
+            note_served(request.scope, done.report)
             return JSONResponse(_whole(parsed, done))
-        except Disconnected:  # nobody to answer; closing the items cancels the job
+        except Disconnected:  # nobody to answer; closing the feed cancels the job
             return Response(status_code=499)
         finally:
             if not handed_over:
-                items.close()
-                gate.leave()
+                feed.close()
+                gate.leave(client)
 
     return app
 
 
+def _client(request: Request) -> str:
+    """Who the request counts as (the Guard has already put a trusted proxy's forwarded address here)."""
+    return request.client.host if request.client else "unknown"
+
+
 def _guarded(service: Service, parsed, client: str) -> Iterator[Any]:
-    """The job's items; the errors a user can fix as 400/429, anything else logged and answered with a 500."""
-    items = service.runner.run(service.job, parsed, label=f"an API request ({parsed.kind})", client=client)
+    """The job's items; the errors a user can fix as 400/429, anything else logged and answered with a 500.
+    Beyond its client's share the job waits its turn (it was admitted by the gate)."""
+    items = service.runner.run(service.job, parsed, label=f"an API request ({parsed.kind})", client=client, wait=True)
     try:
         yield from items
     except (APIError, GeneratorExit):
         raise
     except Busy as err:
-        raise APIError(429, str(err), code="too_many_requests") from None
+        raise RetryLater(429, str(err), code="too_many_requests", seconds=RETRY_FULL_S) from None
     except UserError as err:
         raise APIError(400, " ".join(str(err).split())) from None
     except Exception as err:
@@ -171,21 +239,34 @@ def _guarded(service: Service, parsed, client: str) -> Iterator[Any]:
         items.close()
 
 
-async def pull(request: Request, items: Iterator[Any], wait_s: float | None) -> Any:
-    """The job's next item that says something (`Accepted`, `Delta`, `Done`); raises what the job raised.
-    While it waits it checks that the client is still there, and that the queue has not held it too long."""
-    while True:
-        # Not abandoned on cancel: `next` returns within a heartbeat, so the generator is never closed under it.
-        item = await anyio.to_thread.run_sync(next, items, _END)
-        if item is _END:
-            raise RuntimeError("the job ended without a final item")
-        if isinstance(item, (Accepted, Delta, Done)):
-            return item
-        if isinstance(item, Waiting) and wait_s is not None and item.seconds > wait_s:
-            raise APIError(503, f"the server is overloaded: this request waited {item.seconds:.0f} s for the model "
-                           "worker; retry later", code="overloaded")  # fmt: skip
-        if isinstance(item, (Waiting, Tick, Status, OutOfTime)) and await request.is_disconnected():
-            raise Disconnected
+class Feed:
+    """A job's items as a request reads them: the next one that says something (`Accepted`, `Delta`, `Done`),
+    or what the job raised. At least every `DISCONNECT_CHECK_S` it looks whether the client is still there,
+    whatever arrives (a whole reply mostly receives deltas), and whether the queue has held it too long."""
+
+    def __init__(self, request: Request, items: Iterator[Any], wait_s: float | None):
+        self.request, self.items, self.wait_s = request, items, wait_s
+        self._checked = time.monotonic()
+
+    async def next(self) -> Any:
+        while True:
+            # Not abandoned on cancel: `next` returns within a heartbeat, so the generator is never closed under it.
+            item = await anyio.to_thread.run_sync(next, self.items, _END)
+            if item is _END:
+                raise RuntimeError("the job ended without a final item")
+            if isinstance(item, Waiting) and self.wait_s is not None and item.seconds > self.wait_s:
+                waited = f"this request waited {item.seconds:.0f} s for the model worker"
+                raise RetryLater(503, f"the server is overloaded: {waited}; retry later", code="overloaded",
+                                 seconds=RETRY_OVERLOADED_S)  # fmt: skip
+            if time.monotonic() - self._checked >= DISCONNECT_CHECK_S:
+                self._checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    raise Disconnected
+            if isinstance(item, (Accepted, Delta, Done)):
+                return item
+
+    def close(self) -> None:
+        self.items.close()  # cancels the job when it is not done (a held or queued job never starts)
 
 
 def _whole(parsed, done: Done) -> dict:
@@ -195,9 +276,7 @@ def _whole(parsed, done: Done) -> dict:
     return completion_response(rid, created, parsed.model, done.text, done.finish, done.report)
 
 
-async def stream(
-    request: Request, parsed, items: Iterator[Any], first: Any, gate: Gate, wait_s: float | None
-) -> AsyncIterator[bytes]:
+async def stream(request: Request, parsed, feed: Feed, first: Any, leave: Callable[[], None]) -> AsyncIterator[bytes]:
     """The SSE body: the role, content deltas, the finish reason, the usage chunk if asked, [DONE]. An error
     after the stream started is one error event, and the stream ends."""
     rid, created, kind, model = new_id(parsed.kind), now(), parsed.kind, parsed.model
@@ -212,7 +291,8 @@ async def stream(
         while not isinstance(item, Done):
             if isinstance(item, Delta):
                 yield piece({"content": item.text} if kind == "chat" else item.text)
-            item = await pull(request, items, wait_s)
+            item = await feed.next()
+        note_served(request.scope, item.report)
         if item.tail:
             yield piece({"content": item.tail} if kind == "chat" else item.tail)
         for i, call in enumerate(item.tool_calls or ()):  # as OpenAI streams them: the name, then the arguments
@@ -232,20 +312,24 @@ async def stream(
         log.error("a streamed request failed with an internal error", exc_info=err)
         yield sse(internal().body())
     finally:
-        items.close()  # cancels the job when the client left early
-        gate.leave()
+        feed.close()  # cancels the job when the client left early
+        leave()
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, at most `limit` bytes (413 beyond it, also when Content-Length lies or is absent)."""
+    """The body as JSON, at most `limit` bytes (413 beyond it, also when Content-Length lies or is absent);
+    Disconnected when the client leaves before sending all of it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > limit:
-            raise _too_large(limit)
+    try:
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise _too_large(limit)
+    except ClientDisconnect:
+        raise Disconnected from None
     if not data:
         raise APIError(400, "the request has no body: send a JSON object")
     try:

@@ -66,16 +66,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-client", type=whole, default=DEFAULT_PER_CLIENT, help="requests one client may have "
                    f"queued or running (default {DEFAULT_PER_CLIENT})")  # fmt: skip
     p.add_argument("--time-budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
-                   help=f"generation time per request (default {DEFAULT_BUDGET_S:g}), then finish_reason "
-                   "length")  # fmt: skip
+                   help=f"worker time per request, loading and reading included (default {DEFAULT_BUDGET_S:g}), "
+                   "then finish_reason length")  # fmt: skip
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default 4)")
     p.add_argument("--max-models", type=whole, default=DEFAULT_MAX_MODELS, help="models kept loaded (default 4)")
     p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
+    add_http_options(p)
     from uag.distributed.options import add_shard_options
 
     add_shard_options(p)  # every rank of mlx.launch runs `serve --shard`; rank 0 serves
     add_dtype_options(p)
     return p
+
+
+def add_http_options(p: argparse.ArgumentParser) -> None:
+    """Connections, who may call, and the log: what a server left running needs (uag.server.guards, connections)."""
+    from uag.server.connections import DEFAULT_IDLE_TIMEOUT_S
+    from uag.server.logs import LOG_FORMATS
+
+    p.add_argument("--max-connections", type=whole, help="open connections at once; then the longest idle is "
+                   "closed (default: from the open-file limit, at most 1024)")  # fmt: skip
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
+                   help="a connection must send its request's head within this time (default "
+                   f"{DEFAULT_IDLE_TIMEOUT_S:g})")  # fmt: skip
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME", help="a name clients may "
+                   "reach this server by besides its address and localhost (repeatable; *.example.com: any "
+                   "subdomain)")  # fmt: skip
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", help="a web origin whose "
+                   "pages may call the API across sites (repeatable; e.g. https://chat.example.com; default: "
+                   "none)")  # fmt: skip
+    p.add_argument("--trusted-proxy", action="append", default=[], metavar="IP[/BITS]", help="a reverse proxy "
+                   "whose X-Forwarded-For is believed (repeatable; default: none, each client is its "
+                   "address)")  # fmt: skip
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="text, or json: one object per "
+                   "line (default text)")  # fmt: skip
 
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,6 +134,17 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
     if key is not None and not key.strip():
         problems.append("--api-key is empty")
+    if getattr(args, "max_connections", None) is not None and args.max_connections < 8:
+        problems.append(f"--max-connections must be at least 8 (got {args.max_connections})")
+    if not getattr(args, "idle_timeout", 1) > 0:
+        problems.append(f"--idle-timeout must be more than 0 (got {args.idle_timeout:g})")
+    try:
+        from uag.server.guards import Perimeter
+
+        perimeter = Perimeter.parse(args.host, getattr(args, "allowed_host", ()), getattr(args, "cors_origin", ()),
+                                    getattr(args, "trusted_proxy", ()))  # fmt: skip
+    except InputError as err:
+        problems.append(str(err))
     if key is None and not _loopback(args.host):
         problems.append(f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key) so that only "
                         "clients with the key can run models")  # fmt: skip
@@ -126,6 +161,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         raise InputError("; ".join(problems))
     config = GenerationConfig.parse(**fields)
     return {"config": config, "drafter": drafters[0] if drafter else None, "drafters": tuple(drafters), "key": key,
+            "perimeter": perimeter,
             "target_dtype": dtypes["target"], "drafter_dtype": dtypes["drafter"]}  # fmt: skip
 
 
@@ -138,8 +174,9 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=None, stream=None):
-    """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service)."""
+def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=None, stream=None, measure=None):
+    """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service). `stream` and `measure`:
+    the Service's (a sharded server's run over its ranks)."""
     from uag.models.store import ModelStore
     from uag.runtime.jobs import JobRunner
     from uag.runtime.worker import MLXWorker
@@ -159,13 +196,18 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         runner = JobRunner(worker, per_client=args.per_client, budget_s=args.time_budget)
     else:
         from uag.app.session import Session
+        from uag.runtime.access import ServedModels
 
-        session = Session(store, worker, target=args.target, drafter=opts["drafter"] or "lookup",
-                          per_client=args.per_client, budget_s=args.time_budget)  # fmt: skip
+        # /ui loads what the API serves, for every user (uag.runtime.access.ServedModels)
+        served = ServedModels(args.target, defaults.allowed, opts.get("target_dtype"), opts.get("drafter_dtype"))
+        session = Session(store, worker, target=args.target, drafter=(defaults.allowed or ("lookup",))[0],
+                          per_client=args.per_client, budget_s=args.time_budget, served=served)  # fmt: skip
         runner = session.runner  # one per-client count for the app's runs and the API's
     service = Service(store, runner, defaults, target=args.target, cache_bytes=args.cache_gb * 1e9, stream=stream,
-                      target_dtype=opts.get("target_dtype"), drafter_dtype=opts.get("drafter_dtype"))  # fmt: skip
-    app = create_app(service, api_key=opts["key"], max_body=int(args.max_body_mb * 2**20), max_queue=args.max_queue)
+                      target_dtype=opts.get("target_dtype"), drafter_dtype=opts.get("drafter_dtype"),
+                      measure=measure)  # fmt: skip
+    app = create_app(service, api_key=opts["key"], max_body=int(args.max_body_mb * 2**20), max_queue=args.max_queue,
+                     perimeter=opts.get("perimeter"))  # fmt: skip
     if session is not None:
         _mount_ui(app, session, service, opts["key"])
     return app, service
@@ -178,6 +220,7 @@ def _mount_ui(app, session, service, key: str | None) -> None:
     import gradio as gr
     from fastapi.responses import RedirectResponse
 
+    from uag.app.files import MAX_UPLOAD_MB
     from uag.app.ui import STYLE, THEME, build
     from uag.server.dashboard import add_server_tab
 
@@ -188,31 +231,48 @@ def _mount_ui(app, session, service, key: str | None) -> None:
     gr.mount_gradio_app(
         app, demo, path="/ui", auth=auth, auth_message="uag serve: any user name, the server's API key as password",
         theme=THEME, css_paths=[STYLE] if STYLE.exists() else None,
-        ssr_mode=False,
+        ssr_mode=False, max_file_size=f"{MAX_UPLOAD_MB}mb",
     )  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from uag.server.connections import server_config
+
     opts = options(args)
     if args.shard:
         return _serve_sharded(args, opts)
     if port_taken(args.host, args.port):
         raise UserError(f"port {args.port} on {args.host} is taken: use --port")
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[uag] %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("uag").addHandler(handler)
-    logging.getLogger("uag").setLevel(logging.INFO)
+    connections = _logging_and_connections(args, opts)
     app, service = build(args, opts)
     if opts["target_dtype"] and (note := _slow_dtype_note(opts["target_dtype"])):
         print(f"[uag] note: {note}", file=sys.stderr)
-    service.preload()
+    service.preload(progress=lambda text: print(f"[uag] {text}", file=sys.stderr, flush=True))
     where = f"http://{args.host}:{args.port}"
     print(f"[uag] serving {args.target} at {where}/v1" + ("" if args.no_ui else f", the app at {where}/ui"),
           file=sys.stderr)  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(server_config(app, host=args.host, port=args.port, **connections)).run()
     return 0
+
+
+def _logging_and_connections(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, Any]:
+    """Set up the log (--log-format), raise the open-file limit, warn of a short key; the connection limits."""
+    from uag.server.connections import default_max_connections, raise_fd_limit
+    from uag.server.logs import configure
+
+    configure(getattr(args, "log_format", "text"))
+    say = logging.getLogger("uag.server").warning
+    fd_limit = raise_fd_limit()
+    max_connections = args.max_connections or default_max_connections(fd_limit)
+    if fd_limit is not None and max_connections > fd_limit - 64:
+        say("--max-connections %d is near this process's limit of %d open files: connections beyond it fail "
+            "(raise `ulimit -n`, or lower --max-connections)", max_connections, fd_limit)  # fmt: skip
+    if opts["key"] is not None and len(opts["key"]) < 16:
+        say("the API key is %d characters: one of 16 or more (e.g. `openssl rand -hex 16`) resists guessing",
+            len(opts["key"]))  # fmt: skip
+    return {"max_connections": max_connections, "idle_timeout_s": args.idle_timeout}
 
 
 def _slow_dtype_note(dtype: str) -> str | None:
@@ -248,6 +308,7 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     from uag.distributed.options import DEFAULT_CONNECT_TIMEOUT_S
     from uag.distributed.serving import Leader, follow, join
     from uag.runtime.worker import MLXWorker
+    from uag.server.connections import server_config
 
     def say(message: str) -> None:
         print(f"[uag] {message}", file=sys.stderr, flush=True)
@@ -270,14 +331,11 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
         if not args.no_ui:
             say("--shard serves the API only: the app's Compare runs the target whole, on one machine")
             args.no_ui = True
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[uag] %(levelname)s %(name)s: %(message)s"))
-        logging.getLogger("uag").addHandler(handler)
-        logging.getLogger("uag").setLevel(logging.INFO)
+        connections = _logging_and_connections(args, opts)
         store = leader.store(args.target, max_models=args.max_models)
-        app, _ = build(args, opts, store=store, worker=worker, stream=leader.stream)
+        app, _ = build(args, opts, store=store, worker=worker, stream=leader.stream, measure=leader.measure)
         worker.call(leader.prepare, store, opts["drafters"], say)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        server = uvicorn.Server(server_config(app, host=args.host, port=args.port, **connections))
         leader.on_lost = lambda: setattr(server, "should_exit", True)  # a lost rank: stop serving, say which
         leader.keep_in_touch()
         say(f"serving {args.target} sharded by {args.shard} over {ranks.size} ranks at http://{args.host}:{args.port}"

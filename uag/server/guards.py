@@ -1,0 +1,281 @@
+"""The server's front door, as pure ASGI over the whole app (the API and the app at /ui): same-origin by default.
+
+A browser page from another site may send "simple" requests (a text/plain POST) without asking, and a name of its
+own that resolves to 127.0.0.1 (DNS rebinding) reaches a loopback server. So the `Guard` refuses a Host that is not
+this server's (`Perimeter.host_allowed`), an unsafe request whose Origin is another site's, and an API POST that is
+not JSON; it reads forwarded addresses only from trusted proxies, and makes failed keys cost time (`KeyBackoff`).
+
+    Perimeter().host_allowed("localhost:8000") -> True;  Perimeter().host_allowed("evil.example:8000") -> False
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse
+
+from uag.errors import InputError
+from uag.runtime.access import client_of
+
+log = logging.getLogger(__name__)
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+UNSAFE = ("POST", "PUT", "PATCH", "DELETE")
+API_PREFIX = "/v1/"
+LOGIN_PATHS = ("/ui/login", "/ui/login/")  # Gradio's login form: 200 when the password is right, 400 when not
+FREE_FAILURES = 5  # wrong keys a client may send before each further try costs time
+FIRST_WAIT_S = 1.0
+MAX_WAIT_S = 300.0
+
+
+def _name(host: str) -> str:
+    """A Host header's (or URL netloc's) name, lower case, without port or brackets.
+
+    Example: "[::1]:8000" -> "::1";  "Example.COM:80" -> "example.com";  "localhost." -> "localhost"
+    """
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host[1:]
+    if host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return None
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+def _loopback(name: str) -> bool:
+    """Example: "localhost", "app.localhost", "127.0.0.1", "::1" -> True;  "0.0.0.0", "example.com" -> False"""
+    if name == "localhost" or name.endswith(".localhost"):  # browsers resolve *.localhost to loopback themselves
+        return True
+    ip = _ip(name)
+    return ip is not None and ip.is_loopback
+
+
+@dataclass(frozen=True)
+class Perimeter:
+    """Who may talk to the server, and from which pages: the address it is bound to, the names the operator allows
+    (`--allowed-host`, "*.example.com" for any subdomain), the origins that may read its answers across sites
+    (`--cors-origin`, "*" for any) and the proxies whose forwarded addresses are believed (`--trusted-proxy`)."""
+
+    bind: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    trusted_proxies: tuple[Network, ...] = ()
+
+    @classmethod
+    def parse(
+        cls, bind: str, allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = (),
+        trusted_proxies: Iterable[str] = (),
+    ) -> Perimeter:  # fmt: skip
+        """From the command line's texts; InputError naming every bad one."""
+        problems, networks, origins = [], [], []
+        for text in trusted_proxies:
+            try:
+                networks.append(ipaddress.ip_network(text.strip(), strict=False))
+            except ValueError:
+                problems.append(f"--trusted-proxy {text!r} is not an IP address or network (e.g. 10.0.0.5, 10.0.0.0/8)")
+        for text in cors_origins:
+            origin = text.strip().rstrip("/")
+            parts = urlsplit(origin)
+            if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path):
+                problems.append(f"--cors-origin {text!r} is not an origin: scheme://host[:port], e.g. "
+                                "https://chat.example.com, or *")  # fmt: skip
+            origins.append(origin)
+        allowed_hosts = [h.strip() for h in allowed_hosts]
+        for text in allowed_hosts:
+            if not text or "/" in text or "@" in text:
+                problems.append(f"--allowed-host {text!r} is not a host name: write it as clients do, without "
+                                "scheme or path (e.g. uag.example.com)")  # fmt: skip
+        hosts = tuple(h.lower() if h.startswith("*.") else _name(h) for h in allowed_hosts)
+        if problems:
+            raise InputError("; ".join(problems))
+        return cls(bind, hosts, tuple(origins), tuple(networks))
+
+    @property
+    def any_host(self) -> bool:
+        """Bound beyond loopback with no --allowed-host: clients may use any name for this machine (the API key,
+        required there, protects it)."""
+        return not self.allowed_hosts and not _loopback(_name(self.bind))
+
+    def _named(self, name: str) -> bool:
+        """Whether `name` is loopback, the bound address or an allowed host."""
+        if _loopback(name) or name == _name(self.bind):
+            return True
+        return any(name == h or (h.startswith("*.") and name.endswith(h[1:])) for h in self.allowed_hosts)
+
+    def host_allowed(self, host: str | None) -> bool:
+        """Whether a request's Host header names this server (with any port). An IP address always does: DNS
+        rebinding needs a name. No Host at all (HTTP/1.0) is no browser's.
+
+        Example: Perimeter().host_allowed("127.0.0.1:8000") -> True;  ("rebind.example") -> False
+        """
+        if not host or self.any_host:
+            return True
+        name = _name(host)
+        return self._named(name) or _ip(name) is not None
+
+    def origin_allowed(self, origin: str, host: str | None) -> bool:
+        """Whether a page from `origin` may send this request: the server's own pages (the Origin names the Host
+        it is sent to), a loopback or allowed name, or a --cors-origin. "null" (a sandboxed page, a file) never.
+
+        Example: origin_allowed("http://127.0.0.1:8000", "127.0.0.1:8000") -> True
+                 origin_allowed("https://evil.example", "127.0.0.1:8000") -> False
+        """
+        origin = origin.strip().rstrip("/")
+        if "*" in self.cors_origins or origin in self.cors_origins:
+            return True
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return False
+        if host and parts.netloc.lower() == host.strip().lower():
+            return True
+        return self._named(_name(parts.netloc))
+
+    def is_proxy(self, address: str) -> bool:
+        ip = _ip(address)
+        return ip is not None and any(ip in network for network in self.trusted_proxies)
+
+
+class KeyBackoff:
+    """Failed keys cost time: after `free` failures in a row a client must wait `first_s` · 2^(failures − free),
+    at most `cap_s`, before its next try is even checked; a success forgets its failures.
+
+    Example: free=5, first_s=1: failures 1–4 -> no wait; the 5th -> 1 s; the 6th -> 2 s; the 7th -> 4 s; … 300 s
+    """
+
+    def __init__(
+        self, *, free: int = FREE_FAILURES, first_s: float = FIRST_WAIT_S, cap_s: float = MAX_WAIT_S,
+        clock: Callable[[], float] = time.monotonic, max_clients: int = 10_000,
+    ):  # fmt: skip
+        self.free, self.first_s, self.cap_s, self.clock, self.max_clients = free, first_s, cap_s, clock, max_clients
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # client -> (failures, may retry at)
+        self._lock = threading.Lock()
+
+    def retry_after(self, client: str) -> float:
+        """Seconds before `client` may try a key again (0: now)."""
+        with self._lock:
+            _, until = self._failures.get(client, (0, 0.0))
+        return max(until - self.clock(), 0.0)
+
+    def failed(self, client: str) -> None:
+        now = self.clock()
+        with self._lock:
+            count, _ = self._failures.pop(client, (0, 0.0))
+            count += 1
+            wait = 0.0 if count < self.free else min(self.first_s * 2 ** min(count - self.free, 32), self.cap_s)
+            self._failures[client] = (count, now + wait)
+            while len(self._failures) > self.max_clients:  # the longest quiet first
+                self._failures.popitem(last=False)
+
+    def succeeded(self, client: str) -> None:
+        with self._lock:
+            self._failures.pop(client, None)
+
+
+def error_response(status: int, message: str, code: str, *, retry_after: float | None = None) -> JSONResponse:
+    """OpenAI's error object as a response; 429 and 503 say when to retry (`Retry-After`, whole seconds)."""
+    kind = {429: "rate_limit_error", 503: "server_error"}.get(status, "invalid_request_error")
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def too_many_failures(seconds: float) -> JSONResponse:
+    return error_response(429, f"too many wrong keys from your address: retry in {math.ceil(seconds)} s",
+                          "too_many_failed_keys", retry_after=seconds)  # fmt: skip
+
+
+class Guard:
+    """ASGI middleware over the whole app. In order: the real client (from a trusted proxy's forwarded address),
+    the Host, the Origin of an unsafe request, JSON for API POSTs; then the app, with trailing slashes of API paths
+    dropped, failed logins at /ui/login counted, and a client that leaves mid-body let go quietly."""
+
+    def __init__(self, app: Callable, *, perimeter: Perimeter, backoff: KeyBackoff):
+        self.app, self.perimeter, self.backoff = app, perimeter, backoff
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        peer = scope.get("client")
+        if peer and self.perimeter.trusted_proxies and self.perimeter.is_proxy(peer[0]):
+            scope["client"] = (client_of(peer[0], headers, trusted_proxies=self.perimeter.trusted_proxies), 0)
+        refusal = self.refusal(scope, headers)
+        if refusal is not None:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            else:
+                await refusal(scope, receive, send)
+            return
+        path = scope["path"]
+        if scope["type"] == "http" and path.endswith("/") and (path.startswith(API_PREFIX) or path == "/health/"):
+            scope["path"] = path.rstrip("/")  # OpenAI clients differ on the slash: answer both, never 307
+            scope["raw_path"] = (scope.get("raw_path") or path.encode()).rstrip(b"/")
+        if scope["type"] == "http" and scope["method"] == "POST" and path in LOGIN_PATHS:
+            await self._login(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        except ClientDisconnect:  # the client left while its body was read: nobody to answer, nothing to log
+            log.debug("%s %s: the client left before sending its whole body", scope.get("method"), path)
+
+    def refusal(self, scope, headers: Headers) -> JSONResponse | None:
+        """The answer that refuses this request at the door, or None to let it in."""
+        host = headers.get("host")
+        if not self.perimeter.host_allowed(host):
+            return error_response(403, f"this server does not answer to the name {_name(host or '')[:100]!r}: use "
+                                  "its address, localhost, or a name its operator allows (--allowed-host)",
+                                  "host_not_allowed")  # fmt: skip
+        method = scope.get("method", "GET")
+        origin = headers.get("origin")
+        if (method in UNSAFE or scope["type"] == "websocket") and origin is not None:
+            if not self.perimeter.origin_allowed(origin, host):
+                return error_response(403, f"requests from pages of {origin[:100]!r} are refused: this server "
+                                      "answers its own pages, and the origins its operator allows (--cors-origin)",
+                                      "origin_not_allowed")  # fmt: skip
+        if method == "POST" and scope["path"].startswith(API_PREFIX):
+            kind = headers.get("content-type", "").partition(";")[0].strip().lower()
+            if kind != "application/json":
+                return error_response(415, f"the request body must be JSON: send 'Content-Type: application/json'"
+                                      f" (got {kind[:60] or 'none'!r})", "unsupported_media_type")  # fmt: skip
+        return None
+
+    async def _login(self, scope, receive, send) -> None:
+        """The app's login form, where the API key is the password: failures cost time as wrong API keys do."""
+        client = scope["client"][0] if scope.get("client") else "unknown"
+        if (wait := self.backoff.retry_after(client)) > 0:
+            await too_many_failures(wait)(scope, receive, send)
+            return
+        status = None
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except ClientDisconnect:
+            return
+        if status == 400:
+            self.backoff.failed(client)
+        elif status is not None and status < 300:
+            self.backoff.succeeded(client)
