@@ -654,3 +654,12 @@ def test_the_time_budget_stops_a_long_comparison_and_says_why(store):  # finding
     assert final.state == "stopped" and "gives each request 1 s of generation" in final.status
     assert final.row is None and final.baseline.finish_reason == "stopped" and final.baseline.generated < 4000
     session.worker.close(timeout=30)
+
+
+def test_a_shared_app_tells_its_users_apart_by_the_tunnels_forwarded_address_and_only_then():
+    forwarded = {"X-Forwarded-For": "203.0.113.9"}
+    worker = MLXWorker()
+    shared, local = Session(worker=worker, share=True), Session(worker=worker)
+    assert shared.client("127.0.0.1", forwarded) == "203.0.113.9"  # the share tunnel connects from this machine
+    assert local.client("127.0.0.1", forwarded) == "127.0.0.1"  # a header anyone could write
+    assert shared.client("198.51.100.7", forwarded) == "198.51.100.7"

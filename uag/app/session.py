@@ -64,6 +64,7 @@ from uag.study.profiles import find_calibration
 from uag.study.profiles import save as save_calibration
 
 log = logging.getLogger(__name__)
+LOOPBACK = ("127.0.0.0/8", "::1/128")
 
 CALIBRATION_REPEATS = 5  # timed passes per width (after a warm-up), as `python -m uag calibrate`
 WARM_UP_PROMPT = "Hello"
@@ -112,9 +113,12 @@ class Session:
         remote = self.served is not None or is_remote(host, headers, share=self.share)
         return Access(remote, self.remote_models)
 
-    @staticmethod
-    def client(host: str | None, headers: Mapping[str, str] | None = None) -> str:
-        return client_of(host, headers)
+    def client(self, host: str | None, headers: Mapping[str, str] | None = None) -> str:
+        """Who a request counts as for the per-client limit. A shared app's users all arrive through the share
+        tunnel, which connects from this machine: there (only) loopback is a proxy whose forwarded address is
+        believed; elsewhere a forwarded header is anyone's to write (uag serve's front door reads it from
+        --trusted-proxy before the app sees the request)."""
+        return client_of(host, headers, trusted_proxies=LOOPBACK if self.share and self.served is None else ())
 
     def check_models(
         self,

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)  # quiet_repeats: each condition once a minute
 
 DEFAULT_IDLE_TIMEOUT_S = 15.0  # to send a request's head; after a response uvicorn's keep-alive (5 s) closes first
 MAX_DEFAULT_CONNECTIONS = 1024  # one MLX worker serves requests in turn: more connections only wait
+SHUTDOWN_S = 5  # on Ctrl-C, open streams (an app tab's event stream, a reply) get this long, then are closed
 FD_RESERVE = 256  # open files kept for the process beside connections: models, logs, uploads, threads
 
 
@@ -130,12 +131,14 @@ def server_config(
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, **options: Any,
 ) -> uvicorn.Config:  # fmt: skip
     """uvicorn's Config for `uag serve`: bounded connections, forwarded headers left to uag.server.guards (uvicorn's
-    own would believe 127.0.0.1), uag's logging (no uvicorn access log), repeated errors once a minute."""
+    own would believe 127.0.0.1), uag's logging (no uvicorn access log), repeated errors once a minute, and a
+    shutdown that does not wait forever for a connected app tab."""
     if max_connections < 1 or not idle_timeout_s > 0:
         raise ValueError(f"max_connections must be at least 1 and idle_timeout_s above 0 (got {max_connections}, "
                          f"{idle_timeout_s})")  # fmt: skip
     protocol = type("BoundedH11Protocol", (BoundedH11Protocol,),
                     {"max_connections": max_connections, "idle_timeout_s": idle_timeout_s})  # fmt: skip
     quiet_repeats()
-    settings = {"log_level": "warning", "log_config": None, "access_log": False, "proxy_headers": False, **options}
+    settings = {"log_level": "warning", "log_config": None, "access_log": False, "proxy_headers": False,
+                "timeout_graceful_shutdown": SHUTDOWN_S, **options}  # fmt: skip
     return uvicorn.Config(app, host=host, port=port, http=protocol, **settings)

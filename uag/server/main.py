@@ -247,12 +247,12 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(f"port {args.port} on {args.host} is taken: use --port")
     connections = _logging_and_connections(args, opts)
     app, service = build(args, opts)
+    say = logging.getLogger("uag.server.main").info  # in the log's format (--log-format json: JSON lines too)
     if opts["target_dtype"] and (note := _slow_dtype_note(opts["target_dtype"])):
-        print(f"[uag] note: {note}", file=sys.stderr)
-    service.preload(progress=lambda text: print(f"[uag] {text}", file=sys.stderr, flush=True))
+        say("note: %s", note)
+    service.preload(progress=lambda text: say("%s", text))
     where = f"http://{args.host}:{args.port}"
-    print(f"[uag] serving {args.target} at {where}/v1" + ("" if args.no_ui else f", the app at {where}/ui"),
-          file=sys.stderr)  # fmt: skip
+    say("serving %s at %s/v1%s", args.target, where, "" if args.no_ui else f", the app at {where}/ui")
     uvicorn.Server(server_config(app, host=args.host, port=args.port, **connections)).run()
     return 0
 
