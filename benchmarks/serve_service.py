@@ -184,7 +184,7 @@ def probe(checkout: Path, python: str, models: Path, profile: dict, args) -> dic
                 server.kill()
             log.close()
             said = [line for line in log_path.read_text(errors="replace").splitlines() if "cost" in line]
-            for line in said[:8]:
+            for line in said[:20]:
                 print(f"    log: {line[:220]}")
 
 

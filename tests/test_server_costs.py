@@ -345,3 +345,36 @@ def test_start_up_measures_the_offered_pairs_without_costs(cache, now_quiet, no_
     assert measure.calls == 1 and find_calibration(target_key(fake_target())).profile == MEASURED
     served.preload().wait(10)
     assert measure.calls == 1  # saved: not measured again
+
+
+def test_others_busy_counts_the_machines_cpu_time_less_this_process():
+    from uag.study.profiles import OthersBusy
+
+    clock, busy, own = [0.0], [10.0], [1.0]
+
+    def two_seconds(_):  # the first reading's window: 3 CPU-s busy in 2 s, 1 of them this process's
+        clock[0], busy[0], own[0] = 2.0, 13.0, 2.0
+
+    others = OthersBusy(busy=lambda: busy[0], own=lambda: own[0], clock=lambda: clock[0], sleep=two_seconds)
+    assert others.now() == pytest.approx(1.0)  # others kept one core busy
+    clock[0] += 0.1
+    busy[0] = 20.0
+    assert others.now() == pytest.approx(1.0)  # too short a window: the last reading again
+    clock[0] += 3.9
+    busy[0], own[0] = 21.0, 10.0  # 4 s of a measurement: this process busy on both cores, nobody else
+    assert others.now() == pytest.approx(0.0)
+
+
+def test_the_busy_time_is_read_from_proc_stat(monkeypatch, tmp_path):
+    import builtins
+
+    from uag.study import profiles
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  4705 150 1120 16250 520 0 20 0 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    real_open = builtins.open
+    monkeypatch.setattr(
+        builtins, "open", lambda path, *a, **k: real_open(stat if path == "/proc/stat" else path, *a, **k)
+    )
+    monkeypatch.setattr(profiles.os, "sysconf", lambda name: 100)
+    assert profiles._busy_s() == pytest.approx(59.95)

@@ -57,8 +57,8 @@ LOAD_TAU_S = 60.0  # the time constant of the 1-minute load average (os.getloada
 
 @dataclass(frozen=True)
 class MachineLoad:
-    """How busy the machine was while a profile was measured: the 1-minute load average less this process's
-    own share (`others_load`) at the measurement's start and end, and the machine's cores."""
+    """How busy other processes kept the machine while a profile was measured (`others_load`, in cores) before
+    the measurement and during it, and the machine's cores."""
 
     start: float
     end: float
@@ -115,13 +115,70 @@ def _cpu_s() -> float:
     return times.user + times.system
 
 
+def _busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot, all cores (Linux's /proc/stat); None elsewhere.
+
+    Example: "cpu  4705 150 1120 16250 520 0 20 0 0 0" at 100 ticks a second -> (4705+150+1120+0+20+0) / 100 = 59.95
+    """
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class OthersBusy:
+    """The cores other processes kept busy since the previous reading: the machine's busy CPU time less this
+    process's own, per second (Linux's /proc/stat). Unlike the load average it counts CPU time, not runnable
+    threads (a measurement's BLAS and MLX threads outnumber the cores without using more than them), and it
+    follows at once. A reading less than `MIN_WINDOW_S` after the previous one repeats the previous value (the
+    very first waits that long for a window).
+
+    Example: the machine busy 3.0 CPU-s and this process 1.0 over 2 s -> 1.0 (others kept one core busy)
+    """
+
+    MIN_WINDOW_S = 0.5
+
+    def __init__(self, busy=None, own=None, clock=time.monotonic, sleep=time.sleep):
+        self.busy_s, self.own_s = busy or _busy_s, own or _cpu_s
+        self.clock, self.sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._at: float | None = None
+        self._busy = self._own = 0.0
+        self._value: float | None = None
+
+    def now(self) -> float | None:
+        with self._lock:
+            if self._at is None:
+                self._mark(self.busy_s(), self.own_s())
+                self.sleep(self.MIN_WINDOW_S)
+            elapsed = self.clock() - self._at
+            if elapsed < self.MIN_WINDOW_S and self._value is not None:
+                return self._value
+            busy, own = self.busy_s(), self.own_s()
+            if busy is None or elapsed <= 0:
+                return None
+            self._value = max(0.0, (busy - self._busy) - (own - self._own)) / elapsed
+            self._mark(busy, own)
+            return self._value
+
+    def _mark(self, busy: float | None, own: float) -> None:
+        self._at, self._busy, self._own = self.clock(), busy or 0.0, own
+
+
 _own = _OwnShare()
+_others = OthersBusy()
 
 
 def others_load() -> float | None:
-    """The 1-minute load average less this process's own share (a server's worker: the measurement itself, the
-    requests it just served); None where the system has no load average. Read it now and then (a server does,
-    every few seconds) so that the process's own share follows when it worked."""
+    """How busy other processes keep the machine, in cores: on Linux the cores they kept busy since the previous
+    reading (`OthersBusy`: read it at a measurement's start and end, and a server every few seconds, so that a
+    reading covers what just happened); elsewhere the 1-minute load average less this process's own share
+    (`_OwnShare`). None where the system tells neither."""
+    if _busy_s() is not None:
+        return _others.now()
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -141,10 +198,10 @@ def replaces(new: MachineLoad | None, saved: Calibration | None) -> bool:
     """Whether a measurement made under `new` load is saved over the `saved` calibration (None: nothing saved).
 
     A busy machine only ever adds time: the least of several rounds keeps a burst out, but not a load that lasts
-    the whole measurement. So a measurement counts as busy when others' load per core passed `BUSY` at its start
-    or its end (the 1-minute average lags: both ends are read; this process's own share is not counted, since
-    at the end it is the measurement itself), and a busy one never replaces one measured quieter, nor one of
-    unknown load (files saved before loads were recorded). A quiet one, or one where the system reports no
+    the whole measurement. So a measurement counts as busy when others' load per core passed `BUSY` before it
+    or during it (`others_load`: this process's own work is not counted, since that is the measurement itself),
+    and a busy one never replaces one measured quieter, nor one of unknown load (files saved before loads were
+    recorded). A quiet one, or one where the system reports no
     load, always does: it is the newer truth.
 
     Example: new load 1.6 on 2 cores, saved at 0.3 on 2 -> False;  new 0.4 on 2 -> True;  nothing saved -> True
