@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
+from tests.support.app_fakes import NoWorker, request
 from uag.app.compare_view import Update
 from uag.app.files import load_results
 from uag.app.handlers import DECODING, KEEP, Handlers, Shown, show
@@ -18,20 +18,9 @@ from uag.core.records import Cycle
 from uag.study.plots import cycle_ribbon, position_acceptance
 
 
-class _NoWorker:
-    current = None
-
-    def submit(self, *args, **kwargs):
-        raise AssertionError("this must not reach the worker")
-
-
-def request(host="127.0.0.1", headers=None, tab="tab-1"):
-    return SimpleNamespace(client=SimpleNamespace(host=host), headers=headers or {}, session_hash=tab)
-
-
 @pytest.fixture
 def handlers():
-    return Handlers(Session(worker=_NoWorker()))
+    return Handlers(Session(worker=NoWorker()))
 
 
 def test_the_decoding_controls_follow_the_one_field_list():
@@ -78,7 +67,7 @@ def test_the_app_opens_on_a_lookup_pair_with_auto_and_a_structured_example():  #
     from uag.runtime.presets import DEFAULT, PRESETS
     from uag.study.datasets import load_bundled
 
-    defaults = Session(worker=_NoWorker()).defaults
+    defaults = Session(worker=NoWorker()).defaults
     assert DEFAULT is PRESETS[0] and (defaults.target, defaults.drafter) == (DEFAULT.target, DEFAULT.drafter)
     assert DrafterSpec.parse(DEFAULT.drafter).lookup and DEFAULT.offline
     assert defaults.generation.strategy == "auto" and defaults.generation.k <= 8

@@ -161,15 +161,24 @@ def wait_for(condition, seconds: float = 10.0) -> bool:
 
 @pytest.mark.parametrize(("scale", "off"), [(0.3, True), (0.6, False), (1.0, False), (1.9, False), (2.5, True)])
 def test_a_run_finds_saved_costs_off_beyond_twice_either_way(scale, off):
-    assert (why_measure_again(scale, QUIET, QUIET) is not None) is off
+    assert (why_measure_again(scale, QUIET, lambda: QUIET) is not None) is off
 
 
 def test_a_quiet_moment_that_disagrees_with_a_busy_measurement_asks_for_another():
-    assert "measured at load 1.70 on 2 cores" in why_measure_again(0.7, BUSY, QUIET)
-    assert why_measure_again(0.7, QUIET, QUIET) is None  # no quieter than the measurement: within noise
-    assert why_measure_again(0.9, BUSY, QUIET) is None  # quieter, but the passes agree
-    assert why_measure_again(0.7, BUSY, MachineLoad(1.6, 1.6, 2)) is None  # busy now too
-    assert why_measure_again(0.7, None, QUIET) is None  # an old file: its load unknown
+    assert "measured at load 1.70 on 2 cores" in why_measure_again(0.7, BUSY, lambda: QUIET)
+    assert why_measure_again(0.7, QUIET, lambda: QUIET) is None  # no quieter than the measurement: within noise
+    assert why_measure_again(0.9, BUSY, lambda: QUIET) is None  # quieter, but the passes agree
+    assert why_measure_again(0.7, BUSY, lambda: MachineLoad(1.6, 1.6, 2)) is None  # busy now too
+    assert why_measure_again(0.7, None, lambda: QUIET) is None  # an old file: its load unknown
+
+
+def test_the_load_is_read_only_where_the_verdict_depends_on_it():
+    def unread():
+        raise AssertionError("the load was read")
+
+    assert why_measure_again(0.3, BUSY, unread) is not None  # off beyond twice whatever the load
+    assert why_measure_again(0.9, BUSY, unread) is None  # the passes agree
+    assert why_measure_again(0.7, None, unread) is None  # nothing to compare the load with
 
 
 def test_a_busy_measurement_is_never_saved_over_a_quieter_one():

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.app_fakes import NoWorker, request
 from uag.app.handlers import KEEP, Handlers, Shown
 from uag.app.session import Session
 from uag.app.settings import Settings
@@ -28,22 +29,9 @@ DRAFTERS = ("lookup+demo-drafter", "lookup", "demo-drafter")  # as ServerDefault
 RULE = "this server's app runs the served pair only: target 'demo-target', drafters 'lookup+demo-drafter', 'lookup'"
 
 
-class _NoWorker:
-    """Fails the test if a job is submitted: a name not served is refused before it reaches the models."""
-
-    current = None
-
-    def submit(self, *args, **kwargs):
-        raise AssertionError("a refused pair reached the worker")
-
-
-def request(host="127.0.0.1", headers=None, tab="tab-1"):
-    return SimpleNamespace(client=SimpleNamespace(host=host), headers=headers or {}, session_hash=tab)
-
-
 @pytest.fixture
 def served_session():
-    return Session(worker=_NoWorker(), target=TARGET, drafter=DRAFTERS[0], served=ServedModels(TARGET, DRAFTERS))
+    return Session(worker=NoWorker(), target=TARGET, drafter=DRAFTERS[0], served=ServedModels(TARGET, DRAFTERS))
 
 
 @pytest.fixture
@@ -123,14 +111,14 @@ def test_the_server_accepts_its_target_with_each_allowed_drafter(served_session,
 
 
 def test_only_lookup_when_the_server_allows_only_lookup():
-    session = Session(worker=_NoWorker(), target=TARGET, drafter="lookup", served=ServedModels(TARGET, ("lookup",)))
+    session = Session(worker=NoWorker(), target=TARGET, drafter="lookup", served=ServedModels(TARGET, ("lookup",)))
     assert session.check_models(TARGET, "lookup") == (TARGET, "lookup")
     assert "drafters 'lookup'." in refusal(lambda: session.check_models(TARGET, "lookup+demo-drafter"))
 
 
 def test_the_server_serves_its_dtypes_only():
     served = ServedModels(TARGET, DRAFTERS, target_dtype="bfloat16", drafter_dtype="q8")
-    session = Session(worker=_NoWorker(), target=TARGET, drafter="lookup", served=served)
+    session = Session(worker=NoWorker(), target=TARGET, drafter="lookup", served=served)
     assert (session.defaults.target_dtype, session.defaults.drafter_dtype) == ("bfloat16", "q8")  # the app's
     assert session.check_models(TARGET, "demo-drafter", target_dtype="bfloat16", drafter_dtype="q8")
     assert session.check_models(TARGET, "lookup", target_dtype="bfloat16", drafter_dtype="q4")  # no drafter model
@@ -159,13 +147,13 @@ def test_the_servers_app_offers_the_served_pairs(served_session):
 
 def test_the_servers_app_lists_only_served_models_as_loaded(tmp_path):
     store = SimpleNamespace(loaded=[TARGET, str(tmp_path / "other"), "demo-drafter", "org/x"], on_evict=[])
-    session = Session(store, _NoWorker(), served=ServedModels(TARGET, ("lookup+demo-drafter",)))
+    session = Session(store, NoWorker(), served=ServedModels(TARGET, ("lookup+demo-drafter",)))
     assert session.loaded_names(LOCAL) == [TARGET, "demo-drafter"]
 
 
 # --- the standalone app keeps its rules ------------------------------------------------------------------------
 def test_the_standalone_app_lets_its_local_user_load_a_folder(folders):
-    session = Session(worker=_NoWorker())
+    session = Session(worker=NoWorker())
     assert session.served is None and not session.access("127.0.0.1").remote
     assert session.check_models(folders[0], f"lookup+{folders[0]}") == (folders[0], f"lookup+{folders[0]}")
 
@@ -205,7 +193,7 @@ def server(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(main, "_mount_ui", keep)
-        app, _ = main.build(*serve_args("--drafters", "lookup,demo-drafter"), worker=_NoWorker())
+        app, _ = main.build(*serve_args("--drafters", "lookup,demo-drafter"), worker=NoWorker())
     (session,) = captured
     with serving(app) as url:
         yield url, session

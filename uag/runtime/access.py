@@ -68,6 +68,19 @@ def is_remote(host: str | None, headers: Mapping[str, str] | None = None, *, sha
         return True
 
 
+def is_trusted(address: str, networks: Collection[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    """Whether `address` is in one of `networks` (an IPv4 address written as IPv6 counts as itself).
+
+    Example: is_trusted("::ffff:10.0.0.1", [ip_network("10.0.0.0/8")]) -> True;  is_trusted("name", [...]) -> False
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    ip = getattr(ip, "ipv4_mapped", None) or ip
+    return any(ip in network for network in networks)
+
+
 def client_of(
     host: str | None,
     headers: Mapping[str, str] | None = None,
@@ -83,14 +96,7 @@ def client_of(
              -> "203.0.113.9";  client_of("198.51.100.7", {"X-Forwarded-For": "203.0.113.9"}) -> "198.51.100.7"
     """
     networks = [ipaddress.ip_network(n, strict=False) if isinstance(n, str) else n for n in trusted_proxies]
-
-    def trusted(address: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        ip = getattr(ip, "ipv4_mapped", None) or ip
-        return any(ip in network for network in networks)
+    trusted = lambda address: is_trusted(address, networks)  # noqa: E731
 
     if host is None or not trusted(host):
         return host or "unknown"

@@ -110,10 +110,6 @@ PRESETS: tuple[Preset, ...] = (
 DEFAULT = PRESETS[0]
 
 
-def by_label(label: str) -> Preset | None:
-    return next((p for p in PRESETS if p.label == label), None)
-
-
 def preset_models() -> frozenset[str]:
     """Every model named by a preset (what a remote user of a shared app may load); never "lookup"."""
     return frozenset(m for p in PRESETS for m in p.models)

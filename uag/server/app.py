@@ -17,7 +17,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -33,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from uag.errors import UserError
 from uag.runtime.jobs import Busy, Waiting
-from uag.server.guards import Guard, KeyBackoff, Perimeter
+from uag.server.guards import Guard, KeyBackoff, Perimeter, RetryLater, answer, too_many_failures
 from uag.server.logs import RequestLog, note_served
 from uag.server.protocol import APIError, parse_chat, parse_completion
 from uag.server.responses import chat_response, chunk, completion_response, new_id, now, usage_chunk
@@ -54,14 +53,6 @@ def internal() -> APIError:
     """The neutral 500: what failed is in the server's log, never in the answer."""
     return APIError(500, "the server failed on this request (a bug, not your input); it is logged and the server "
                     "keeps serving")  # fmt: skip
-
-
-class RetryLater(APIError):
-    """A 429 or 503 that says when to retry (the Retry-After header, in whole seconds)."""
-
-    def __init__(self, status: int, message: str, *, code: str, seconds: float):
-        super().__init__(status, message, code=code)
-        self.retry_after = seconds
 
 
 class Disconnected(Exception):
@@ -122,9 +113,7 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, err: APIError) -> JSONResponse:
-        retry = getattr(err, "retry_after", RETRY_FULL_S if err.status in (429, 503) else None)
-        headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        return answer(err, retry_s=RETRY_FULL_S)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -143,8 +132,7 @@ def create_app(
             return
         client = _client(request)
         if (wait := backoff.retry_after(client)) > 0:
-            raise RetryLater(429, f"too many wrong keys from your address: retry in {math.ceil(wait)} s",
-                             code="too_many_failed_keys", seconds=wait)  # fmt: skip
+            raise too_many_failures(wait)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             backoff.failed(client)

@@ -25,7 +25,9 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from uag.errors import InputError
-from uag.runtime.access import client_of
+from uag.runtime.access import client_of, is_trusted
+from uag.server.logs import NotingStatus
+from uag.server.protocol import APIError
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +150,7 @@ class Perimeter:
         return self._named(_name(parts.netloc))
 
     def is_proxy(self, address: str) -> bool:
-        ip = _ip(address)
-        return ip is not None and any(ip in network for network in self.trusted_proxies)
+        return is_trusted(address, self.trusted_proxies)
 
 
 class KeyBackoff:
@@ -188,17 +189,26 @@ class KeyBackoff:
             self._failures.pop(client, None)
 
 
-def error_response(status: int, message: str, code: str, *, retry_after: float | None = None) -> JSONResponse:
-    """OpenAI's error object as a response; 429 and 503 say when to retry (`Retry-After`, whole seconds)."""
-    kind = {429: "rate_limit_error", 503: "server_error"}.get(status, "invalid_request_error")
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+class RetryLater(APIError):
+    """A 429 or 503 that says when to retry (the Retry-After header, in whole seconds)."""
+
+    def __init__(self, status: int, message: str, *, code: str, seconds: float):
+        super().__init__(status, message, code=code)
+        self.retry_after = seconds
 
 
-def too_many_failures(seconds: float) -> JSONResponse:
-    return error_response(429, f"too many wrong keys from your address: retry in {math.ceil(seconds)} s",
-                          "too_many_failed_keys", retry_after=seconds)  # fmt: skip
+def answer(err: APIError, *, retry_s: float | None = None) -> JSONResponse:
+    """OpenAI's error object as a response. A `RetryLater` says when to retry (`Retry-After`, whole seconds); so
+    does any other 429 or 503 where `retry_s` is given."""
+    retry = getattr(err, "retry_after", retry_s if err.status in (429, 503) else None)
+    headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def too_many_failures(seconds: float) -> RetryLater:
+    """What a client whose wrong keys cost it `seconds` more is told (the API's and the app login's)."""
+    return RetryLater(429, f"too many wrong keys from your address: retry in {math.ceil(seconds)} s",
+                      code="too_many_failed_keys", seconds=seconds)  # fmt: skip
 
 
 class Guard:
@@ -240,41 +250,35 @@ class Guard:
         """The answer that refuses this request at the door, or None to let it in."""
         host = headers.get("host")
         if not self.perimeter.host_allowed(host):
-            return error_response(403, f"this server does not answer to the name {_name(host or '')[:100]!r}: use "
-                                  "its address, localhost, or a name its operator allows (--allowed-host)",
-                                  "host_not_allowed")  # fmt: skip
+            return answer(APIError(403, f"this server does not answer to the name {_name(host or '')[:100]!r}: use "
+                                   "its address, localhost, or a name its operator allows (--allowed-host)",
+                                   code="host_not_allowed"))  # fmt: skip
         method = scope.get("method", "GET")
         origin = headers.get("origin")
         if (method in UNSAFE or scope["type"] == "websocket") and origin is not None:
             if not self.perimeter.origin_allowed(origin, host):
-                return error_response(403, f"requests from pages of {origin[:100]!r} are refused: this server "
-                                      "answers its own pages, and the origins its operator allows (--cors-origin)",
-                                      "origin_not_allowed")  # fmt: skip
+                return answer(APIError(403, f"requests from pages of {origin[:100]!r} are refused: this server "
+                                       "answers its own pages, and the origins its operator allows (--cors-origin)",
+                                       code="origin_not_allowed"))  # fmt: skip
         if method == "POST" and scope["path"].startswith(API_PREFIX):
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":
-                return error_response(415, f"the request body must be JSON: send 'Content-Type: application/json'"
-                                      f" (got {kind[:60] or 'none'!r})", "unsupported_media_type")  # fmt: skip
+                return answer(APIError(415, f"the request body must be JSON: send 'Content-Type: application/json'"
+                                       f" (got {kind[:60] or 'none'!r})", code="unsupported_media_type"))  # fmt: skip
         return None
 
     async def _login(self, scope, receive, send) -> None:
         """The app's login form, where the API key is the password: failures cost time as wrong API keys do."""
         client = scope["client"][0] if scope.get("client") else "unknown"
         if (wait := self.backoff.retry_after(client)) > 0:
-            await too_many_failures(wait)(scope, receive, send)
+            await answer(too_many_failures(wait))(scope, receive, send)
             return
-        status = None
-
-        async def sending(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        sending = NotingStatus(send)
         try:
             await self.app(scope, receive, sending)
         except ClientDisconnect:
             return
+        status = sending.status
         if status == 400:
             self.backoff.failed(client)
         elif status is not None and status < 300:

@@ -83,6 +83,18 @@ def level(path: str, status: int | None) -> int:
     return logging.DEBUG
 
 
+class NotingStatus:
+    """An ASGI `send` that passes every message on and keeps the response's status (None until it starts)."""
+
+    def __init__(self, send: Callable):
+        self.send, self.status = send, None
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+
 class RequestLog:
     """ASGI middleware: one line per HTTP request on "uag.server" once its response has been sent (a stream: when
     it ends), with its status, client, time and, for a generation, the run's report (`note_served`); at the
@@ -95,20 +107,14 @@ class RequestLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started, status = time.perf_counter(), None
-
-        async def sending(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        started, sending, failed = time.perf_counter(), NotingStatus(send), False
         try:
             await self.app(scope, receive, sending)
         except Exception:
-            status = status or 500
+            failed = True
             raise
         finally:
+            status = sending.status or (500 if failed else None)
             client = (scope.get("client") or ("unknown",))[0]
             report = (scope.get("state") or {}).get(SERVED)
             fields = request_fields(scope["method"], scope["path"], status, client, time.perf_counter() - started,

@@ -19,7 +19,6 @@ from uag.core.drafters import DrafterChoice
 from uag.core.evidence import Evidence
 from uag.models.store import LoadedModel, Pair, check_pair
 from uag.study.profiles import (
-    STALE,  # noqa: F401  (where callers found it before it moved to uag.study.profiles)
     Calibration,
     find_calibration,
     find_evidence,
@@ -151,7 +150,7 @@ def judge_profile(calibration: Calibration, evidence: Evidence) -> str | None:
     Example: a profile calibrated while a test suite ran (target 495 ms a step) and a quiet run (147 ms):
     scale 0.3 -> "this run's target passes took 0.3× the saved times"
     """
-    return why_measure_again(evidence.scale, calibration.load, machine_load())
+    return why_measure_again(evidence.scale, calibration.load, machine_load)
 
 
 def open_auto(

@@ -19,6 +19,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -211,20 +212,23 @@ def replaces(new: MachineLoad | None, saved: Calibration | None) -> bool:
     return saved.load is not None and saved.load.per_core >= new.per_core
 
 
-def why_measure_again(scale: float, measured: MachineLoad | None, now: MachineLoad | None) -> str | None:
+def why_measure_again(scale: float, measured: MachineLoad | None, now: Callable[[], MachineLoad | None]) -> str | None:
     """Why a run's target passes, at `scale` times the profile's (`Evidence.scale`), say that the profile should
     be measured again; None when they do not. Off by more than `STALE` either way; or, at a moment well quieter
-    than the profile's measurement (`QUIETER` per core less, and not busy), faster by `DISAGREES` or more.
+    than the profile's measurement (`QUIETER` per core less, and not busy), faster by `DISAGREES` or more. `now`
+    reads the machine's load (`machine_load`), only where the verdict depends on it.
 
     Example: scale 0.3 -> "this run's target passes took 0.3× the saved times";  scale 0.7, measured at 1.6 on
     2 cores, now 0.2 on 2 -> a reason;  scale 0.7, both quiet -> None
     """
     if not 1 / STALE <= scale <= STALE:
         return f"this run's target passes took {scale:.2g}× the saved times"
-    quieter = measured is not None and now is not None and not now.busy and now.per_core <= measured.per_core - QUIETER
-    if quieter and scale < 1 / DISAGREES:
+    if measured is None or scale >= 1 / DISAGREES:
+        return None
+    load = now()
+    if load is not None and not load.busy and load.per_core <= measured.per_core - QUIETER:
         return (f"this run's target passes took {scale:.2g}× the saved times, measured at {measured} (now "
-                f"{now.end:.2f})")  # fmt: skip
+                f"{load.end:.2f})")  # fmt: skip
     return None
 
 
