@@ -29,11 +29,11 @@ import mlx.core as mx
 from uag.api import generate  # auto: with the saved profile, as users get it
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice
+from uag.costs.calibrate import calibrate
+from uag.costs.profiles import find_calibration, save
 from uag.machine import backend, blas, device_name
 from uag.models.store import ModelStore, check_pair
-from uag.study.calibrate import calibrate
 from uag.study.datasets import load_bundled
-from uag.study.profiles import find_calibration, save
 
 
 def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int, repeats: int, hybrid: bool = False) -> dict:

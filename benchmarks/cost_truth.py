@@ -2,7 +2,7 @@
 
 For each prompt of the bundled sets: the target alone, then `context` at each fixed k for each drafter (and
 prompt lookup), run side by side, the order rotating every repeat. Each speculative run's own cycles are
-priced with the pair's profile, the one `auto` decides by (uag.study.profiles: the saved profile, or a quick
+priced with the pair's profile, the one `auto` decides by (uag.costs.profiles: the saved profile, or a quick
 calibration as users get): `CostProfile.price` charges a cycle the target's verification at the width it
 verified, the drafter's steps and what its first pass read, translation; a lookup's proposal the lookup
 and the pass. The acceptance is the run's own, so where prediction and measurement part the costs are

@@ -21,9 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 
+from uag.costs.calibrate import filled_cache, time_forward
 from uag.machine import backend, blas, device_name
 from uag.models.store import LoadedModel, ModelStore
-from uag.study.calibrate import filled_cache, time_forward
 
 
 def as_dtype(model: LoadedModel, dtype: str) -> LoadedModel:

@@ -5,7 +5,7 @@ Per dtype (target and drafter both in it, converted once into the user cache), p
 interleaved (medians of --repeats): the target alone, then `auto` over prompt lookup, over the hybrid
 (lookup + model) and over the model drafter. Every greedy run is compared with the baseline's tokens; where
 they part, the target's margin there (top-two logit gap, in the plain step and in the speculative pass) is
-computed and the divergence classified (uag.study.divergence): a near-tie, or a bug.
+computed and the divergence classified (uag.runtime.divergence): a near-tie, or a bug.
 
 First, per dtype, what the near-tie thresholds rest on: how far a k-token verification pass moves the gap
 between the target's top two logits from what one-token steps compute (`--rounding`; median / p99 / max over
@@ -37,13 +37,13 @@ from uag.core.config import GenerationConfig
 from uag.core.engine import generate
 from uag.core.loading import check_memory, load_drafter_choice, load_model
 from uag.core.passes import prefill
+from uag.costs.pair import profile_for
 from uag.machine import backend, blas, device_name
 from uag.models.dtypes import DTYPES
 from uag.models.store import ModelStore
+from uag.runtime.divergence import DIVERGED, IDENTICAL, NEAR_TIE, near_tie_margin
+from uag.runtime.margins import compare_runs
 from uag.study.datasets import load_bundled
-from uag.study.divergence import DIVERGED, IDENTICAL, NEAR_TIE, near_tie_margin
-from uag.study.margins import compare_runs
-from uag.study.pair_costs import profile_for
 
 
 def rounding(target, prompts, *, k: int, tokens: int) -> list[float]:

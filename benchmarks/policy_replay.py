@@ -5,7 +5,7 @@ verdict on any proposal is too: it keeps the longest prefix that matches and wri
 token. This script records each prompt's baseline once with the real target (cached in the user cache),
 then runs the real engine (uag.core.engine.stream: the real drafter, translator and policy) against
 `ReplayModel`, a stand-in target that answers every forward pass with its baseline's next tokens at no
-cost. Each run's cycles are then priced with the pair's calibration profile (uag.study.profiles;
+cost. Each run's cycles are then priced with the pair's calibration profile (uag.costs.profiles;
 `CostProfile.price`: the target's pass over the width verified, the drafter's steps, the drafter's one pass
 over what its first pass read — its pending token plus any backlog: the prompt, the target's corrections,
 tokens committed while parked — and translation; a parked step that ended with a rehearsal, one drafter pass

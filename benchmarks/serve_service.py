@@ -142,7 +142,7 @@ def probe(checkout: Path, python: str, models: Path, profile: dict, args) -> dic
         (cache / "profiles").mkdir()
         env = {**os.environ, "UAG_CACHE_DIR": str(cache), "PYTHONPATH": str(checkout)}
         where = subprocess.run(  # where this checkout looks for the profile (a digest of its key)
-            [python, "-c", "import json,sys; from uag.study.profiles import profile_path; "
+            [python, "-c", "import json,sys; from uag.costs.profiles import profile_path; "
              "print(profile_path(json.loads(sys.argv[1])))", json.dumps(profile["key"])],
             cwd=checkout, env=env, capture_output=True, text=True, check=True,
         )  # fmt: skip

@@ -298,7 +298,7 @@ def test_calibrated_verify_curve_keeps_its_measured_shape(monkeypatch, monotone)
     """The engine verifies exactly the tokens proposed, so the profile prices each width as measured (the least
     of the rounds); only the drafter's reading curve is made non-decreasing. Made non-decreasing, this curve
     priced 9 tokens at the 16-token pass's 572 ms, not the 730 ms measured."""
-    from uag.study import calibrate
+    from uag.costs import calibrate
 
     calls = {w: 0 for w in CODER_CPU}  # per width: the warm-up, then rounds at 2x, 1x and +50 ms of the curve
 

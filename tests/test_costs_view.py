@@ -10,11 +10,11 @@ from uag.app.loaded import Loaded
 from uag.app.session import Session
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
+from uag.costs.profiles import Calibration, find_profile, profile_key, profile_path, save
 from uag.models.store import ModelStore, Pair
 from uag.runtime.access import Access
 from uag.runtime.worker import MLXWorker
 from uag.study.plots import verify_cost
-from uag.study.profiles import Calibration, find_profile, profile_key, profile_path, save
 
 # w = 9 is far too slow for k = 8 to pay at any acceptance. k = 1: cycle 1 + 0.5 + 11.5 = 13 ms, plain step
 # 10 ms, so a cycle must commit 1.3 tokens: α* = 30% (the study's 1 + k·α tokens, as calibrate saves).
@@ -110,9 +110,9 @@ def test_a_damaged_profile_is_reported_not_raised(cache):
 
 
 def test_auto_reads_a_damaged_profile_as_none_and_a_saved_one_as_it_is(cache, monkeypatch, caplog):
-    """The one reader of a pair's saved costs (uag.study.pair_costs, behind uag.saved_profile and the app's
+    """The one reader of a pair's saved costs (uag.costs.pair, behind uag.saved_profile and the app's
     Loaded): a damaged file is logged and read as none, so auto measures again instead of failing."""
-    from uag.study import pair_costs
+    from uag.costs import pair as pair_costs
 
     pair = _fake_pair()
     monkeypatch.setattr(pair_costs, "check_pair", lambda target, drafter: pair)  # a fake pair: nothing to check

@@ -1,4 +1,4 @@
-"""Greedy divergence told apart from a bug: pure tests with numbers (uag.study.divergence, uag.models.dtypes)."""
+"""Greedy divergence told apart from a bug: pure tests with numbers (uag.runtime.divergence, uag.models.dtypes)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from uag.errors import InputError
 from uag.models.dtypes import amortises, parse_dtype, precision, slow_dtype_note
-from uag.study.divergence import (
+from uag.runtime.divergence import (
     DIVERGED,
     IDENTICAL,
     NEAR_TIE,

@@ -257,7 +257,7 @@ def test_every_rejected_position_gets_a_cause_in_the_cycle_records_and_the_run(t
 
 def test_auto_with_lookup_alone_gets_the_target_verify_curve_once_and_reuses_it(tiny, tmp_path, monkeypatch):
     from uag.api import profile_for
-    from uag.study.profiles import find_calibration, target_key
+    from uag.costs.profiles import find_calibration, target_key
 
     monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path))
     target, _ = tiny

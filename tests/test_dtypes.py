@@ -1,5 +1,5 @@
 """Models in the dtypes users run: converted once per model and dtype into the user cache, loaded, generating,
-and greedy divergence between a speculative run and the target alone classified (uag.study.margins)."""
+and greedy divergence between a speculative run and the target alone classified (uag.runtime.margins)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from uag.models import demo
 from uag.models.dtypes import precision
 from uag.models.memory import model_bytes
 from uag.models.store import ModelStore
-from uag.study.divergence import DIVERGED, IDENTICAL, NEAR_TIE
+from uag.runtime.divergence import DIVERGED, IDENTICAL, NEAR_TIE
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_a_model_stored_in_the_dtype_asked_for_is_not_converted(user_cache):
 
 
 def test_where_a_speculative_run_computed_each_token():
-    from uag.study.margins import speculative_pass
+    from uag.runtime.margins import speculative_pass
 
     def cycle(proposed, emitted):
         return Cycle(0, len(proposed), [], list(proposed), max(0, emitted - 1), emitted)
@@ -108,7 +108,7 @@ def test_where_a_speculative_run_computed_each_token():
 def test_speculation_in_low_precision_is_classified(user_cache, target_dtype, drafter_dtype):
     """The study's setting on a tiny pair: whatever the outputs, a real mismatch is called a bug and rounding not."""
     from uag.core.engine import generate
-    from uag.study.margins import compare_runs
+    from uag.runtime.margins import compare_runs
 
     store = ModelStore()
     target = store.get(str(build_tiny("mistral", "mistral-v1")), dtype=target_dtype)

@@ -13,9 +13,8 @@ import pytest
 from tests.support.tiny_models import tiny_pair
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import CARRY, Counts, Evidence, confidence_band
-from uag.models.store import Pair, check_pair
-from uag.study import calibrate as calibration
-from uag.study.profiles import (
+from uag.costs import calibrate as calibration
+from uag.costs.profiles import (
     METHOD,
     Calibration,
     evidence_path,
@@ -28,6 +27,7 @@ from uag.study.profiles import (
     save_evidence,
     target_key,
 )
+from uag.models.store import Pair, check_pair
 
 
 @pytest.fixture
@@ -176,9 +176,9 @@ def test_calibrate_reset_of_a_hybrid_forgets_its_model_pair_and_of_lookup_the_ta
 @pytest.mark.slow
 def test_calibrate_lookup_saves_the_target_s_verify_curve_where_auto_looks_for_it(store, cache, capsys):
     """`uag calibrate --drafter lookup` (it once asked for a model folder named lookup): the target alone is
-    timed, and the profile lands under the key prompt lookup's auto runs read (uag.study.pair_costs)."""
+    timed, and the profile lands under the key prompt lookup's auto runs read (uag.costs.pair)."""
     from uag.core.drafters import DrafterChoice
-    from uag.study.pair_costs import profile_for
+    from uag.costs.pair import profile_for
 
     target, _ = tiny_pair("qwen2.5", "mistral-v1")
     argv = ["--target", str(target), "--drafter", "lookup", "--context", "32", "--max-width", "3", "--repeats", "1"]
@@ -216,10 +216,10 @@ def test_auto_opens_from_the_pair_s_saved_evidence_and_saves_what_it_learned(dem
     accepted on this machine, and leaves what it learned for the next one; evidence a caller passes is the
     caller's to keep (the server keeps its own per pair)."""
     import uag.api
-    import uag.study.pair_costs
+    import uag.costs.pair
     from uag.core.config import GenerationConfig
     from uag.core.drafters import DrafterChoice
-    from uag.study.pair_costs import evidence_key
+    from uag.costs.pair import evidence_key
 
     target, _ = demo_pair
     lookup = DrafterChoice(lookup=True)
@@ -233,10 +233,10 @@ def test_auto_opens_from_the_pair_s_saved_evidence_and_saves_what_it_learned(dem
     assert run.proposed > 0 and sum(first.lookup.accepted) + sum(first.lookup.rejected) > 0
 
     opened_with, kept = [], []
-    engine, keep = uag.api._stream, uag.study.pair_costs.keep_evidence
+    engine, keep = uag.api._stream, uag.costs.pair.keep_evidence
     opening = lambda *a, **kw: opened_with.append((kw["evidence"], kw["evidence"].to_dict())) or engine(*a, **kw)  # noqa: E731
     monkeypatch.setattr(uag.api, "_stream", opening)
-    monkeypatch.setattr(uag.study.pair_costs, "keep_evidence", lambda *a: kept.append(a) or keep(*a))
+    monkeypatch.setattr(uag.costs.pair, "keep_evidence", lambda *a: kept.append(a) or keep(*a))
     events = uag.api.stream(target, lookup, prompt, config, profile=profile)
     next(events)
     events.close()  # stopped early: what it saw is still kept
@@ -254,7 +254,7 @@ def test_a_profile_a_run_showed_stale_is_kept_and_judged_off(cache, scale, off):
     """A profile calibrated on a busier (or quieter) machine than this one now: judged off after an auto run whose
     own target passes ran at under half or over twice its times, and kept (never removed: a server measures it
     again in the background, `uag calibrate` at the terminal)."""
-    from uag.study.pair_costs import judge_profile
+    from uag.costs.pair import judge_profile
 
     pair = fake_pair()
     busy = CostProfile({1: 495.0, 2: 520.0}, drafter_ms=390.0)

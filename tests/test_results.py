@@ -10,9 +10,9 @@ from dataclasses import fields, replace
 import pytest
 
 from tests.support.synthetic_runs import BASELINE_MACHINE, MACHINE, TARGET, add_prompt, make_run, spec
-from uag.core.config import GenerationConfig
+from uag.core.config import GenerationConfig, short_name
 from uag.study.results import ResultsDB, load_runs
-from uag.study.runspec import RunSpec, short_name
+from uag.study.runspec import RunSpec
 
 
 @pytest.fixture

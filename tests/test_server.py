@@ -242,8 +242,8 @@ def _perturbed_baseline(stream):
 def test_a_check_tells_a_near_tie_from_a_bug(served, client, monkeypatch, threshold, kind):
     """An injected mismatch: at the target's real (clear) margin it is a bug, loud in the reply and on the Server
     tab; where the dtype's rounding could reach that margin (an injected threshold) it is a near-tie."""
+    from uag.runtime import divergence
     from uag.server.dashboard import server_view
-    from uag.study import divergence
 
     service = served[1]
     monkeypatch.setattr(service, "stream", _perturbed_baseline(service.stream))

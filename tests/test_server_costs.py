@@ -12,23 +12,17 @@ from types import SimpleNamespace
 
 import pytest
 
-import uag.study.calibrate
-import uag.study.pair_costs
-import uag.study.profiles
+import uag.costs.calibrate
+import uag.costs.pair
+import uag.costs.profiles
 from tests.support.server_scripted import Scripted
 from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.evidence import Evidence
 from uag.core.records import Run
-from uag.models.store import ModelStore
-from uag.runtime.jobs import JobRunner
-from uag.runtime.worker import MLXWorker
-from uag.server.costs import CostKeeper, Wanted, due
-from uag.server.protocol import APIError, Request, ServerDefaults
-from uag.server.service import Service, chars_per_token
-from uag.study.pair_costs import keep_measured, open_auto
-from uag.study.profiles import (
+from uag.costs.pair import keep_measured, open_auto
+from uag.costs.profiles import (
     Calibration,
     MachineLoad,
     decayed,
@@ -39,6 +33,12 @@ from uag.study.profiles import (
     target_key,
     why_measure_again,
 )
+from uag.models.store import ModelStore
+from uag.runtime.jobs import JobRunner
+from uag.runtime.worker import MLXWorker
+from uag.server.costs import CostKeeper, Wanted, due
+from uag.server.protocol import APIError, Request, ServerDefaults
+from uag.server.service import Service, chars_per_token
 
 QUIET, BUSY = MachineLoad(0.3, 0.2, 2), MachineLoad(1.2, 1.7, 2)
 SAVED = CostProfile({1: 300.0, 2: 320.0}, drafter_ms=0.0)  # measured when the machine was slower
@@ -54,15 +54,15 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture
 def now_quiet(monkeypatch):
     """The machine's load now, as the server reads it: quiet (the test machine's real load varies)."""
-    monkeypatch.setattr(uag.study.profiles, "machine_load", lambda start=None: QUIET)
-    monkeypatch.setattr(uag.study.pair_costs, "machine_load", lambda start=None: QUIET)
+    monkeypatch.setattr(uag.costs.profiles, "machine_load", lambda start=None: QUIET)
+    monkeypatch.setattr(uag.costs.pair, "machine_load", lambda start=None: QUIET)
 
 
 @pytest.fixture
 def no_calibration(monkeypatch):
     """Any real calibration fails the test."""
     for name in ("calibrate", "calibrate_target"):
-        monkeypatch.setattr(uag.study.calibrate, name, lambda *a, **kw: pytest.fail("a calibration ran"))
+        monkeypatch.setattr(uag.costs.calibrate, name, lambda *a, **kw: pytest.fail("a calibration ran"))
 
 
 class Tokenizer:
@@ -122,7 +122,7 @@ class Measure:
             while not cancel():
                 time.sleep(0.01)
             self.stopped += 1
-            raise uag.study.calibrate.MeasurementStopped
+            raise uag.costs.calibrate.MeasurementStopped
         return calibration(MEASURED, QUIET, target)
 
 
@@ -231,7 +231,7 @@ def test_the_api_keeps_a_profile_a_run_found_off_and_warns_once(cache, now_quiet
     close = open_auto(target, lookup, kw)
     assert kw["profile"] == SAVED
     kw["evidence"].scale = 1 / 3  # the run's passes took a third of the saved times
-    with caplog.at_level(logging.WARNING, logger="uag.study.pair_costs"):
+    with caplog.at_level(logging.WARNING, logger="uag.costs.pair"):
         close()
     (line,) = [r.getMessage() for r in caplog.records if "org/target" in r.getMessage()]  # not other tests' servers
     assert "took 0.33× the saved times" in line and "uag calibrate --target org/target --drafter lookup" in line
@@ -297,7 +297,7 @@ def test_a_background_measurement_stops_for_a_request_and_starts_again_when_idle
         try:
             started.set()
             measure(None, None, cancel=cancel)
-        except uag.study.calibrate.MeasurementStopped:
+        except uag.costs.calibrate.MeasurementStopped:
             return False
         return True
 
@@ -357,7 +357,7 @@ def test_start_up_measures_the_offered_pairs_without_costs(cache, now_quiet, no_
 
 
 def test_others_busy_counts_the_machines_cpu_time_less_this_process():
-    from uag.study.profiles import OthersBusy
+    from uag.costs.profiles import OthersBusy
 
     clock, busy, own = [0.0], [10.0], [1.0]
 
@@ -377,7 +377,7 @@ def test_others_busy_counts_the_machines_cpu_time_less_this_process():
 def test_the_busy_time_is_read_from_proc_stat(monkeypatch, tmp_path):
     import builtins
 
-    from uag.study import profiles
+    from uag.costs import profiles
 
     stat = tmp_path / "stat"
     stat.write_text("cpu  4705 150 1120 16250 520 0 20 0 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from uag.runtime.prompt_cache import ConversationCaches
 from uag.server.chat import ToolHold, fits, parse_tool_calls
+from uag.server.prompt_cache import ConversationCaches
 from uag.server.protocol import APIError, ServerDefaults, parse_chat, parse_completion
 from uag.server.streaming import ReplyText, StopText, sse
 

@@ -8,7 +8,7 @@
 
 Models load once per process (a shared `ModelStore`), through `uag.core.loading`: a broken model folder is a
 `uag.UserError` saying what is wrong with it, as on the command line and in the app. Strategy "auto" decides
-by the pair's measured costs on this machine (uag.study.pair_costs): the profile `python -m uag calibrate`
+by the pair's measured costs on this machine (uag.costs.pair): the profile `python -m uag calibrate`
 (or the app) saved, or on first use a quick calibration that is saved for next time (a run that finds them off
 keeps them and says so in one warning line: `uag calibrate` measures them again); it opens from what earlier
 runs of the pair accepted here, and saves what this run taught (`uag calibrate --reset` forgets both). The
@@ -25,8 +25,8 @@ from uag.core.engine import generate as _generate
 from uag.core.engine import stream as _stream
 from uag.core.loading import load_drafter_choice, load_model
 from uag.core.records import Event, Run
+from uag.costs.pair import open_auto, profile_for, saved_profile
 from uag.models.store import LoadedModel, ModelStore
-from uag.study.pair_costs import open_auto, profile_for, saved_profile
 
 __all__ = ["generate", "load", "load_drafter", "profile_for", "saved_profile", "store", "stream"]
 
@@ -65,7 +65,7 @@ def stream(
     """`uag.core.engine.stream`; strategy "auto" gets the pair's measured costs (`profile_for`) unless
     `profile=` is given, and what earlier runs of the pair accepted unless `evidence=` is given (then saved
     again when the run ends). `progress` hears about a first-use calibration. Saved costs that the run finds off
-    are kept, with one warning line (uag.study.pair_costs.open_auto)."""
+    are kept, with one warning line (uag.costs.pair.open_auto)."""
     config = config or GenerationConfig()
     close = open_auto(target, drafter, kw, progress=progress) if config.strategy == "auto" else None
     events = _stream(target, drafter, prompt, config, **kw)

@@ -105,11 +105,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _print_comparison(args: argparse.Namespace, target, choice, ids: list[int], config: GenerationConfig) -> int:
-    """The target alone, then the speculative run, and the verdict on their greedy outputs (uag.study.margins)."""
+    """The target alone, then the speculative run, and the verdict on their greedy outputs (uag.runtime.margins)."""
     from dataclasses import replace
 
     from uag.api import generate
-    from uag.study.margins import compare_runs
+    from uag.runtime.margins import compare_runs
 
     baseline = generate(target, None, ids, replace(config, strategy="baseline"))
     speculative = generate(target, choice, ids, config)
@@ -183,7 +183,7 @@ COMMANDS = {
     "generate": ("uag.cli", "generate_main", "one generation, baseline or speculative, plain or as JSON"),
     "serve": ("uag.server.main", "main", "an OpenAI-compatible server that speculates (with the app mounted)"),
     "app": ("uag.app.launch", "main", "the app: the target alone vs speculative decoding, side by side"),
-    "calibrate": ("uag.study.calibrate", "main", "measure a pair's costs on this machine, for auto and α*"),
+    "calibrate": ("uag.costs.calibrate", "main", "measure a pair's costs on this machine, for auto and α*"),
     "bench": ("uag.study.bench", "main", "sweep drafters, strategies and k over prompt sets into SQLite"),
     "analyze": ("uag.study.analyze", "main", "the study's tables and figures from a sweep's database"),
     "models": ("uag.models.demo", "main", "fetch and convert the offline models into the user cache"),

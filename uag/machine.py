@@ -1,6 +1,6 @@
 """Which machine this is: its MLX backend, device, BLAS and user cache. One answer for every module.
 
-Profiles (uag.study.profiles) and results rows (uag.study.results) are keyed by what this module says, so a
+Profiles (uag.costs.profiles) and results rows (uag.study.results) are keyed by what this module says, so a
 calibration and a sweep made on the same machine always agree on its name.
 """
 

@@ -18,8 +18,8 @@ from uag.app.settings import Settings
 from uag.core.costmodel import break_even
 from uag.core.highlight import TARGET, spans
 from uag.core.records import Cycle, Run, Token
+from uag.runtime.divergence import IDENTICAL, NEAR_TIE, Divergence
 from uag.runtime.jobs import OutOfTime, Status, Tick, Waiting
-from uag.study.divergence import IDENTICAL, NEAR_TIE, Divergence
 from uag.study.plots import STUDY_C, cycle_ribbon, position_acceptance
 
 PHASES = {"draft": "draft", "translate": "translate", "verify": "verify", "resync": "re-sync"}
@@ -57,7 +57,7 @@ class Finished:
 
 @dataclass(frozen=True)
 class Verdict:
-    """How the greedy outputs compare (uag.study.margins.compare_runs), handed over before the speculative run's
+    """How the greedy outputs compare (uag.runtime.margins.compare_runs), handed over before the speculative run's
     `Finished`, so that a difference is never shown unexplained; None when the runs cannot be compared."""
 
     divergence: Divergence | None
@@ -98,7 +98,7 @@ def mismatch(baseline: Run, speculative: Run, divergence: Divergence | None = No
 
     Speculative decoding is lossless: at temperature 0 both runs must produce the same token ids, up to
     rounding at a near-tie in low precision. With `divergence` (the target's margin where they part,
-    uag.study.divergence) a near-tie is explained and a real mismatch is a loud bug report; without it any
+    uag.runtime.divergence) a near-tie is explained and a real mismatch is a loud bug report; without it any
     difference is. Runs that were stopped or sampled (temperature > 0) are not compared.
     """
     if divergence is not None and divergence.kind != IDENTICAL:

@@ -9,9 +9,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from uag.costs.profiles import Calibration
 from uag.runtime.jobs import Status, Waiting
 from uag.study.plots import verify_cost
-from uag.study.profiles import Calibration
 
 if TYPE_CHECKING:
     from uag.models.store import Pair

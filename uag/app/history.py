@@ -15,10 +15,10 @@ import numpy as np
 import pandas as pd
 
 from uag.app.settings import Settings
+from uag.core.config import short_name
 from uag.core.costfit import fit_c_from_speedups
 from uag.core.records import Run
 from uag.study.plots import STUDY_C, STUDY_R, speedup_vs_alpha
-from uag.study.runspec import short_name
 
 HISTORY_COLUMNS = (
     "time", "prompt", "target", "drafter", "target_dtype", "drafter_dtype", "strategy", "k", "window", "max_tokens",

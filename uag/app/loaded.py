@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
+from uag.costs.pair import profile_for, saved_profile
 from uag.models.store import LoadedModel, Pair
-from uag.study.pair_costs import profile_for, saved_profile
 
 
 @dataclass(frozen=True)
@@ -38,5 +38,5 @@ class Loaded:
 
     def profile(self, progress: Callable[[str], None] | None = None) -> CostProfile | None:
         """The saved profile, or on the pair's first `auto` run a quick calibration, saved; for prompt lookup
-        alone, the target's own verify curve (uag.study.pair_costs)."""
+        alone, the target's own verify curve (uag.costs.pair)."""
         return profile_for(self.target, self.choice, progress=progress)

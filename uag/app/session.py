@@ -31,6 +31,9 @@ from uag.app.settings import Settings, check_prompt
 from uag.core.config import DrafterSpec, GenerationConfig
 from uag.core.engine import generate, prompt_ids, stream
 from uag.core.loading import check_drafter_fits, check_memory, load_drafter_choice, load_model
+from uag.costs.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
+from uag.costs.profiles import find_calibration
+from uag.costs.profiles import save as save_calibration
 from uag.errors import InputError, UserError
 from uag.machine import backend
 from uag.models import demo
@@ -56,12 +59,9 @@ from uag.runtime.jobs import (
     failure,
     report,
 )
+from uag.runtime.margins import compare_runs
 from uag.runtime.presets import DEFAULT, PRESETS, Preset
 from uag.runtime.worker import Job, MLXWorker
-from uag.study.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
-from uag.study.margins import compare_runs
-from uag.study.profiles import find_calibration
-from uag.study.profiles import save as save_calibration
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.0/8", "::1/128")

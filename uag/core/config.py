@@ -233,3 +233,15 @@ class DrafterSpec:
 
     def __str__(self) -> str:
         return f"{LOOKUP}+{self.model}" if self.lookup and self.model else LOOKUP if self.lookup else str(self.model)
+
+
+def short_name(model: str) -> str:
+    """The last part of a hub id or a path, for labels; a lookup drafter keeps its "lookup+".
+
+    Example: "mlx-community/Qwen2.5-1.5B-Instruct-4bit" -> "Qwen2.5-1.5B-Instruct-4bit";
+             "/models/drafter/" -> "drafter";  "lookup+org/d-1B" -> "lookup+d-1B";  "lookup" -> "lookup"
+    """
+    head, plus, rest = model.partition("+")
+    if plus and head == "lookup" and rest:
+        return f"lookup+{short_name(rest)}"
+    return model.rstrip("/").rsplit("/", 1)[-1] or model

@@ -194,7 +194,7 @@ LOOKUP_MS = 0.02  # what a prompt lookup costs (a dictionary lookup), where none
 @dataclass(slots=True)
 class CostProfile:
     """Measured costs of one target × drafter pair on one machine, in milliseconds, timed as a run spends them
-    (uag.study.calibrate): ``target_ms[w]`` is the target's verification over w new tokens with a filled
+    (uag.costs.calibrate): ``target_ms[w]`` is the target's verification over w new tokens with a filled
     cache (a plain step is w = 1; verifying k drafts is w = k + 1), ``drafter_ms`` one drafter step while
     drafting, ``read_ms[n]`` one drafter pass over n new tokens (reading a prompt or a parked stretch in
     one batched pass: a fixed cost and a small one per token, not n steps; None in profiles saved before

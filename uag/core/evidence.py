@@ -1,7 +1,7 @@
 """What auto has learned about a pair: per source and target position the acceptance counts, the target
 tokens per drafter token, and the running cost estimates (`Evidence`); and how a rehearsal's guesses replay
 the drafts a parked stretch could have had (`replay_drafts`). `uag.core.policy.AdaptiveK` decides by it and
-updates it in place; a caller that keeps it (the server per pair, uag.study.profiles per pair and machine)
+updates it in place; a caller that keeps it (the server per pair, uag.costs.profiles per pair and machine)
 starts the next run with what this one learned. Standard library only.
 """
 
@@ -113,7 +113,7 @@ class Counts:
 class Evidence:
     """What auto has learned about one pair: per source the acceptance `Counts`, the target tokens per
     drafter token, and the running cost estimates. `AdaptiveK` starts from it and updates it in place, so a
-    caller that keeps it (the server per pair, uag.study.profiles per pair and machine) starts the next run
+    caller that keeps it (the server per pair, uag.costs.profiles per pair and machine) starts the next run
     with what this one learned."""
 
     model: Counts = field(default_factory=Counts)

@@ -14,7 +14,7 @@ a plain target step ("parked").
 
 The opening. The first decision is made before this run has any evidence, from what is known: the
 profile's costs and the acceptance earlier runs of the pair saw (an `Evidence` the caller kept: the server
-per pair, `uag.study.profiles` per pair and machine), weighing at most `CARRY` cycles so that this run's own
+per pair, `uag.costs.profiles` per pair and machine), weighing at most `CARRY` cycles so that this run's own
 cycles overrule it within a few, both ways; with no earlier run, `PRIOR`. Before the drafter can draft it
 must read what it has not seen (the prompt, then each parked stretch), in one batched pass whose cost the
 profile measured (`CostProfile.reading_ms`); that backlog is charged to drafting, spread over the tokens
@@ -124,7 +124,7 @@ def make_policy(
     config: GenerationConfig, profile: CostProfile | None = None, r: float = 0.1, evidence: Evidence | None = None
 ) -> Policy:
     """Fixed k, or for strategy "auto" the adaptive policy with k ≤ config.k, seeded by `profile` (the pair's
-    measured costs on this machine, uag.study.profiles) and `evidence` (what earlier runs of the pair taught,
+    measured costs on this machine, uag.costs.profiles) and `evidence` (what earlier runs of the pair taught,
     updated in place by this one) when there are."""
     if config.strategy != "auto":
         return FixedK(config.k)
@@ -168,7 +168,7 @@ class AdaptiveK:
 
     name: ClassVar[str] = "auto"
     k_max: int = DEFAULT_K_MAX
-    profile: CostProfile | None = None  # measured costs (uag.study.calibrate); None: learn them from the run
+    profile: CostProfile | None = None  # measured costs (uag.costs.calibrate); None: learn them from the run
     r: float = 0.1  # drafter/target cost ratio to assume before any drafter step was timed
     rehearse_every: int = REHEARSE_EVERY
     prior: float = PRIOR  # acceptance assumed for the first position before any evidence

@@ -12,7 +12,7 @@ tokens. The other ranks `follow`: wait for rank 0's word, run what it says, wait
 Rank 0's word is one fixed-width integer `all_sum` ([op, a, b, …], the others add zeros), then for a request
 the payload (ids and settings as integers):
 - RUN a b: a request of `a` prompt ids and `b` bytes of settings (JSON), which follow.
-- CALIBRATE: rank 0 measures a pair's costs for `auto` (uag.study.calibrate), which takes every rank's passes;
+- CALIBRATE: rank 0 measures a pair's costs for `auto` (uag.costs.calibrate), which takes every rank's passes;
   the others time the same passes (`calibrate_target`, the target side of every calibration) and discard them.
   At startup, and while the server is idle for a pair without costs or whose costs a run found off (the
   Service's CostKeeper, through `Leader.measure`): never inside a request.
@@ -95,7 +95,7 @@ def join(name: str, shard: str, *, connect_timeout_s: float, timeout_s: float, p
 def follow(ranks: Ranks, target: LoadedModel) -> int:
     """A rank other than 0: run rank 0's requests in lockstep until it says SHUTDOWN; returns the runs made.
     A request that rank 0 refused the same way (bad settings) is skipped; a lost rank ends the loop (RankLost)."""
-    from uag.study.calibrate import QUICK, calibrate_target
+    from uag.costs.calibrate import QUICK, calibrate_target
 
     link = Link(ranks.group, WORD, ranks.watchdog)
     limit, runs = LOAD_TIMEOUT_S, 0  # at first rank 0 may still be loading its drafters
@@ -224,7 +224,7 @@ class Leader:
         """At startup: measure over the shards the costs `auto` decides by for each pair the server offers that
         has none saved (model drafters first: a pair's measurement also gives lookup its target-only costs)."""
         from uag.core.loading import load_drafter_choice
-        from uag.study.pair_costs import keep_measured
+        from uag.costs.pair import keep_measured
 
         say = progress or log.info
         for spec, path in sorted(self._offered.values(), key=lambda offered: offered[0].model is None):
@@ -239,8 +239,8 @@ class Leader:
         """One quick calibration of the pair over the shards (the Service's `measure`): CALIBRATE, then every rank
         times the target's passes with rank 0. `cancel` is not asked: rank 0 cannot stop part way alone, the
         others would wait in a pass it never takes (a request waits for the whole measurement, seconds)."""
+        from uag.costs.calibrate import QUICK, calibrate, calibrate_target
         from uag.models.store import check_pair
-        from uag.study.calibrate import QUICK, calibrate, calibrate_target
 
         assert target is self.target, (target.name, self.target.name)
         self._say([CALIBRATE])
@@ -373,7 +373,7 @@ class ShardedStore(ModelStore):
 class _RankZeroShard:
     """Rank 0's shard of the target. A pass that the other ranks do not take at the same time would leave their
     collectives unmatched (a hang, or sums of unrelated tensors), so one outside a run or a calibration that
-    every rank takes part in is refused (uag.study.calibrate on a pair's first use, a near-tie check)."""
+    every rank takes part in is refused (uag.costs.calibrate on a pair's first use, a near-tie check)."""
 
     def __init__(self, model, leader: Leader):
         self._model, self._leader = model, leader
@@ -404,9 +404,9 @@ class _Either:
 
 
 def _profile_path(target: LoadedModel, choice: DrafterChoice) -> Path:
-    """Where `auto`'s costs for this pair are saved (uag.study.pair_costs.profile_for reads them there)."""
+    """Where `auto`'s costs for this pair are saved (uag.costs.pair.profile_for reads them there)."""
+    from uag.costs.profiles import profile_key, profile_path, target_key
     from uag.models.store import check_pair
-    from uag.study.profiles import profile_key, profile_path, target_key
 
     return profile_path(target_key(target) if choice.model is None else profile_key(check_pair(target, choice.model)))
 

@@ -327,7 +327,3 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"[uag] {name}: {folder} ({time.perf_counter() - started:.0f} s)", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Measuring a pair's costs off every request's path: `CostKeeper` measures the costs auto decides by, for a pair
 with none saved or whose saved ones a run found off, on the MLX worker only while it is idle, stops for a request
 and measures a pair at most once per interval (`due`). What is measured and saved is `uag.server.service`'s
-(`Service._measure`) and `uag.study.pair_costs`'s; this module only decides when. Standard library only.
+(`Service._measure`) and `uag.costs.pair`'s; this module only decides when. Standard library only.
 
     keeper = CostKeeper(worker, measure, ready)
     keeper.want(Wanted(key, "lookup+demo-drafter", "no costs are saved for it yet"))   # -> "scheduled"
@@ -137,7 +137,7 @@ class CostKeeper:
             running.wait(timeout_s)
 
     def _loop(self) -> None:
-        from uag.study.profiles import others_load
+        from uag.costs.profiles import others_load
 
         idle_since, read_load = None, 0.0
         while not self._closing.is_set():

@@ -13,10 +13,9 @@ from typing import Any
 import pandas as pd
 
 from uag.app.history import group_of, plot_view
-from uag.core.config import DrafterSpec
+from uag.core.config import DrafterSpec, short_name
 from uag.server.protocol import ServerDefaults
 from uag.server.service import Served, Service
-from uag.study.runspec import short_name
 
 COLUMNS = (
     "time", "model", "drafter", "tokens", "prompt (cached)", "tok/s", "α", "sources", "speedup", "saved s", "check",

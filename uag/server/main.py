@@ -25,7 +25,7 @@ from uag.errors import InputError, UserError
 from uag.models.dtypes import add_dtype_options, parse_dtype
 from uag.runtime.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT
 from uag.runtime.presets import DEFAULT
-from uag.runtime.prompt_cache import DEFAULT_CACHE_GB
+from uag.server.prompt_cache import DEFAULT_CACHE_GB
 
 KEY_ENV = "UAG_API_KEY"
 DEFAULT_PORT = 8000

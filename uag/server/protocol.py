@@ -105,7 +105,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     tools: tuple[dict, ...] = ()
-    check: bool = False  # also run the target alone and say whether the outputs agree (uag.study.divergence)
+    check: bool = False  # also run the target alone and say whether the outputs agree (uag.runtime.divergence)
     extra: dict = field(default_factory=dict)
 
 

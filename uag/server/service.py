@@ -23,10 +23,10 @@ from uag.core.prompt_input import check_context
 from uag.errors import InputError
 from uag.models.store import ModelStore
 from uag.runtime.jobs import JobRunner
-from uag.runtime.prompt_cache import ConversationCaches
 from uag.runtime.worker import Job
 from uag.server.chat import render
 from uag.server.costs import CostKeeper, Wanted, every
+from uag.server.prompt_cache import ConversationCaches
 from uag.server.protocol import APIError, Request, ServerDefaults, bad
 from uag.server.responses import StepTime, report
 from uag.server.streaming import ReplyText
@@ -81,7 +81,7 @@ class Served:
     speedup: float | None  # estimated, against the target alone
     saved_s: float  # estimated seconds saved (negative: lost)
     r: float | None  # the drafter's drafter/target bytes (0 for prompt lookup; a hybrid's: its model's)
-    check: str | None = None  # with "check": identical, diverged_near_tie, diverged (uag.study.divergence)
+    check: str | None = None  # with "check": identical, diverged_near_tie, diverged (uag.runtime.divergence)
 
     @property
     def drafted(self) -> bool:
@@ -138,7 +138,7 @@ def chars_per_token(tokenizer: Any) -> int | None:
 class Service:
     """The server's state: one model store, the conversation caches, each pair's `auto` evidence, the log of
     requests, the `CostKeeper`. `stream` is the engine's (`uag.api.stream`) and `measure` a pair's quick
-    calibration (`uag.study.pair_costs.measure_costs`; a sharded server's over its ranks); tests may pass
+    calibration (`uag.costs.pair.measure_costs`; a sharded server's over its ranks); tests may pass
     others with their signatures."""
 
     def __init__(
@@ -283,7 +283,7 @@ class Service:
     def job(self, job: Job, request: Request) -> Iterator[Accepted | Delta | Done]:
         """The job function (`JobRunner.run(service.job, request, …)`): `Accepted`, `Delta`s, then one `Done`."""
         from uag.core.engine import PromptCaches
-        from uag.study.pair_costs import open_auto
+        from uag.costs.pair import open_auto
 
         job.limit(self.runner.budget_s)  # loading and reading the prompt count too
         target, choice = self.load(job, request.drafter)
@@ -347,7 +347,7 @@ class Service:
         from dataclasses import replace
 
         from uag.core.engine import PromptCaches
-        from uag.study.margins import compare_runs
+        from uag.runtime.margins import compare_runs
 
         if run.generated == 0:
             return {"kind": None, "message": "not compared: the reply has no tokens"}
@@ -370,8 +370,8 @@ class Service:
         """The target's plain step time on this machine: its calibration, else this server's own runs of it
         alone (which also keep that figure current), else what auto's runs of the pair timed of one-token target
         passes (`evidence`: before the pair's costs are measured)."""
-        from uag.study.pair_costs import read_calibration, saved_profile
-        from uag.study.profiles import target_key
+        from uag.costs.pair import read_calibration, saved_profile
+        from uag.costs.profiles import target_key
 
         if run.strategy == "baseline" and run.tokens_per_second:
             with self._lock:
@@ -389,7 +389,7 @@ class Service:
 
     # --- what auto decides by: measured off the requests' path ---------------------------------------------
     def _want(self, wanted: Wanted) -> None:
-        from uag.study.profiles import pair_name
+        from uag.costs.profiles import pair_name
 
         state = self.costs.want(wanted)
         if state == "deferred":
@@ -405,7 +405,7 @@ class Service:
     def _measure_missing(self, job: Job, progress: Callable[[str], None] | None) -> None:
         """At start-up: measure every offered pair whose models are loaded and that has no costs saved (model
         drafters first: a pair's measurement also gives prompt lookup its target-only costs)."""
-        from uag.study.pair_costs import evidence_key, read_calibration
+        from uag.costs.pair import evidence_key, read_calibration
 
         offered = sorted(self.defaults.allowed, key=lambda text: DrafterSpec.parse(text).model is None)
         stopped = False
@@ -427,9 +427,9 @@ class Service:
         """Measure the pair `wanted` names (`CostKeeper`'s `measure`): True once done with it (measured and saved,
         or kept because the saved costs were measured quieter, or not measured because the machine is busy now
         and they were), False when its models are not loaded or a request stopped the measurement."""
-        from uag.study.calibrate import MeasurementStopped
-        from uag.study.pair_costs import evidence_key, keep_measured, measure_costs, read_calibration
-        from uag.study.profiles import machine_load, pair_name, replaces
+        from uag.costs.calibrate import MeasurementStopped
+        from uag.costs.pair import evidence_key, keep_measured, measure_costs, read_calibration
+        from uag.costs.profiles import machine_load, pair_name, replaces
 
         pair = self.loaded(wanted.drafter)
         if pair is None:

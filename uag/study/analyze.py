@@ -379,7 +379,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     ks = [k for group in args.k or [] for k in group]
     return run("python -m uag analyze", lambda: _model_only(args, ks) if args.model_only else _analyze_file(args, ks))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

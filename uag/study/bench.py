@@ -30,7 +30,7 @@ import pandas as pd
 
 from uag import _blas
 from uag.command import CommandParser, add_decoding_options, decoding_config, run, whole
-from uag.core.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig
+from uag.core.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig, short_name
 from uag.core.records import Run
 from uag.errors import InputError
 from uag.models.dtypes import add_dtype_options, parse_dtype
@@ -38,7 +38,7 @@ from uag.study.analyze import k_list, k_table
 from uag.study.datasets import BUNDLED, Prompt, chat_for, load
 from uag.study.report import markdown
 from uag.study.results import ResultsDB, load_runs
-from uag.study.runspec import Machine, RunSpec, short_name
+from uag.study.runspec import Machine, RunSpec
 
 WARMUP_TOKENS = 8  # enough for every phase of a cycle to have run once
 DEFAULT_STRATEGIES = ("none", "naive", "context")  # the paper's three
@@ -212,19 +212,19 @@ def _prompt_ids(target, choices, pending: list[PlannedRun]) -> dict:
 
 
 def _generate(target, choice, ids: list[int], config: GenerationConfig):
-    """One run; strategy auto starts from the pair's measured costs (uag.study.pair_costs), as through uag.api."""
+    """One run; strategy auto starts from the pair's measured costs (uag.costs.pair), as through uag.api."""
     from uag.core.engine import generate
-    from uag.study.pair_costs import profile_for
+    from uag.costs.pair import profile_for
 
     profile = profile_for(target, choice) if config.strategy == "auto" else None
     return generate(target, choice, ids, config, profile=profile)
 
 
 def _divergence(target, run, spec: RunSpec, baselines: dict, db: ResultsDB) -> str | None:
-    """How a speculative run's greedy output compares with its baseline's (uag.study.divergence's kind: the
+    """How a speculative run's greedy output compares with its baseline's (uag.runtime.divergence's kind: the
     `divergence` column); None when not comparable (sampled, no baseline stored)."""
     from uag.core.records import Token
-    from uag.study.margins import compare_runs
+    from uag.runtime.margins import compare_runs
 
     key = spec.baseline_spec().key
     baseline = baselines.get(key)
@@ -366,7 +366,3 @@ def _sweep(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run("python -m uag bench", lambda: _sweep(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

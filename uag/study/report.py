@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from uag.core.config import DrafterSpec
+from uag.core.config import DrafterSpec, short_name
 from uag.study.plots import alpha_by_strategy, speedup_vs_alpha
-from uag.study.runspec import short_name
 
 
 @dataclass

@@ -25,9 +25,10 @@ from urllib.parse import quote
 
 import pandas as pd
 
+from uag.core.config import short_name
 from uag.core.records import Run
 from uag.errors import InputError
-from uag.study.runspec import BASELINE, Machine, RunSpec, short_name
+from uag.study.runspec import BASELINE, Machine, RunSpec
 
 FORMAT = "uag-results"
 SCHEMA_VERSION = 1
@@ -79,7 +80,7 @@ RUN_COLUMNS = {
     "text": "TEXT",
     "token_ids": "TEXT",  # JSON list
     "notes": "TEXT",  # JSON list
-    # greedy output against the baseline's (uag.study.divergence): identical, diverged_near_tie, diverged; NULL
+    # greedy output against the baseline's (uag.runtime.divergence): identical, diverged_near_tie, diverged; NULL
     # for baselines, sampled runs and files written before the column existed
     "divergence": "TEXT",
     # where it ran (Machine)
@@ -322,7 +323,7 @@ class ResultsDB:
     ) -> int | None:
         """Store a finished run and its cycles in one transaction and release its claim; return the run's id,
         or None (writing nothing) when a run with the same key is stored already, e.g. by another sweep.
-        `divergence`: how its greedy output compares with the baseline's (uag.study.divergence's kind).
+        `divergence`: how its greedy output compares with the baseline's (uag.runtime.divergence's kind).
 
         ValueError if the run is unfinished or does not match `spec` (a bug in the caller).
         """

@@ -1,4 +1,4 @@
-"""The target's margins where two greedy runs part, and the verdict on it (uag.study.divergence).
+"""The target's margins where two greedy runs part, and the verdict on it (uag.runtime.divergence).
 
 Runs do not keep their logits, so when a baseline and a speculative run of one prompt differ, the target
 computes its margin (top-two logit gap) at the first differing position once more, the two ways the runs
@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from uag.core.passes import prefill
 from uag.core.records import Run
-from uag.study.divergence import Divergence, classify, first_difference
+from uag.runtime.divergence import Divergence, classify, first_difference
 
 
 def margin(logits: mx.array) -> float:

@@ -8,7 +8,7 @@ one pass over n new tokens (reading a prompt or a parked stretch: a batched pass
 translation's bookkeeping per cycle. The profile is saved per (device, backend, model pair, dtype) in
 the user cache, with the machine's load meanwhile; `--strategy auto` and the app use it. A `cancel` check
 between passes lets a server stop a measurement when a request comes in. `--reset` forgets what was saved
-for a pair: its profile and what earlier auto runs of it accepted (uag.study.profiles).
+for a pair: its profile and what earlier auto runs of it accepted (uag.costs.profiles).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from uag.core.config import LOOKUP, DrafterSpec
 from uag.core.costmodel import CostProfile
 from uag.core.passes import logprobs, settle_allocator
 from uag.core.translate import DEFAULT_WINDOW, make_translator, text_after
+from uag.costs.profiles import Calibration, forget, machine_load, others_load, profile_key, save, target_key
 from uag.errors import UserError
 from uag.models.store import LoadedModel, ModelStore, Pair, check_pair
-from uag.study.profiles import Calibration, forget, machine_load, others_load, profile_key, save, target_key
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
 DEFAULT_WIDTHS = tuple(range(1, 17))
@@ -316,7 +316,3 @@ def _calibrate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run("python -m uag calibrate", lambda: _calibrate(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

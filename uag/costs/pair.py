@@ -3,7 +3,7 @@
 The API (`uag.saved_profile`, `uag.api.profile_for`), the app and the sweeps all read them here. Also what
 earlier runs of the pair accepted (`saved_evidence`, `keep_evidence`): auto's opening starts from it.
 
-A run that finds the saved costs off (`uag.study.profiles.why_measure_again`) never removes them: the CLI and
+A run that finds the saved costs off (`uag.costs.profiles.why_measure_again`) never removes them: the CLI and
 the API say so in one warning line, and a server (`open_auto(…, schedule=…)`) measures them again off the
 request's path (uag.server.costs.CostKeeper), saving the new ones only if they were not measured busier.
 """
@@ -17,8 +17,7 @@ from collections.abc import Callable
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.evidence import Evidence
-from uag.models.store import LoadedModel, Pair, check_pair
-from uag.study.profiles import (
+from uag.costs.profiles import (
     Calibration,
     find_calibration,
     find_evidence,
@@ -31,6 +30,7 @@ from uag.study.profiles import (
     target_key,
     why_measure_again,
 )
+from uag.models.store import LoadedModel, Pair, check_pair
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ def measure_costs(
     cancel: Callable[[], bool] | None = None,
 ) -> Calibration:
     """One quick calibration (`QUICK`) of the pair, or of the target alone for prompt lookup; `cancel`, asked
-    between passes, stops it (uag.study.calibrate.MeasurementStopped). Not saved: `keep_measured` decides."""
-    from uag.study.calibrate import QUICK, calibrate, calibrate_target
+    between passes, stops it (uag.costs.calibrate.MeasurementStopped). Not saved: `keep_measured` decides."""
+    from uag.costs.calibrate import QUICK, calibrate, calibrate_target
 
     model = DrafterChoice.of(drafter).model
     if model is None:
@@ -99,9 +99,9 @@ def measure_costs(
 
 
 def keep_measured(calibration: Calibration, target: LoadedModel) -> tuple[bool, str]:
-    """Save `calibration` unless the saved one was measured quieter (`uag.study.profiles.replaces`); a pair's
+    """Save `calibration` unless the saved one was measured quieter (`uag.costs.profiles.replaces`); a pair's
     calibration also gives prompt lookup its target-only profile where none is saved. (saved, what to say)."""
-    from uag.study.calibrate import target_part
+    from uag.costs.calibrate import target_part
 
     saved = read_calibration(calibration.key)
     name, load = pair_name(calibration.key), calibration.load or "an unknown load"

@@ -1,7 +1,7 @@
 """What auto knows about a pair on this machine, saved as JSON in the user cache, keyed by device, backend,
 models and dtypes:
 
-- profiles/: what a speculative cycle costs (uag.study.calibrate measures it), timed the way runs spend it
+- profiles/: what a speculative cycle costs (uag.costs.calibrate measures it), timed the way runs spend it
   (`METHOD`: a profile timed another way is not found, so the next auto run measures it again), and how busy
   the machine was meanwhile (`MachineLoad`): `replaces` and `why_measure_again` decide by it;
 - evidence/: what earlier runs of the pair accepted (uag.core.evidence.Evidence), the prior of the next

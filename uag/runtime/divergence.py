@@ -8,7 +8,7 @@ either token is the target's own choice, and the two runs may part there: that i
 choice clears the runner-up by more than rounding can move it, parting is one.
 
 The evidence is the target's margin at the first differing position — the gap between its top two logits —
-in the speculative run's pass and in the plain step (uag.study.margins computes both where a run did not keep
+in the speculative run's pass and in the plain step (uag.runtime.margins computes both where a run did not keep
 them). `classify` takes token ids and per-position margins, so any caller can use it (the app, the CLI's
 ``--json``, sweeps, the server's stats):
 
