@@ -156,7 +156,7 @@ def test_a_killed_sweep_resumes_without_losing_or_repeating_runs(tiny, tmp_path)
     target, drafter = tiny
     db = tmp_path / "r.db"
     argv = [
-        sys.executable, "-m", "uag.study.bench", "--target", str(target), "--drafters", str(drafter),
+        sys.executable, "-m", "uag", "bench", "--target", str(target), "--drafters", str(drafter),
         "--strategies", "none", "context", "--k", "1", "2", "--datasets", "wiki", "--n", "3", "--max-tokens", "8",
         "--out", str(db),
     ]  # fmt: skip
@@ -192,7 +192,7 @@ def test_a_killed_sweep_resumes_without_losing_or_repeating_runs(tiny, tmp_path)
 
 def _sweep_argv(target, drafter, db, *extra) -> list[str]:
     return [
-        sys.executable, "-m", "uag.study.bench", "--target", str(target), "--drafters", *drafter,
+        sys.executable, "-m", "uag", "bench", "--target", str(target), "--drafters", *drafter,
         "--strategies", "none", "context", "--k", "1", "2", "--datasets", "wiki", "--n", "3", "--max-tokens", "8",
         "--out", str(db), *extra,
     ]  # fmt: skip
