@@ -11,8 +11,8 @@ import pytest
 from scipy.stats import norm
 
 from tests.support.synthetic_runs import add_prompt
-from uag.core.costfit import fit_c_from_speedups
 from uag.core.costmodel import break_even_leviathan, speedup
+from uag.costs.fit import fit_c_from_speedups
 from uag.study import analyze as analysis_module
 from uag.study.analyze import analyze, drafter_r, main
 from uag.study.plots import HYBRID_GROUP, LOOKUP_GROUP

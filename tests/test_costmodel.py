@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from uag.core import costfit, costmodel
-from uag.core.costfit import fit_c, fit_c_from_speedups, fit_r_c
+from uag.core import costmodel
 from uag.core.costmodel import (
     CostProfile,
     break_even,
@@ -19,6 +18,8 @@ from uag.core.costmodel import (
     speedup_leviathan,
 )
 from uag.core.records import Cycle
+from uag.costs import fit as costfit
+from uag.costs.fit import fit_c, fit_c_from_speedups, fit_r_c
 
 R, C = 0.07, 0.185  # the study's M2 Pro numbers
 

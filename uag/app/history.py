@@ -16,8 +16,8 @@ import pandas as pd
 
 from uag.app.settings import Settings
 from uag.core.config import short_name
-from uag.core.costfit import fit_c_from_speedups
 from uag.core.records import Run
+from uag.costs.fit import fit_c_from_speedups
 from uag.study.plots import STUDY_C, STUDY_R, speedup_vs_alpha
 
 HISTORY_COLUMNS = (
