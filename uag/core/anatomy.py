@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
+from uag.core.translate import longest_common_prefix
 from uag.models.vocab import Vocab
 
 REPLACEMENT = "\ufffd"
@@ -59,16 +60,6 @@ class Loss:
 
     def __str__(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
-
-
-def _common(a: str, b: str) -> int:
-    """Length of the common prefix. Example: 'Kraków ma' vs 'Kraków jest' -> 7"""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def classify(
@@ -104,7 +95,7 @@ def classify(
     done = len("".join(proposed[:accepted]))
     rest, after = draft[done:], "".join(written[accepted:])
     correction = written[accepted] if accepted < len(written) else ""
-    agreed = _common(rest, after)
+    agreed = longest_common_prefix(rest, after)
     span = max(len(correction), len(proposed[accepted]))  # the rejected token and the target's own
     if not correction or agreed < min(span, len(rest)):  # the texts part inside one of them
         return Loss(disagree=lost)

@@ -163,8 +163,11 @@ class Resync:
     absorbed: bool = False  # drafter tokens before the boundary were re-encoded because of a merge
 
 
-def longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Example: [5, 6, 7] vs [5, 6, 9] -> 2"""
+def longest_common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items `a` and `b` share: token ids or text, the one common-prefix helper.
+
+    Example: [5, 6, 7] vs [5, 6, 9] -> 2;  "Kraków ma" vs "Kraków jest" -> 7
+    """
     n = 0
     for x, y in zip(a, b):
         if x != y:

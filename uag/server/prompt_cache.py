@@ -23,6 +23,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from uag.core.translate import longest_common_prefix
+
 DEFAULT_CACHE_GB = 2.0
 # An entry is reused when the new prompt keeps at least this share of what it holds, or when it holds all of the
 # new prompt: a new conversation that only shares a system prompt with a held one
@@ -34,15 +36,6 @@ class Held(Protocol):
     target_ids: list[int]
 
     def nbytes(self) -> int: ...
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix. Example: [5, 6, 7] vs [5, 6, 9] -> 2"""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
@@ -87,7 +80,7 @@ class ConversationCaches:
             for key, entry in self._entries.items():
                 if entry.pair != pair:
                     continue
-                shared = common_prefix(entry.caches.target_ids, prompt)
+                shared = longest_common_prefix(entry.caches.target_ids, prompt)
                 enough = shared >= MIN_SHARED * len(entry.caches.target_ids) or shared == len(prompt)
                 if shared > best_shared and enough:
                     best, best_shared = key, shared

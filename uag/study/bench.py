@@ -23,11 +23,11 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 import pandas as pd
 
+import uag
 from uag import _blas
 from uag.command import CommandParser, add_decoding_options, decoding_config, run, whole
 from uag.core.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig, short_name
@@ -142,7 +142,7 @@ def machine(target, drafter) -> Machine:
     return Machine(
         platform=platform.platform(),
         python=platform.python_version(),
-        uag_version=version("uag"),
+        uag_version=uag.__version__,
         mlx_version=mx.__version__,
         device=str(mx.default_device()),
         backend=backend(),
