@@ -1,9 +1,9 @@
 """Fast CPU matmuls for MLX on Linux.
 
-MLX's Linux wheel links a reference BLAS (~3 GFLOP/s on a 2-core EPYC). Loading a system OpenBLAS with
-RTLD_GLOBAL *before* ``mlx.core`` is imported makes libmlx bind ``cblas_*`` to it instead (~150 GFLOP/s
-measured, fp32 only). This module does that once, on import of ``uag``; set ``UAG_OPENBLAS=0`` to keep the
-reference BLAS, or ``UAG_OPENBLAS=/path/libopenblas.so.0`` to choose the library.
+MLX's Linux wheel links a reference BLAS, far slower than an optimised one. Loading a system OpenBLAS with
+RTLD_GLOBAL *before* ``mlx.core`` is imported makes libmlx bind ``cblas_*`` to it instead (fp32 only; measured:
+docs/results.md#which-dtype-benchmarksdtype_costpy). This module does that once, on import of ``uag``; set
+``UAG_OPENBLAS=0`` to keep the reference BLAS, or ``UAG_OPENBLAS=/path/libopenblas.so.0`` to choose the library.
 """
 
 from __future__ import annotations

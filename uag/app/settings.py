@@ -17,7 +17,7 @@ from uag.models.dtypes import parse_dtype
 from uag.runtime.presets import DEFAULT
 
 MAX_PROMPT_CHARS = 20_000  # the app's bound on a prompt; the target's context bounds it again in tokens
-# The app opens on auto with k ≤ 8: with the default preset it wins on structured prompts (docs/benchmarks.md). The
+# The app opens on auto with k ≤ 8: with the default preset it wins on structured prompts (docs/results.md). The
 # library's own defaults (GenerationConfig: context, k = 2) are left as they are.
 DEFAULT_GENERATION = GenerationConfig(strategy="auto", k=8)
 

@@ -1,4 +1,5 @@
-"""The Gradio app's page: layout, event wiring and serving it. The only module in uag that imports gradio.
+"""The Gradio app's page: layout, event wiring and serving it. It imports gradio at the top; elsewhere in uag only
+uag.server.main (mounting this page at /ui) and uag.server.dashboard (its Server tab) do, inside those functions.
 
 The handlers live in `uag.app.handlers` (bound to a `uag.app.session.Session`, tested without a browser); here
 they are adapted to gradio's updates and wired to the page. The command line is `uag.app.launch`

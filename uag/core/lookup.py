@@ -6,11 +6,11 @@ tokens occurred before; if so it proposes what followed their most recent earlie
 proposal is in target tokens (no translation) and costs a dictionary lookup per n-gram size: microseconds.
 
 How far a match runs back says how far to trust it (`match_length`, `match_band`): a file being written
-out again matches what it copies for dozens of tokens, a coincidence for two or three. On code-editing
-turns that return a whole file (the `edit` set's first 6 conversations as Qwen2.5-Coder-0.5B answered them,
-turns 2-3, 8-token proposals replayed over its output), a proposal from a match of 2-3 tokens was rejected at
-its first token 52 % of the time and kept 2.5 tokens on average; from a match of 16 or more, 1 % and 7.5-7.6
-(benchmarks/lookup_match.py). auto keeps its acceptance evidence per band (uag.core.evidence).
+out again matches what it copies for dozens of tokens, a coincidence for two or three. Replayed over
+code-editing turns, a proposal from a 2-3-token match fails at its first token about half the time, one from a
+match of 16 or more almost never (benchmarks/lookup_match.py;
+docs/results.md#how-far-a-lookup-match-runs-back-benchmarkslookup_matchpy).
+auto keeps its acceptance evidence per band (uag.core.evidence).
 
     index = NgramIndex()
     index.extend([1, 2, 3, 4, 9, 1, 2, 3])
@@ -23,15 +23,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # n-gram sizes tried, longest first: the longest finds the earlier text that shares the most context, not only
-# the latest place a short n-gram occurred (on the edit set's whole-file turns 2-3: 12 % of proposals failed at
-# their first token with 16 and 8 added, 15 % with 4, 3, 2 alone); a 1-token match is too weak to pay on average
+# the latest place a short n-gram occurred (fewer proposals fail at their first token with 16 and 8 added: the
+# replay above); a 1-token match is too weak to pay on average
 NGRAMS = (16, 8, 4, 3, 2)
 MATCH_BANDS = (4, 8, 16)  # match lengths where a band ends: 2-3, 4-7, 8-15, 16 and more tokens
 MATCH_CAP = MATCH_BANDS[-1]  # how far back a match is followed: past the last band's start, all alike
 # The least acceptance per position a band's match is assumed to have until its own evidence says otherwise
-# (auto, uag.core.policy): a match of 8 or more tokens is a copy, whatever shorter matches did before it. On
-# the edit set's replays 93-97 % (8-15 tokens) and 99 % (16+) of such proposals held at their first token;
-# without a floor, two failed 2-token guesses kept auto from trying a 30-token copy for a whole turn.
+# (auto, uag.core.policy): a match of 8 or more tokens is a copy, whatever shorter matches did before it (nearly
+# all such proposals held at their first token in the replay above); without a floor, two failed 2-token guesses
+# kept auto from trying a 30-token copy for a whole turn.
 BAND_FLOORS = (0.0, 0.0, 0.8, 0.9)
 
 

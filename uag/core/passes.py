@@ -98,7 +98,7 @@ def settle_allocator() -> None:
     """Charge a forward pass's memory clean-up to that pass, not to whatever allocates next.
 
     A forward pass frees thousands of small buffers into glibc's fastbins; the next sizeable malloc
-    merges them all (1.5-2 ms after a demo-target pass on our 2-core CPU). Without this, that cost
+    merges them all (docs/results.md#engine-overhead-benchmarksengine_overheadpy). Without this, that cost
     lands in the first tokenizer call of the translation phase. Allocating above pymalloc's 512-byte
     limit triggers the merge here instead; total time is unchanged.
     """

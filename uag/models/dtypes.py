@@ -20,7 +20,7 @@ DTYPES = (*FLOATS, *QUANTIZED)
 # mlx-lm quantises the layers of a bfloat16 checkpoint for its -Nbit models; we quantise over the same type
 QUANTIZED_OVER = "bfloat16"
 # The only dtype whose k-token verification pass costs less than k one-token steps on a CPU (MLX's
-# bfloat16 / float16 / quantized CPU kernels do not amortise: RESOURCES.md, n=8 vs n=1 3.5x-7.8x).
+# bfloat16 / float16 / quantized CPU kernels do not amortise: docs/results.md#which-dtype-benchmarksdtype_costpy).
 AMORTISES_ON_CPU = frozenset({"float32"})
 
 

@@ -94,14 +94,13 @@ class LoadedModel:
 
 
 def default_dtype() -> str:
-    """The dtype the demo models run in, chosen by measurement (docs/benchmarks.md, "Which dtype").
+    """The dtype the demo models run in, chosen by measurement (docs/results.md#which-dtype-benchmarksdtype_costpy).
 
     CPU: only float32 (with OpenBLAS) lets a k-token verification cost less than k decode steps;
-    bf16 and quantized CPU kernels do not amortise. GPU (H100, MLX-CUDA): the demo models are so small
-    that a step is launch-bound (bf16 8.1 ms, float32 10.3 ms), and in bf16 a k-token verification
-    rounds differently from k single steps, so greedy speculation parted from the baseline at a near-tie
-    (benchmarks/auto_vs_fixed.py stopped on its first prompt); float32 reproduced it in every run. The
-    demo pair exists to show lossless speculation, so it runs in float32 everywhere.
+    bf16 and quantized CPU kernels do not amortise. GPU (MLX-CUDA): the demo models are so small that a
+    step is launch-bound whatever the dtype, and in bf16 a k-token verification rounds differently from k
+    single steps, so greedy speculation can part from the baseline at a near-tie; float32 reproduced it in
+    every run. The demo pair exists to show lossless speculation, so it runs in float32 everywhere.
     """
     return "float32"
 

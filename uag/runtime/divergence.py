@@ -29,9 +29,9 @@ KINDS = (IDENTICAL, NEAR_TIE, DIVERGED)
 
 # The largest gap between the target's top two logits that a k-token pass and a one-token step can turn
 # around, per dtype: twice the largest change of that gap measured between the two computations
-# (benchmarks/dtypes.py, demo target, k = 8, 144 positions; H100 + MLX CUDA 2026-11-25: float32 0.019,
-# bfloat16 0.375, q8 0.312, q4 0.625; on a 2-core CPU float32 moved 2.7e-5 and the others not at all).
-# float16 is not measured: 8 units in the last place of a float16 logit of 16-32 (0.0156 each).
+# (benchmarks/dtypes.py, demo target, k = 8; docs/results.md#the-dtypes-users-run-benchmarksdtypespy, on a GPU,
+# where it moves most). float16 is not measured: 8 units in the last place of a float16 logit of 16-32
+# (0.0156 each).
 NEAR_TIE_MARGIN = {"float32": 0.04, "bfloat16": 0.75, "float16": 0.125, "q8": 0.625, "q4": 1.25}
 UNKNOWN_DTYPE_MARGIN = 1.25  # a dtype not measured (q3, q6, mixed…): as coarse as the coarsest measured
 

@@ -29,10 +29,10 @@ from uag.server.prompt_cache import DEFAULT_CACHE_GB
 
 KEY_ENV = "UAG_API_KEY"
 DEFAULT_PORT = 8000
-# auto's longest draft: a copy from a long prompt-lookup match drafts this far in one pass. On this 2-core CPU
-# (coder target, 1,000-token context) a pass over 16 tokens costs what one over 8 does (1.15 s vs 0.71 s for
-# one token), and the edit conversations' turns 2-3 ran 1.52x faster with 16 than with 8 (docs/server.md).
-# A fixed strategy drafts k every cycle: it keeps the study's k = 2.
+# auto's longest draft: a copy from a long prompt-lookup match drafts this far in one pass. On a CPU a pass over
+# 16 tokens costs about what one over 8 does, so edit turns that copy run faster with 16 than with 8
+# (docs/results.md#the-server-against-mlx_lmserver-benchmarksservepy). A fixed strategy drafts k every cycle:
+# it keeps the study's k = 2.
 DEFAULT_K_AUTO = 16
 SERVE_MAX_TOKENS = 512  # per request unless it asks (uag generate's default, 64, is short for a chat reply)
 DEFAULT_MAX_MODELS = 4
