@@ -6,7 +6,7 @@ replayed over every answer as a run would draft it: where the index has a match 
 answer keeps the longest agreeing prefix plus one token of its own, and the next proposal starts after it.
 Per band of how far the match ran back (uag.core.lookup.match_band) it prints how many proposals there were,
 the share rejected at their first token and the mean tokens kept; and, pooled, the same for other n-gram
-sizes. No timing: the answers are the model's, the replay is pure Python (the figures in uag/core/lookup.py).
+sizes. No timing: the answers are the model's, the replay is pure Python (its figures: docs/results.md).
 
 Usage: python benchmarks/lookup_match.py [--model coder-drafter] [--conversations 6] [--ids edit-001 …]
        [--max-tokens 320] [--k 8] [--answers FILE] [--ngrams 4,3,2 16,8,4,3,2 …]

@@ -16,7 +16,7 @@ Variants (comma-separated, each `name` or `name:key=value:key=value`):
                  (pieces: the drafter's history split where the target's is — accepted drafts kept, each
                  committed target piece after them encoded on its own, in context; pieces-all: drafts dropped too)
   keys for both: first=draft|prefill (both draft before the prompt pass, which verifies that draft; prefill:
-                 the prompt pass writes the first token and drafting starts after it, as uag did until 2026-11-24)
+                 the prompt pass writes the first token and drafting starts after it, as uag once did)
                  end=bonus|fill (uag leaves room for the target's own token at the budget; the fork does not)
 
 Usage: python benchmarks/translation_variants.py [--datasets wiki alpaca synthetic] [--n 4] [--skip 0]

