@@ -126,8 +126,10 @@ def test_there_are_at_least_15_distinct_bad_inputs():
 
 def test_an_internal_error_is_not_blamed_on_the_user(tmp_path, monkeypatch, capsys):
     """A bug (here: the engine raising TypeError) is 'internal error', exit 1, its traceback in the log only."""
+    from types import SimpleNamespace
+
     from uag import api, cli
-    from uag.core import engine
+    from uag.runtime import pair
 
     monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path))
 
@@ -135,8 +137,8 @@ def test_an_internal_error_is_not_blamed_on_the_user(tmp_path, monkeypatch, caps
         raise TypeError("unsupported operand")
 
     monkeypatch.setattr(api, "generate", broken)
-    monkeypatch.setattr(engine, "prompt_ids", lambda target, prompt, chat=False: [1, 2, 3])
-    monkeypatch.setattr("uag.core.loading.load_model", lambda store, name, role, progress=None, **options: object())
+    monkeypatch.setattr(pair, "open_pair", lambda *a, **kw: SimpleNamespace(target=object(), choice=None))
+    monkeypatch.setattr(pair, "prompt_ids_for", lambda loaded, prompt, config: [1, 2, 3])
     assert cli.main(["generate", "--strategy", "baseline", "--json", "Ala"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("internal error: python -m uag generate failed"), err

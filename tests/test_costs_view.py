@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from uag.app.loaded import Loaded
 from uag.app.session import Session
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.costs.profiles import Calibration, find_profile, profile_key, profile_path, save
 from uag.models.store import ModelStore, Pair
 from uag.runtime.access import Access
+from uag.runtime.pair import Loaded
 from uag.runtime.worker import MLXWorker
 from uag.study.plots import verify_cost
 

@@ -35,10 +35,12 @@ from uag.costs.profiles import (
 )
 from uag.models.store import ModelStore
 from uag.runtime.jobs import JobRunner
+from uag.runtime.pair import Loaded, chars_per_token
 from uag.runtime.worker import MLXWorker
 from uag.server.costs import CostKeeper, Wanted, due
-from uag.server.protocol import APIError, Request, ServerDefaults
-from uag.server.service import Service, chars_per_token
+from uag.server.errors import APIError
+from uag.server.protocol import Request, ServerDefaults
+from uag.server.service import Service
 
 QUIET, BUSY = MachineLoad(0.3, 0.2, 2), MachineLoad(1.2, 1.7, 2)
 SAVED = CostProfile({1: 300.0, 2: 320.0}, drafter_ms=0.0)  # measured when the machine was slower
@@ -136,7 +138,7 @@ def service(measure, stream, *, budget_s: float | None = 60.0, load_s: float = 0
 
     def load(job, drafter, progress=None):
         time.sleep(load_s)
-        return target, choice
+        return Loaded(target, choice, None)
 
     served.load, served.loaded, served.holds = load, lambda drafter: (target, choice), lambda drafter: True
     served.costs.settle_s, served.costs.poll_s = 0.3, 0.01
@@ -227,12 +229,11 @@ def test_the_api_keeps_a_profile_a_run_found_off_and_warns_once(cache, now_quiet
     """uag.api.stream / generate (and so the CLI): the profile stays; one warning line names the fix."""
     target, lookup = fake_target(), DrafterChoice(lookup=True)
     save(calibration(SAVED, QUIET))
-    kw: dict = {}
-    close = open_auto(target, lookup, kw)
-    assert kw["profile"] == SAVED
-    kw["evidence"].scale = 1 / 3  # the run's passes took a third of the saved times
+    auto = open_auto(target, lookup)
+    assert auto.profile == SAVED and auto.engine_kwargs() == {"profile": SAVED, "evidence": auto.evidence}
+    auto.evidence.scale = 1 / 3  # the run's passes took a third of the saved times
     with caplog.at_level(logging.WARNING, logger="uag.costs.pair"):
-        close()
+        auto.finish()
     (line,) = [r.getMessage() for r in caplog.records if "org/target" in r.getMessage()]  # not other tests' servers
     assert "took 0.33× the saved times" in line and "uag calibrate --target org/target --drafter lookup" in line
     assert profile_path(target_key(target)).exists()
@@ -328,13 +329,13 @@ def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising():
     served = service(Measure(), Stream(scale=1.0))
     target = fake_target(context=10)  # at most 4 characters a token: 40 characters
     with pytest.raises(APIError) as err:
-        served.prompt(target, None, request("x" * 41))
+        served.prompt(Loaded(target, None, None), request("x" * 41))
     assert err.value.status == 400 and err.value.code == "context_length_exceeded" and target.tokenizer.encoded == 0
     chat = Request("chat", model="m", config=GenerationConfig(), drafter=None,
                    messages=({"role": "user", "content": "y" * 41},))  # fmt: skip
     with pytest.raises(APIError, match="41 characters"):
-        served.prompt(target, None, chat)
-    assert served.prompt(target, None, request("x" * 36)) and target.tokenizer.encoded == 1
+        served.prompt(Loaded(target, None, None), chat)
+    assert served.prompt(Loaded(target, None, None), request("x" * 36)) and target.tokenizer.encoded == 1
     assert chars_per_token(SimpleNamespace()) is None  # a tokenizer that lists no vocabulary: no bound
 
 

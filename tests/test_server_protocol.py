@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from uag.server.chat import ToolHold, fits, parse_tool_calls
+from uag.server.errors import APIError
 from uag.server.prompt_cache import ConversationCaches
-from uag.server.protocol import APIError, ServerDefaults, parse_chat, parse_completion
+from uag.server.protocol import ServerDefaults, parse_chat, parse_completion
 from uag.server.streaming import ReplyText, StopText, sse
 
 DEFAULTS = ServerDefaults(model="demo-target", drafter="lookup+demo-drafter", k=8, drafters=("lookup",))

@@ -110,7 +110,7 @@ def test_a_template_that_rejects_the_roles_is_a_400():
 
     from tests.support.tiny_models import build_tiny
     from uag.server.chat import render
-    from uag.server.protocol import APIError
+    from uag.server.errors import APIError
 
     _, tokenizer = mlx_lm.load(str(build_tiny("mistral", "mistral-v1")))
     with pytest.raises(APIError) as caught:

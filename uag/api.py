@@ -1,4 +1,4 @@
-"""The Python API: load models, generate, stream. What the CLI, the app and sweeps use too.
+"""The Python API: load models, generate, stream. What the CLI and sweeps run through too.
 
     import uag
     target = uag.load("demo-target")
@@ -67,9 +67,10 @@ def stream(
     again when the run ends). `progress` hears about a first-use calibration. Saved costs that the run finds off
     are kept, with one warning line (uag.costs.pair.open_auto)."""
     config = config or GenerationConfig()
-    close = open_auto(target, drafter, kw, progress=progress) if config.strategy == "auto" else None
-    events = _stream(target, drafter, prompt, config, **kw)
-    return events if close is None else _closing(events, close)
+    if config.strategy != "auto":
+        return _stream(target, drafter, prompt, config, **kw)
+    auto = open_auto(target, drafter, kw, progress=progress)
+    return _closing(_stream(target, drafter, prompt, config, **{**kw, **auto.engine_kwargs()}), auto.finish)
 
 
 def generate(
@@ -83,18 +84,19 @@ def generate(
 ) -> Run:
     """One whole run (see `stream`)."""
     config = config or GenerationConfig()
-    close = open_auto(target, drafter, kw, progress=progress) if config.strategy == "auto" else None
-    try:
+    if config.strategy != "auto":
         return _generate(target, drafter, prompt, config, **kw)
+    auto = open_auto(target, drafter, kw, progress=progress)
+    try:
+        return _generate(target, drafter, prompt, config, **{**kw, **auto.engine_kwargs()})
     finally:
-        if close is not None:
-            close()
+        auto.finish()
 
 
-def _closing(events: Iterator[Event], close: Callable[[], None]) -> Iterator[Event]:
-    """`events`, then `close()` once the run has ended (also when its consumer stopped it early)."""
+def _closing(events: Iterator[Event], finish: Callable[[], None]) -> Iterator[Event]:
+    """`events`, then `finish()` once the run has ended (also when its consumer stopped it early)."""
     try:
         yield from events
     finally:
         events.close()
-        close()
+        finish()

@@ -69,11 +69,10 @@ def _stats_line(stats: dict) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from uag.api import generate  # strategy auto: seeded with the pair's saved cost profile
-    from uag.core.engine import prompt_ids
-    from uag.core.loading import check_drafter_fits, check_memory, load_drafter_choice, load_model
+    from uag.api import generate  # strategy auto: opens from the pair's saved costs and evidence, and saves them
     from uag.machine import backend
     from uag.models.store import ModelStore
+    from uag.runtime.pair import open_pair, prompt_ids_for
 
     config = decoding_config(args, strategy=args.strategy, k=literal(args.k))
     if getattr(args, "shard", None) and args.prompt == "-":
@@ -86,43 +85,48 @@ def run_generate(args: argparse.Namespace) -> int:
     if getattr(args, "shard", None):  # a target split over the ranks of mlx.launch
         if target_dtype or drafter_dtype or args.compare:
             raise InputError("--shard loads the models as stored and runs once: drop --*-dtype and --compare")
-        return _print_run(args, _generate_sharded(args, config, prompt))
+        return _print_run(args, *_generate_sharded(args, config, prompt))
     if args.compare and not config.speculative:
         raise InputError("--compare sets a speculative run against the target alone: pick a --strategy but baseline")
-    spec = DrafterSpec.parse(args.drafter) if config.speculative else None
-    store = ModelStore()
     progress = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
-    check_memory(store, [("target", args.target, target_dtype), ("drafter", spec and spec.model, drafter_dtype)])
-    target = load_model(store, args.target, role="target", progress=progress, dtype=target_dtype)
-    choice = None if spec is None else load_drafter_choice(store, spec, progress=progress, dtype=drafter_dtype)
-    ids = prompt_ids(target, prompt, chat=config.chat)  # checks the target's context
-    check_drafter_fits(target, choice, ids, config)
-    if config.speculative and (note := slow_dtype_note(target.dtype, backend())):
+    drafter = args.drafter if config.speculative else None
+    loaded = open_pair(ModelStore(), args.target, drafter, target_dtype=target_dtype, drafter_dtype=drafter_dtype,
+                       progress=progress)  # fmt: skip
+    ids = prompt_ids_for(loaded, prompt, config)  # the target's template and context, the drafter's room
+    if config.speculative and (note := slow_dtype_note(loaded.target.dtype, backend())):
         say(f"note: {note}")  # before the run: it may take a while
     if args.compare:
-        return _print_comparison(args, target, choice, ids, config)
-    return _print_run(args, generate(target, choice, ids, config))
+        return _print_comparison(args, loaded, ids, config)
+    return _print_run(args, generate(loaded.target, loaded.choice, ids, config), _ran(loaded, config))
 
 
-def _print_comparison(args: argparse.Namespace, target, choice, ids: list[int], config: GenerationConfig) -> int:
-    """The target alone, then the speculative run, and the verdict on their greedy outputs (uag.runtime.margins)."""
+def _ran(loaded, config: GenerationConfig) -> dict:
+    from uag.runtime.pair import what_ran
+
+    return what_ran(loaded.target, loaded.choice, config)
+
+
+def _print_comparison(args: argparse.Namespace, loaded, ids: list[int], config: GenerationConfig) -> int:
+    """The target alone, then the speculative run, and the verdict on their greedy outputs (the same as a server
+    reply's `"check": true`: uag.runtime.pair.check_against_target)."""
     from dataclasses import replace
 
     from uag.api import generate
-    from uag.runtime.margins import compare_runs
+    from uag.runtime.pair import check_against_target
 
-    baseline = generate(target, None, ids, replace(config, strategy="baseline"))
-    speculative = generate(target, choice, ids, config)
-    verdict = compare_runs(target, baseline, speculative)
+    baseline = generate(loaded.target, None, ids, replace(config, strategy="baseline"))
+    speculative = generate(loaded.target, loaded.choice, ids, config)
+    checked = check_against_target(loaded, ids, config, speculative, baseline=baseline)
     if args.json:
-        out = {"baseline": baseline.to_dict(), "speculative": speculative.to_dict()}
-        json.dump({**out, "divergence": None if verdict is None else verdict.to_dict()}, sys.stdout, ensure_ascii=False)
+        out = {"ran": _ran(loaded, config), "baseline": baseline.to_dict(), "speculative": speculative.to_dict()}
+        json.dump({**out, "divergence": checked.to_dict()}, sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
         return 0
     _print_run(args, speculative)
     print(f"target alone: {_stats_line(baseline.stats())}", file=sys.stderr)
+    verdict = checked.divergence
     if verdict is None:
-        say("note: sampled or stopped runs are not compared token for token")
+        say(f"note: {checked.to_dict()['message']}")
     elif verdict.kind == "identical":
         print("same output as the target alone, token for token", file=sys.stderr)
     else:
@@ -133,11 +137,14 @@ def _print_comparison(args: argparse.Namespace, target, choice, ids: list[int], 
 
 
 def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt: str):
-    """`generate --shard …` on one rank (uag.distributed.sharded): the run on rank 0, None on the others."""
-    from uag.core.engine import prompt_ids
-    from uag.core.loading import check_drafter_fits, user_facing_load_errors
+    """`generate --shard …` on one rank (uag.distributed.sharded): (the run, what ran) on rank 0, (None, None) on
+    the others. The prompt is read and checked as every front end's (uag.runtime.pair); the pair is loaded its
+    own way (a sharded target, the drafter on rank 0 only) and `auto` opens from no saved costs: measuring them
+    would take every rank's passes (`uag serve --shard` measures them over the shards)."""
+    from uag.core.loading import user_facing_load_errors
     from uag.distributed.sharded import connect, generate_sharded, load_rank0_drafter, load_sharded
     from uag.models.store import ModelStore
+    from uag.runtime.pair import pair_of, prompt_ids_for
 
     if args.shard_timeout <= 0 or args.shard_check < 0:
         raise InputError("--shard-timeout must be above 0 and --shard-check at least 0")
@@ -148,22 +155,23 @@ def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt
             target = load_sharded(args.target, args.shard, ranks, progress=progress)
         spec = DrafterSpec.parse(args.drafter) if config.speculative else None
         choice = None if spec is None else load_rank0_drafter(ModelStore(), spec, ranks, progress=progress)
-        ids = prompt_ids(target, prompt, chat=config.chat)
-        check_drafter_fits(target, choice, ids, config)  # before any collective: no rank waits on a refusal
+        loaded = pair_of(target, choice)  # rank 0 only holds the drafter: checked there
+        ids = prompt_ids_for(loaded, prompt, config)  # before any collective: no rank waits on a refusal
         run = generate_sharded(target, choice, ids, config, ranks, check_every=args.shard_check)
     finally:
         ranks.close()
-    return run if ranks.rank == 0 else None
+    return (run, _ran(loaded, config)) if ranks.rank == 0 else (None, None)
 
 
-def _print_run(args: argparse.Namespace, run) -> int:
-    """The text with accepted drafts in green and a stats line, or one JSON object (nothing for None)."""
+def _print_run(args: argparse.Namespace, run, ran: dict | None = None) -> int:
+    """The text with accepted drafts in green and a stats line, or one JSON object with what ran (nothing for
+    None)."""
     from uag.core.highlight import ansi
 
     if run is None:
         return 0
     if args.json:
-        json.dump(run.to_dict(), sys.stdout, ensure_ascii=False)
+        json.dump({**run.to_dict(), "ran": ran}, sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
         return 0
     print(ansi(run.tokens, colour=sys.stdout.isatty()))

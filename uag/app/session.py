@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +27,19 @@ from uag.app.compare_view import CompareView, Finished, Ready, Started, Streamed
 from uag.app.costs_view import Calibrated, CalibrationUpdate, CalibrationView, CostView, cost_view
 from uag.app.files import Exports, load_results
 from uag.app.history import C_FITTED, PlotView, plot_view
-from uag.app.loaded import Loaded
 from uag.app.settings import Settings, check_prompt
-from uag.core.config import DrafterSpec, GenerationConfig
-from uag.core.engine import generate, prompt_ids, stream
-from uag.core.loading import check_drafter_fits, check_memory, load_drafter_choice, load_model
+from uag.core.config import GenerationConfig
+from uag.core.engine import generate, stream
+from uag.core.loading import load_model
 from uag.costs.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
+from uag.costs.pair import MEASURING, open_auto
 from uag.costs.profiles import find_calibration
 from uag.costs.profiles import save as save_calibration
 from uag.errors import InputError, UserError
 from uag.machine import backend
 from uag.models import demo
 from uag.models.dtypes import slow_dtype_note
-from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore, check_pair
+from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore
 from uag.runtime.access import (
     LOCAL,
     Access,
@@ -59,7 +60,7 @@ from uag.runtime.jobs import (
     failure,
     report,
 )
-from uag.runtime.margins import compare_runs
+from uag.runtime.pair import Loaded, check_against_target, open_pair, prompt_ids_for
 from uag.runtime.presets import DEFAULT, PRESETS, Preset
 from uag.runtime.worker import Job, MLXWorker
 
@@ -105,6 +106,7 @@ class Session:
         self.defaults = Settings(target=target, drafter=drafter, target_dtype=dtypes[0], drafter_dtype=dtypes[1])
         self._warm: set[tuple[str, str]] = set()  # pairs warmed up; touched on the worker thread only
         self._loaded: dict[tuple[str, str], Loaded] = {}  # pairs loaded and checked here (set on the worker thread)
+        self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs here share
         self.store.on_evict.append(self._forget)
 
     # --- who may load what -------------------------------------------------------------------------------
@@ -199,11 +201,21 @@ class Session:
         except Exception:
             log.exception("preloading failed")
 
-    def _model(self, job: Job, role: str, name: str, keep: Sequence[str] = (), dtype: str | None = None) -> LoadedModel:
-        """The model in `dtype`, loaded through uag.core.loading (a broken folder is the user's message, not an
-        internal error), with what loading it does said to the user."""
-        if self.store.has(name, dtype):
-            return load_model(self.store, name, role=role, keep=keep, dtype=dtype)
+    def _load(
+        self,
+        job: Job,
+        store: ModelStore,
+        name: str,
+        *,
+        role: str,
+        progress: Any = None,
+        keep: Sequence[str] = (),
+        dtype: str | None = None,
+    ) -> LoadedModel:
+        """One model for `open_pair` (uag.core.loading.load_model, a broken folder the user's message), with what
+        loading it does said to the user."""
+        if store.has(name, dtype):
+            return load_model(store, name, role=role, keep=keep, dtype=dtype)
         if name in DEMO_NAMES and not demo.is_ready(name):
             report(job, f"First use: converting the offline demo model {name} from its packaged GGUF file, once "
                    "(about a minute on a CPU; later starts take seconds)…")  # fmt: skip
@@ -211,28 +223,18 @@ class Session:
             report(job, f"Loading the {role} {name}…")
         tic = time.perf_counter()
         model = load_model(
-            self.store, name, role=role, progress=lambda msg: report(job, f"{role}: {msg}…"), keep=keep, dtype=dtype
+            store, name, role=role, progress=lambda msg: report(job, f"{role}: {msg}…"), keep=keep, dtype=dtype
         )
         report(job, f"Loaded the {role} {name} ({model.dtype}, {model.weight_bytes / 1e6:.0f} MB) "
                f"in {time.perf_counter() - tic:.0f} s.")  # fmt: skip
         return model
 
     def _prepare(self, job: Job, settings: Settings) -> Loaded:
-        """Load the target and the drafter (reporting progress), check the pair, warm it up once."""
-        spec = DrafterSpec.parse(settings.drafter)
+        """Load the target and the drafter (reporting progress) and check the pair (uag.runtime.pair.open_pair, as
+        every front end), then warm it up once."""
         t_dtype, d_dtype = settings.target_dtype, settings.drafter_dtype
-        check_memory(self.store, [("target", settings.target, t_dtype), ("drafter", spec.model, d_dtype)])
-        target = self._model(job, "target", settings.target, dtype=t_dtype)
-        if spec.model is not None:
-            self._model(job, "drafter", spec.model, keep=[settings.target], dtype=d_dtype)
-        choice = load_drafter_choice(self.store, spec, dtype=d_dtype)
-        target = load_model(
-            self.store, settings.target, role="target", keep=[spec.model or settings.target], dtype=t_dtype
-        )
-        pair = check_pair(target, choice.model) if choice.model is not None else None
-        if pair is None:
-            target.check_trimmable("target")
-        loaded = Loaded(target, choice, pair)
+        loaded = open_pair(self.store, settings.target, settings.drafter, target_dtype=t_dtype, drafter_dtype=d_dtype,
+                           load=partial(self._load, job))  # fmt: skip
         key = (settings.target, settings.drafter)
         if t_dtype or d_dtype:  # a pair in other dtypes is another pair (its r, its costs, its warm-up)
             key = (settings.target, settings.drafter, t_dtype, d_dtype)
@@ -241,8 +243,8 @@ class Session:
             # The first passes through a model are slower (allocation, kernel set-up): keep them out of the timings.
             report(job, "Warming up the pair (once) so that the timings are fair…")
             warm = GenerationConfig("context", k=2, max_tokens=4)
-            generate(target, None, WARM_UP_PROMPT, warm.replace(strategy="baseline"))
-            generate(target, loaded.drafter, WARM_UP_PROMPT, warm)
+            generate(loaded.target, None, WARM_UP_PROMPT, warm.replace(strategy="baseline"))
+            generate(loaded.target, loaded.drafter, WARM_UP_PROMPT, warm)
             self._warm.add(key)
         return loaded
 
@@ -252,16 +254,13 @@ class Session:
 
     def _compare_job(self, job: Job, prompt: str, settings: Settings) -> Iterator[Any]:
         loaded = self._prepare(job, settings)
-        ids = prompt_ids(loaded.target, prompt, chat=settings.generation.chat)  # the target's template and context
-        check_drafter_fits(loaded.target, loaded.choice, ids, settings.generation)
+        ids = prompt_ids_for(loaded, prompt, settings.generation)  # the target's template and context, the drafter's
         yield Ready(loaded.r)
         if note := slow_dtype_note(loaded.target.dtype, backend()):
             yield Status(f"Note: {note}.")
-        extra = {}
-        if settings.strategy == "auto":
-            if loaded.pair is not None and loaded.saved_profile() is None:
-                yield Status("Measuring this pair's costs once (auto decides by them; saved for next time) …")
-            extra = {"profile": loaded.profile()}
+        auto = None
+        if settings.strategy == "auto":  # as the CLI's: the pair's costs, and the evidence its runs here share
+            auto = open_auto(loaded.target, loaded.choice, held=self.evidence, progress=partial(self._measuring, job))
         job.limit(self.runner.budget_s)  # generation time only: loading the models is not the user's doing
         # Never concurrently: the target alone first, then with the drafter, each timed on its own.
         baseline = None
@@ -270,18 +269,32 @@ class Session:
                 break
             yield Started(mode)
             drafter = None if mode == "baseline" else loaded.drafter
+            learns = auto is not None and mode != "baseline"
+            events = stream(loaded.target, drafter, ids, settings.config(mode), cancel=job.cancelled,
+                            **(auto.engine_kwargs() if learns else {}))  # fmt: skip
             run = None
-            options = {} if mode == "baseline" else extra
-            for event in stream(loaded.target, drafter, ids, settings.config(mode), cancel=job.cancelled, **options):
-                run = event.run
-                yield Streamed(mode, event.tokens, event.cycle)
+            try:
+                for event in events:
+                    run = event.run
+                    yield Streamed(mode, event.tokens, event.cycle)
+            finally:
+                events.close()
+                if learns:
+                    auto.finish()  # what the run taught, saved for the pair's next run here or in another process
             assert run is not None and run.finish_reason is not None, "a stream ended without a final record"
             if mode != "baseline" and baseline is not None:  # the verdict before the outputs are shown side by side
-                yield Verdict(compare_runs(loaded.target, baseline, run))
+                checked = check_against_target(loaded, ids, settings.config(mode), run, baseline=baseline)
+                yield Verdict(checked.divergence)
             baseline = run if mode == "baseline" else baseline
             yield Finished(mode, run)
         if job.out_of_time:
             yield OutOfTime(self.runner.budget_s)
+
+    @staticmethod
+    def _measuring(job: Job, message: str) -> None:
+        """A first-use calibration's first word, to the user (its steps are too quick to follow)."""
+        if message == MEASURING:
+            report(job, f"{MEASURING[0].upper()}{MEASURING[1:]} …")
 
     def _calibrate_job(self, job: Job, settings: Settings, options: dict[str, Any]) -> Iterator[Any]:
         loaded = self._prepare(job, settings)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
@@ -153,32 +156,44 @@ def judge_profile(calibration: Calibration, evidence: Evidence) -> str | None:
     return why_measure_again(evidence.scale, calibration.load, machine_load)
 
 
+@dataclass(frozen=True)
+class AutoInputs:
+    """What an `auto` run of a pair opens from — its costs (`profile`) and what earlier runs accepted
+    (`evidence`) — and `finish`, to call once the run has ended (also when it was stopped early)."""
+
+    profile: CostProfile | None
+    evidence: Evidence | None
+    finish: Callable[[], None] = field(default=lambda: None)  # nothing to save: the caller's evidence
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The engine's keyword arguments (uag.core.engine.stream's `profile=` and `evidence=`)."""
+        return {"profile": self.profile, "evidence": self.evidence}
+
+
 def open_auto(
     target: LoadedModel,
     drafter: DrafterChoice | LoadedModel | None,
-    kw: dict,
+    given: Mapping[str, Any] = MappingProxyType({}),
     *,
     progress: Progress | None = None,
     held: dict[str, Evidence] | None = None,
     schedule: Schedule | None = None,
-) -> Callable[[], None] | None:
-    """What an `auto` run of the pair opens from, filled into the engine's keyword arguments `kw` where the
-    caller gave none: `profile` and `evidence` — what earlier runs of the pair accepted on this machine
-    (`saved_evidence`), or the one a long-lived caller keeps in `held` across its runs (the server, per pair;
-    read from the saved evidence on the pair's first run there). Returns what to call once the run has ended,
-    also when stopped early: it saves the evidence for the pair's next run and judges the profile by the run
-    (`judge_profile`) — or None where a caller's own evidence and profile leave nothing to do.
+) -> AutoInputs:
+    """What an `auto` run of the pair opens from, where the caller's engine arguments `given` hold none: the
+    pair's `profile`, and as `evidence` what earlier runs of the pair accepted on this machine
+    (`saved_evidence`), or the one a long-lived caller keeps in `held` across its runs (the server and the
+    app, per pair; read from the saved evidence on the pair's first run there). Its `finish` saves the evidence
+    for the pair's next run and judges the profile by the run (`judge_profile`); it does nothing where the
+    caller's own evidence leaves nothing to save.
 
-    Without `schedule` (the CLI, the API) a pair with no saved profile is measured here (`profile_for`), and a
-    profile the run found off is said in one warning line (`uag calibrate` measures it again). With it (a
-    server) nothing is measured here: the run goes on the saved profile or none (auto then learns the costs as
-    it runs), and `schedule(key, why)` hears of a missing profile now and of one the run found off at the end.
+    Without `schedule` (the CLI, the API, the app) a pair with no saved profile is measured here, and a profile
+    the run found off is said in one warning line (`uag calibrate` measures it again). With it (a server)
+    nothing is measured here: the run goes on the saved profile or none (auto then learns the costs as it
+    runs), and `schedule(key, why)` hears of a missing profile now and of one the run found off at the end.
     """
-    if "profile" in kw and "evidence" in kw:
-        return None  # the caller's own: nothing to open, save or judge
     key = evidence_key(target, drafter)
-    calibration = None
-    if "profile" not in kw:
+    calibration, profile = None, given.get("profile")
+    if "profile" not in given:
         calibration = None if key is None else read_calibration(key)
         if calibration is None and key is not None:
             if schedule is not None:
@@ -187,19 +202,18 @@ def open_auto(
                 (progress or (lambda _: None))(MEASURING)
                 calibration = measure_costs(target, drafter, progress=progress)
                 keep_measured(calibration, target)
-        kw["profile"] = None if calibration is None else calibration.profile
-    if "evidence" in kw:
-        return None  # the caller's evidence stays the caller's
+        profile = None if calibration is None else calibration.profile
+    if "evidence" in given:
+        return AutoInputs(profile, given["evidence"])  # the caller's evidence stays the caller's
     if held is None:
-        kw["evidence"] = saved_evidence(key)
+        evidence = saved_evidence(key)
     else:
         name = json.dumps(key, sort_keys=True)
         if name not in held:
             held[name] = saved_evidence(key)
-        kw["evidence"] = held[name]
-    evidence = kw["evidence"]
+        evidence = held[name]
 
-    def close() -> None:
+    def finish() -> None:
         keep_evidence(key, evidence)
         why = None if calibration is None else judge_profile(calibration, evidence)
         if why is None:
@@ -213,4 +227,4 @@ def open_auto(
                 pair_name(key), why, key["target"], key["drafter"],
             )  # fmt: skip
 
-    return close
+    return AutoInputs(profile, evidence, finish)

@@ -170,8 +170,9 @@ class Leader:
         profile=None,
         evidence=None,
     ) -> Iterator[Event]:
-        """`uag.api.stream`'s signature (what Service calls), over the shards. `caches` is not used: every
-        request reads its whole prompt, and the run's `cached_tokens` is 0."""
+        """`uag.core.engine.stream`'s signature (what Service calls, once per request, with the prompt read and
+        checked and `auto`'s inputs opened as every front end's: uag.runtime.pair, uag.costs.pair.open_auto),
+        over the shards. `caches` is not used: every request reads its whole prompt, and `cached_tokens` is 0."""
         from uag.models.store import check_pair
 
         assert target is self.target, (target.name, self.target.name)
@@ -404,11 +405,11 @@ class _Either:
 
 
 def _profile_path(target: LoadedModel, choice: DrafterChoice) -> Path:
-    """Where `auto`'s costs for this pair are saved (uag.costs.pair.profile_for reads them there)."""
-    from uag.costs.profiles import profile_key, profile_path, target_key
-    from uag.models.store import check_pair
+    """Where `auto`'s costs for this pair are saved (uag.costs.pair.open_auto reads them there)."""
+    from uag.costs.pair import evidence_key
+    from uag.costs.profiles import profile_path
 
-    return profile_path(target_key(target) if choice.model is None else profile_key(check_pair(target, choice.model)))
+    return profile_path(evidence_key(target, choice))
 
 
 @contextmanager

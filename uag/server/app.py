@@ -32,9 +32,10 @@ from starlette.requests import ClientDisconnect
 
 from uag.errors import UserError
 from uag.runtime.jobs import Busy, Waiting
+from uag.server.errors import APIError
 from uag.server.guards import Guard, KeyBackoff, Perimeter, RetryLater, answer, too_many_failures
 from uag.server.logs import RequestLog, note_served
-from uag.server.protocol import APIError, parse_chat, parse_completion
+from uag.server.protocol import parse_chat, parse_completion
 from uag.server.responses import chat_response, chunk, completion_response, new_id, now, usage_chunk
 from uag.server.service import Accepted, Delta, Done, Service
 from uag.server.streaming import DONE, sse
@@ -110,35 +111,8 @@ def create_app(
     if perimeter.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(perimeter.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"])  # fmt: skip
-
-    @app.exception_handler(APIError)
-    async def api_error(_request: Request, err: APIError) -> JSONResponse:
-        return answer(err, retry_s=RETRY_FULL_S)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
-        messages = {404: f"no such route: {request.method} {request.url.path[:100]}",
-                    405: f"{request.method} is not allowed on {request.url.path[:100]}"}  # fmt: skip
-        error = APIError(err.status_code, messages.get(err.status_code, "the request could not be served"))
-        return JSONResponse(error.body(), status_code=err.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Request, err: Exception) -> JSONResponse:
-        log.error("a request failed with an internal error", exc_info=err)
-        return JSONResponse(internal().body(), status_code=500)
-
-    def authorise(request: Request) -> None:
-        if api_key is None:
-            return
-        client = _client(request)
-        if (wait := backoff.retry_after(client)) > 0:
-            raise too_many_failures(wait)
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            backoff.failed(client)
-            raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")  # fmt: skip
-        backoff.succeeded(client)
+    _answer_errors(app)
+    authorise = _key_check(api_key, backoff)
 
     def served_model() -> dict:
         return {"id": service.defaults.model, "object": "model", "created": now(), "owned_by": "uag"}
@@ -201,6 +175,47 @@ def create_app(
                 gate.leave(client)
 
     return app
+
+
+def _answer_errors(app: FastAPI) -> None:
+    """Every failure as OpenAI's error object: an APIError as raised, Starlette's 404 and 405 in words, anything
+    else logged with its traceback and answered with the neutral 500."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, err: APIError) -> JSONResponse:
+        return answer(err, retry_s=RETRY_FULL_S)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        messages = {404: f"no such route: {request.method} {request.url.path[:100]}",
+                    405: f"{request.method} is not allowed on {request.url.path[:100]}"}  # fmt: skip
+        error = APIError(err.status_code, messages.get(err.status_code, "the request could not be served"))
+        return JSONResponse(error.body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, err: Exception) -> JSONResponse:
+        log.error("a request failed with an internal error", exc_info=err)
+        return JSONResponse(internal().body(), status_code=500)
+
+
+def _key_check(api_key: str | None, backoff: KeyBackoff) -> Callable[[Request], None]:
+    """What every /v1 route calls first: 401 unless the request carries `api_key` as its bearer token (nothing
+    to check when the server has no key), 429 while its client waits out `backoff` after failed keys."""
+
+    def authorise(request: Request) -> None:
+        if api_key is None:
+            return
+        client = _client(request)
+        if (wait := backoff.retry_after(client)) > 0:
+            raise too_many_failures(wait)
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            backoff.failed(client)
+            raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")  # fmt: skip
+        backoff.succeeded(client)
+
+    return authorise
 
 
 def _client(request: Request) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from uag.server.protocol import bad
+from uag.server.errors import bad
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)

@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse
 
 from uag.errors import InputError
 from uag.runtime.access import client_of, is_trusted
+from uag.server.errors import APIError
 from uag.server.logs import NotingStatus
-from uag.server.protocol import APIError
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""OpenAI's wire format for uag: a request body checked into one `Request` (a `GenerationConfig` and a drafter)
-and OpenAI error objects; the response and chunk objects are in uag.server.responses. Pure: no mlx, no HTTP.
+"""OpenAI's wire format for uag: a request body checked into one `Request` (a `GenerationConfig` and a drafter);
+its error object is in uag.server.errors, responses and chunks in uag.server.responses. Pure: no mlx, no HTTP.
 
     parse_chat({"model": "demo-target", "messages": [{"role": "user", "content": "Hi"}], "top_k": 40}, defaults)
         -> Request(config=GenerationConfig(strategy="auto", k=16, top_k=40, …), …)
@@ -7,8 +7,7 @@ and OpenAI error objects; the response and chunk objects are in uag.server.respo
 Accepted, typed and bounded as the engine bounds them (null: absent): temperature, top_p, seed, presence_penalty,
 frequency_penalty, and the top_k, min_p, repetition_penalty that llama.cpp, vLLM and Open WebUI send; uag's
 `speculative` object. OpenAI fields uag does not implement (n, logprobs, logit_bias, …) pass only at their neutral
-value; unknown fields are refused by name. Every problem is one 4xx `APIError` naming its `param`, the client's
-value shown printable and short (`show`), never a 500."""
+value; unknown fields are refused by name. Every problem is one 4xx `APIError` naming its `param`, never a 500."""
 
 from __future__ import annotations
 
@@ -20,56 +19,11 @@ from typing import Any
 from uag.core.config import DEFAULT_K, FIELD, MAX_K, MAX_WINDOW, SPECULATIVE, DrafterSpec, GenerationConfig
 from uag.core.prompt_input import check_text
 from uag.errors import InputError
+from uag.server.errors import APIError, bad, show
 
 MAX_STOP = 4  # stop sequences, as OpenAI allows
 MAX_DEPTH = 32  # nesting of a tool's schema or a call's arguments (real ones are a few levels deep)
-SHOWN = 60  # characters of a client's value an error message repeats
 ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": OpenAI's newer name for system
-
-
-def printable(text: str) -> str:
-    """`text` with every character Python would not print (lone surrogates, control and format characters,
-    line separators) written as its escape, so that an error message always encodes as UTF-8 and reads on one line.
-
-    Example: printable("a\\ud800\\n") -> "a\\\\ud800\\\\n"
-    """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
-def show(value: Any, limit: int = SHOWN) -> str:
-    """A client's value as JSON, printable and at most `limit` characters: what an error message repeats.
-
-    Example: show("\\ud800") -> '"\\\\ud800"';  show("x" * 100) -> '"xxx…'
-    """
-    if isinstance(value, str) and len(value) > limit:
-        value = value[:limit]  # the cut shows below (the closing quote goes)
-    try:
-        text = printable(json.dumps(value, ensure_ascii=False))
-    except (ValueError, TypeError, RecursionError):  # over 4300 digits, nested past the stack, not JSON
-        text = "(a value too large to show)"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-class APIError(Exception):
-    """An OpenAI error object with its HTTP status. The message and param are made printable (`printable`)."""
-
-    TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
-        message, param = printable(message), None if param is None else printable(param)[:SHOWN]
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = self.TYPES.get(status, "invalid_request_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(param: str | None, message: str, code: str | None = None) -> APIError:
-    """A 400 about `param`. Example: bad("n", "only n = 1 is supported") -> 400, message "n: only n = 1 …" """
-    return APIError(400, f"{param}: {message}" if param else message, param=param, code=code)
 
 
 @dataclass(frozen=True)

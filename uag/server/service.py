@@ -19,15 +19,24 @@ from datetime import datetime
 from typing import Any
 
 from uag.core.config import DrafterSpec
-from uag.core.prompt_input import check_context
+from uag.costs.pair import open_auto
 from uag.errors import InputError
 from uag.models.store import ModelStore
 from uag.runtime.jobs import JobRunner
+from uag.runtime.pair import (
+    Loaded,
+    check_against_target,
+    check_prompt_chars,
+    max_prompt_chars,
+    open_pair,
+    prompt_ids_for,
+)
 from uag.runtime.worker import Job
 from uag.server.chat import render
 from uag.server.costs import CostKeeper, Wanted, every
+from uag.server.errors import APIError, bad
 from uag.server.prompt_cache import ConversationCaches
-from uag.server.protocol import APIError, Request, ServerDefaults, bad
+from uag.server.protocol import Request, ServerDefaults
 from uag.server.responses import StepTime, report
 from uag.server.streaming import ReplyText
 
@@ -119,25 +128,9 @@ def saved_seconds(run: Any, step: StepTime | None) -> float:
     return after * step.ms / 1000 - run.generation_s
 
 
-def chars_per_token(tokenizer: Any) -> int | None:
-    """An upper bound on the characters one token of `tokenizer` stands for: its longest vocabulary entry (a
-    byte-level or SentencePiece entry is at least as long as the text it decodes to); None when the tokenizer
-    does not list its vocabulary. So a prompt of more than context × this many characters cannot fit.
-
-    Example: vocabulary {"a": 0, "▁hello": 1, "<0x0A>": 2} -> 6
-    """
-    vocab = getattr(tokenizer, "get_vocab", None)
-    if vocab is None:
-        return None
-    try:
-        return max((len(piece) for piece in vocab()), default=None)
-    except (TypeError, AttributeError, NotImplementedError):
-        return None
-
-
 class Service:
     """The server's state: one model store, the conversation caches, each pair's `auto` evidence, the log of
-    requests, the `CostKeeper`. `stream` is the engine's (`uag.api.stream`) and `measure` a pair's quick
+    requests, the `CostKeeper`. `stream` is the engine's (`uag.core.engine.stream`) and `measure` a pair's quick
     calibration (`uag.costs.pair.measure_costs`; a sharded server's over its ranks); tests may pass
     others with their signatures."""
 
@@ -154,15 +147,14 @@ class Service:
         drafter_dtype: str | None = None,
         measure: Callable[..., Any] | None = None,
     ):
-        import uag.api
+        from uag.core.engine import stream as engine_stream
 
         self.store, self.runner, self.defaults, self.target_name = store, runner, defaults, target
         self.target_dtype, self.drafter_dtype = target_dtype, drafter_dtype  # None: as stored
         self.caches = ConversationCaches(cache_bytes)
-        self.stream = stream or uag.api.stream
+        self.stream = stream or engine_stream
         self.measure = measure
         self.costs = CostKeeper(runner.worker, self._measure, lambda wanted: self.holds(wanted.drafter))
-        self._chars: dict[str, int | None] = {}  # target name -> `chars_per_token` of its tokenizer
         self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs share
         self.recent: deque[Served] = deque(maxlen=RECENT)
         self.saved_s = 0.0
@@ -177,8 +169,8 @@ class Service:
         the `CostKeeper` takes up again when the worker is idle; a drafter loaded later is measured then."""
 
         def job(job: Job) -> Iterator[str]:
-            target, _ = self.load(job, self.defaults.drafter, progress=progress)
-            self.chars_bound(target)
+            target = self.load(job, self.defaults.drafter, progress=progress).target
+            max_prompt_chars(target)  # worked out now, not in the first request
             yield target.name
             job.label = "measuring auto's costs (stops for a request)"
             self._measure_missing(job, progress)
@@ -196,26 +188,18 @@ class Service:
         return queued
 
     # --- on the worker thread ------------------------------------------------------------------------------
-    def load(self, job: Job, drafter: str | None, progress: Callable[[str], None] | None = None):
-        """The target and the drafter (a `DrafterChoice`, or None) in the server's dtypes, loaded once (memory
-        checked first), failures as user messages; a job cancelled meanwhile (its client left, its time budget
-        ran out) stops between the two."""
-        from uag.core.loading import check_memory, load_drafter_choice, load_model
+    def load(self, job: Job, drafter: str | None, progress: Callable[[str], None] | None = None) -> Loaded:
+        """The target and the drafter (None: the target alone) in the server's dtypes, loaded once and checked as a
+        pair (uag.runtime.pair.open_pair), failures as user messages; a job cancelled meanwhile (its client left,
+        its time budget ran out) stops between the two."""
         from uag.runtime.jobs import report
 
-        say = progress or (lambda text: report(job, text))
-        spec = None if drafter is None else DrafterSpec.parse(drafter)
-        check_memory(self.store, [("target", self.target_name, self.target_dtype),
-                                  ("drafter", spec and spec.model, self.drafter_dtype)])  # fmt: skip
-        target = load_model(self.store, self.target_name, role="target", dtype=self.target_dtype, progress=say)
-        choice = None
-        if spec is not None:
-            self._go_on(job, "loading the models")
-            choice = load_drafter_choice(self.store, spec, dtype=self.drafter_dtype, progress=say)
-            target = load_model(self.store, self.target_name, role="target", dtype=self.target_dtype,
-                                keep=[spec.model or self.target_name])  # fmt: skip
-        self._go_on(job, "loading the models")
-        return target, choice
+        go_on = lambda: self._go_on(job, "loading the models")  # noqa: E731
+        loaded = open_pair(self.store, self.target_name, drafter, target_dtype=self.target_dtype,
+                           drafter_dtype=self.drafter_dtype, progress=progress or (lambda text: report(job, text)),
+                           between=go_on)  # fmt: skip
+        go_on()
+        return loaded
 
     def holds(self, drafter: str | None) -> bool:
         """Whether the server holds the models of the target's pair with `drafter` now (touches none of them)."""
@@ -247,54 +231,38 @@ class Service:
                            f"while {doing}; what was loaded stays loaded: retry", code="timeout")  # fmt: skip
         raise APIError(499, "the request was cancelled", code="cancelled")  # nobody is left to read it
 
-    def chars_bound(self, target) -> int | None:
-        """The most characters a prompt may have to fit the target's context (context × `chars_per_token`,
-        worked out once per model); None when either is unknown."""
-        if target.name not in self._chars:
-            self._chars[target.name] = chars_per_token(target.tokenizer)
-        per_token = self._chars[target.name]
-        return None if per_token is None or not target.context_length else target.context_length * per_token
-
-    def prompt(self, target, choice, request: Request) -> list[int]:
-        """The request's prompt as target ids, checked against the target's and the drafter's context; a prompt
-        with more characters than the target's context can hold is refused before it is tokenised."""
-        from uag.core.loading import check_drafter_fits
-
-        bound = self.chars_bound(target)
+    def prompt(self, loaded: Loaded, request: Request) -> list[int]:
+        """The request's prompt as target ids (a conversation through the target's chat template, with its tools),
+        checked as every front end checks it (uag.runtime.pair.prompt_ids_for); a prompt with more characters
+        than the target's context can hold is refused before it is tokenised."""
+        target = loaded.target
         chars = sum(len(m["content"]) for m in request.messages) if request.kind == "chat" else len(request.prompt)
-        if bound is not None and chars > bound:
-            per_token = bound // target.context_length
-            raise APIError(400, f"the prompt's {chars:,} characters are more than the target {target.name}'s context "
-                           f"of {target.context_length:,} tokens can hold (at most {per_token} characters a token): "
-                           "shorten it", param="messages", code="context_length_exceeded")  # fmt: skip
-        if request.kind == "chat":
-            ids = render(target.tokenizer, request.messages, request.tools)
-        else:
-            ids = list(target.tokenizer.encode(request.prompt))
-        if not ids:
-            raise bad("messages", "the messages hold no text")
         try:
-            check_context(len(ids), target.context_length, "target", target.name)
-            check_drafter_fits(target, choice, ids, request.config)
+            check_prompt_chars(target, chars)
+            if request.kind == "chat":
+                ids = render(target.tokenizer, request.messages, request.tools)
+            else:
+                ids = list(target.tokenizer.encode(request.prompt))
+            if not ids:
+                raise bad("messages", "the messages hold no text")
+            return prompt_ids_for(loaded, ids, request.config)
         except InputError as err:
             raise APIError(400, str(err), param="messages", code="context_length_exceeded") from None
-        return ids
 
     def job(self, job: Job, request: Request) -> Iterator[Accepted | Delta | Done]:
         """The job function (`JobRunner.run(service.job, request, …)`): `Accepted`, `Delta`s, then one `Done`."""
         from uag.core.engine import PromptCaches
-        from uag.costs.pair import open_auto
 
         job.limit(self.runner.budget_s)  # loading and reading the prompt count too
-        target, choice = self.load(job, request.drafter)
-        ids = self.prompt(target, choice, request)
+        loaded = self.load(job, request.drafter)
+        target, choice = loaded.target, loaded.choice
+        ids = self.prompt(loaded, request)
         self._go_on(job, "reading the prompt")
         config = request.config
-        extra: dict[str, Any] = {}
-        close = None
+        auto = None
         if config.strategy == "auto":  # costs missing or off are measured later, while the worker is idle
             schedule = lambda key, why: self._want(Wanted(key, request.drafter, why))  # noqa: E731
-            close = open_auto(target, choice, extra, held=self.evidence, schedule=schedule)
+            auto = open_auto(target, choice, held=self.evidence, schedule=schedule)
         # Keyed by the target: the caches name the models that filled them, and the engine reuses a drafter's
         # cache only for that drafter, so a conversation keeps its target cache when speculation changes.
         pair = target.name
@@ -302,6 +270,7 @@ class Service:
         yield Accepted(len(ids))
         text = ReplyText(request.stop, request.tools)
         run, stopped, clean = None, False, False
+        extra = {} if auto is None else auto.engine_kwargs()
         events = self.stream(target, choice, ids, config, cancel=job.cancelled, caches=caches, **extra)
         try:
             for event in events:
@@ -316,15 +285,15 @@ class Service:
             events.close()  # the engine's finally leaves the caches exact, also when stopped early
             if clean:
                 self.caches.put(pair, caches)
-            if close is not None:
-                close()  # the pair's next process opens from its evidence; costs found off are measured again
+            if auto is not None:
+                auto.finish()  # the pair's next process opens from its evidence; costs found off are measured again
         if run is None or run.finish_reason is None:
             raise RuntimeError("the engine's stream ended without a final record")
         tail, calls = text.finish()
         finish = "tool_calls" if calls else "stop" if stopped else FINISH[run.finish_reason]
         if job.out_of_time:
             finish = "length"
-        step = self.step_time(target, choice, run, extra.get("evidence"))
+        step = self.step_time(target, choice, run, None if auto is None else auto.evidence)
         done_report = report(
             run,
             completion_tokens=run.generated,
@@ -335,36 +304,20 @@ class Service:
         if job.out_of_time:
             done_report["speculative"]["note"] = f"stopped by the server's time budget of {self.runner.budget_s:g} s"
         elif request.check and request.drafter is not None:
-            done_report["speculative"]["check"] = self.check(job, target, ids, config, run)
+            done_report["speculative"]["check"] = self.check(job, loaded, ids, config, run)
         self._record(request, run, done_report, step, choice, target)
         content = text.text if calls is None else (text.text[: text.text.find("<tool_call>")].strip() or None)
         yield Done(content or ("" if calls is None else None), finish, done_report, calls, tail)
 
-    def check(self, job: Job, target, ids: list[int], config, run) -> dict:
-        """The request's `"check": true`: the target alone on the same prompt, as many tokens as the reply
-        (read cold, as `uag generate --strategy baseline` would), and the verdict on the two greedy outputs:
-        identical, a near-tie where the dtype's rounding may pick either token, or a mismatch (a bug)."""
+    def check(self, job: Job, loaded: Loaded, ids: list[int], config, run) -> dict:
+        """The request's `"check": true` (uag.runtime.pair.check_against_target, as `uag generate --compare`): the
+        target alone on the same prompt for as many tokens as the reply, and the verdict on the two greedy
+        outputs; a reply cut by a stop string is compared on the tokens it generated, as a length cut."""
         from dataclasses import replace
 
-        from uag.core.engine import PromptCaches
-        from uag.runtime.margins import compare_runs
-
-        if run.generated == 0:
-            return {"kind": None, "message": "not compared: the reply has no tokens"}
-        plain = replace(config, strategy="baseline", max_tokens=run.generated)
-        baseline = None
-        for event in self.stream(target, None, ids, plain, cancel=job.cancelled, caches=PromptCaches.empty()):
-            baseline = event.run
-        if baseline is None or baseline.finish_reason == "stopped":
-            return {"kind": None, "message": "not compared: the target alone's run was stopped"}
-        if run.finish_reason == "stopped":  # cut by a stop string: compare the tokens it generated, as a length cut
+        if run.finish_reason == "stopped":
             run = replace(run, finish_reason="length")
-        verdict = compare_runs(target, baseline, run)
-        if verdict is None:
-            return {"kind": None, "message": "not compared: the runs cannot be compared token for token"}
-        tps = baseline.tokens_per_second
-        measured = run.tokens_per_second / tps if tps and run.tokens_per_second else None
-        return {**verdict.to_dict(), "baseline_tokens_per_second": tps, "measured_speedup": measured}
+        return check_against_target(loaded, ids, config, run, cancel=job.cancelled, stream=self.stream).to_dict()
 
     def step_time(self, target, choice, run, evidence=None) -> StepTime | None:
         """The target's plain step time on this machine: its calibration, else this server's own runs of it

@@ -112,18 +112,10 @@ def break_even_ols(
         notes.append(f"baseline variance {tps_base_var!r} is unusable; treated as 0")
         var_base = 0.0
 
-    # OLS with an explicit design matrix (add_constant would skip the constant on degenerate α).
     import statsmodels.api as sm  # heavy; only the fit needs it
 
-    design = np.column_stack([np.ones(n), x])
     try:
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore")
-            fit = sm.OLS(y, design).fit()
-            a, b = (float(v) for v in fit.params)
-            cov = np.asarray(fit.cov_params(), dtype=float) if n > 2 else None
-            r2 = _none_if_nan(fit.rsquared)
-            p_b = _none_if_nan(fit.pvalues[1]) if n > 2 else None
+        a, b, cov, r2, p_b = _fit_line(sm.OLS, x, y)
     except Exception as err:  # noqa: BLE001 - the app must keep going on any data
         notes.append(f"OLS failed: {err}")
         return result(n)
@@ -159,6 +151,22 @@ def break_even_ols(
     se = math.sqrt(variance)
     z = NormalDist().inv_cdf(0.5 + level / 2)
     return result(n, **fields, se=se, ci_low=alpha_star - z * se, ci_high=alpha_star + z * se)
+
+
+def _fit_line(ols: Any, x: np.ndarray, y: np.ndarray) -> tuple[float, float, Any, float | None, float | None]:
+    """Fit y = a + b·x with `ols` (statsmodels' OLS) over n ≥ 2 points with distinct x: (a, b, Cov(a, b), R², the
+    p-value of b); the covariance and the p-value are None for 2 points (no residual variance).
+    Example: x = [0, 1, 2], y = [1, 3, 5] -> a = 1, b = 2"""
+    n = len(x)
+    design = np.column_stack([np.ones(n), x])  # explicit: add_constant would skip the constant on degenerate x
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        fit = ols(y, design).fit()
+        a, b = (float(v) for v in fit.params)
+        cov = np.asarray(fit.cov_params(), dtype=float) if n > 2 else None
+        r2 = _none_if_nan(fit.rsquared)
+        p_b = _none_if_nan(fit.pvalues[1]) if n > 2 else None
+    return a, b, cov, r2, p_b
 
 
 def _is_number(x: Any) -> bool:
