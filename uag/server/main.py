@@ -209,6 +209,7 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
     app = create_app(service, api_key=opts["key"], max_body=int(args.max_body_mb * 2**20), max_queue=args.max_queue,
                      perimeter=opts.get("perimeter"))  # fmt: skip
     if session is not None:
+        session.evidence = service.evidence  # one Evidence per pair for /ui's auto runs and the API's
         _mount_ui(app, session, service, opts["key"])
     return app, service
 
