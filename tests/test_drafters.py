@@ -12,8 +12,9 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.core.anatomy import Loss
 from uag.core.config import DrafterSpec, GenerationConfig
-from uag.core.drafters import DrafterChoice, LookupDrafter, load_drafter, make_drafter
+from uag.core.drafters import DrafterChoice, LookupDrafter, make_drafter
 from uag.core.engine import PromptCaches, Seams, generate, prompt_ids, stream
+from uag.core.loading import load_drafter_choice
 from uag.core.lookup import MATCH_CAP, NgramIndex, match_band
 from uag.core.translate import make_translator
 from uag.errors import InputError
@@ -219,9 +220,9 @@ def test_hybrid_leaves_both_caches_exact_after_a_run_and_an_early_stop(tiny, sto
 
 
 def test_load_drafter_loads_no_model_for_lookup(store):
-    assert load_drafter(store, "lookup") == DrafterChoice(lookup=True)
+    assert load_drafter_choice(store, "lookup") == DrafterChoice(lookup=True)
     llama = build_tiny("llama", "llama-3.2", seed=3, tie_embeddings=False)
-    choice = load_drafter(store, f"lookup+{llama}")
+    choice = load_drafter_choice(store, f"lookup+{llama}")
     assert choice.lookup and choice.model is store.get(str(llama)) and choice.kind == "hybrid"
 
 

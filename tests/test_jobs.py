@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from uag.runtime.jobs import Busy, JobRunner, Status, Tick, Waiting, failure, report
+from uag.runtime.jobs import Busy, JobRunner, Status, Tick, Waiting, failure, tell
 from uag.runtime.worker import MLXWorker
 
 
@@ -58,7 +58,7 @@ def test_waiting_says_what_holds_the_worker(worker):
     runner, gate = JobRunner(worker, heartbeat_s=0.05), threading.Event()
 
     def converting(job):
-        report(job, "converting the demo model once")
+        tell(job, "converting the demo model once")
         gate.wait(10)
         yield "ready"
 

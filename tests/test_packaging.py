@@ -1,8 +1,9 @@
 """The package's version is written once (uag.__version__), and packaging reads it from there."""
 
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
+
+import tomllib
 
 import uag
 

@@ -258,10 +258,10 @@ def test_nbytes_counts_both_caches(tiny):
      ("context", "lookup+demo-drafter"), ("auto", "lookup+demo-drafter")],
 )  # fmt: skip
 def test_demo_pair_second_turn_with_reused_caches_equals_a_cold_run(demo_pair, store, strategy, drafter):
-    from uag.core.drafters import load_drafter
+    from uag.core.loading import load_drafter_choice
 
     target, _ = demo_pair
-    choice = None if drafter is None else load_drafter(store, drafter)
+    choice = None if drafter is None else load_drafter_choice(store, drafter)
     config = GenerationConfig(strategy=strategy, k=3, max_tokens=16)
     caches = PromptCaches.empty()
     question = "Wymień trzy miasta w Polsce:\n1."

@@ -333,9 +333,9 @@ BAD = [  # (name, path, body (dict or raw bytes), headers, status)
 def _reaches_the_worker(path: str, body, headers, service) -> bool:
     """Whether a request passes the key, the body limit and the field checks, and so is queued for the model
     worker (where the prompt's own checks refuse it)."""
-    from uag.server.app import DEFAULT_MAX_BODY
     from uag.server.errors import APIError
     from uag.server.protocol import parse_chat, parse_completion
+    from uag.server.routes import DEFAULT_MAX_BODY
 
     if headers or not isinstance(body, dict) or path not in (CHAT, COMPLETIONS):
         return False

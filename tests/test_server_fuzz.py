@@ -241,7 +241,7 @@ class Replying:
 def client():
     from fastapi.testclient import TestClient
 
-    from uag.server.app import create_app
+    from uag.server.routes import create_app
 
     service = Replying()
     yield TestClient(create_app(service), base_url="http://127.0.0.1:8000")  # a Host the default perimeter allows

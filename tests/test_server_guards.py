@@ -22,10 +22,10 @@ from starlette.testclient import TestClient
 from tests.support.server import serving
 from uag.runtime.jobs import JobRunner
 from uag.runtime.worker import MLXWorker
-from uag.server.app import create_app
 from uag.server.guards import KeyBackoff, Perimeter
 from uag.server.logs import JSONLines, QuietRepeats, request_fields, request_line
 from uag.server.protocol import ServerDefaults
+from uag.server.routes import create_app
 from uag.server.service import Accepted, Delta, Done
 
 KEY = "a-test-key-of-24-chars!!"

@@ -56,7 +56,7 @@ class Finished:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Compared:
     """How the greedy outputs compare (uag.runtime.margins.compare_runs), handed over before the speculative run's
     `Finished`, so that a difference is never shown unexplained; None when the runs cannot be compared."""
 
@@ -356,7 +356,7 @@ class CompareView:
         if isinstance(item, Started):
             self.mode = mode
             return True
-        if isinstance(item, Verdict):
+        if isinstance(item, Compared):
             self.divergence = item.divergence
             return False
         if isinstance(item, Streamed):

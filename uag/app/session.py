@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from uag.app.compare_view import CompareView, Finished, Ready, Started, Streamed, Update, Verdict
+from uag.app.compare_view import Compared, CompareView, Finished, Ready, Started, Streamed, Update
 from uag.app.costs_view import Calibrated, CalibrationUpdate, CalibrationView, CostView, cost_view
 from uag.app.files import Exports, load_results
 from uag.app.history import C_FITTED, PlotView, plot_view
@@ -58,7 +58,7 @@ from uag.runtime.jobs import (
     OutOfTime,
     Status,
     failure,
-    report,
+    tell,
 )
 from uag.runtime.pair import Loaded, check_against_target, open_pair, prompt_ids_for
 from uag.runtime.presets import DEFAULT, PRESETS, Preset
@@ -217,15 +217,15 @@ class Session:
         if store.has(name, dtype):
             return load_model(store, name, role=role, keep=keep, dtype=dtype)
         if name in DEMO_NAMES and not demo.is_ready(name):
-            report(job, f"First use: converting the offline demo model {name} from its packaged GGUF file, once "
+            tell(job, f"First use: converting the offline demo model {name} from its packaged GGUF file, once "
                    "(about a minute on a CPU; later starts take seconds)…")  # fmt: skip
         else:
-            report(job, f"Loading the {role} {name}…")
+            tell(job, f"Loading the {role} {name}…")
         tic = time.perf_counter()
         model = load_model(
-            store, name, role=role, progress=lambda msg: report(job, f"{role}: {msg}…"), keep=keep, dtype=dtype
+            store, name, role=role, progress=lambda msg: tell(job, f"{role}: {msg}…"), keep=keep, dtype=dtype
         )
-        report(job, f"Loaded the {role} {name} ({model.dtype}, {model.weight_bytes / 1e6:.0f} MB) "
+        tell(job, f"Loaded the {role} {name} ({model.dtype}, {model.weight_bytes / 1e6:.0f} MB) "
                f"in {time.perf_counter() - tic:.0f} s.")  # fmt: skip
         return model
 
@@ -241,7 +241,7 @@ class Session:
         self._loaded[key] = loaded
         if key not in self._warm:
             # The first passes through a model are slower (allocation, kernel set-up): keep them out of the timings.
-            report(job, "Warming up the pair (once) so that the timings are fair…")
+            tell(job, "Warming up the pair (once) so that the timings are fair…")
             warm = GenerationConfig("context", k=2, max_tokens=4)
             generate(loaded.target, None, WARM_UP_PROMPT, warm.replace(strategy="baseline"))
             generate(loaded.target, loaded.drafter, WARM_UP_PROMPT, warm)
@@ -284,7 +284,7 @@ class Session:
             assert run is not None and run.finish_reason is not None, "a stream ended without a final record"
             if mode != "baseline" and baseline is not None:  # the verdict before the outputs are shown side by side
                 checked = check_against_target(loaded, ids, settings.config(mode), run, baseline=baseline)
-                yield Verdict(checked.divergence)
+                yield Compared(checked.divergence)
             baseline = run if mode == "baseline" else baseline
             yield Finished(mode, run)
         if job.out_of_time:
@@ -294,7 +294,7 @@ class Session:
     def _measuring(job: Job, message: str) -> None:
         """A first-use calibration's first word, to the user (its steps are too quick to follow)."""
         if message == MEASURING:
-            report(job, f"{MEASURING[0].upper()}{MEASURING[1:]} …")
+            tell(job, f"{MEASURING[0].upper()}{MEASURING[1:]} …")
 
     def _calibrate_job(self, job: Job, settings: Settings, options: dict[str, Any]) -> Iterator[Any]:
         loaded = self._prepare(job, settings)

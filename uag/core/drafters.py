@@ -12,7 +12,7 @@ each run turns it into a stateful `Drafter` that proposes target tokens every cy
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,7 +28,7 @@ from uag.core.prompt_input import check_context
 from uag.core.records import Cycle, Offer, Rehearsal
 from uag.core.translate import IntersectionTranslator, Proposal, Resync, TextTranslator, Translator, make_translator
 from uag.core.verify import IdMap, draft_distribution
-from uag.models.store import LoadedModel, ModelStore
+from uag.models.store import LoadedModel
 from uag.models.vocab import Vocab
 
 REHEARSAL_SPAN = 64  # positions per pass of a rehearsal (its logits are kept: one row per position)
@@ -56,15 +56,6 @@ class DrafterChoice:
     @classmethod
     def of(cls, drafter: DrafterChoice | LoadedModel) -> DrafterChoice:
         return drafter if isinstance(drafter, DrafterChoice) else cls(model=drafter)
-
-
-def load_drafter(
-    store: ModelStore, spec: str | DrafterSpec, *, progress: Callable[[str], None] | None = None
-) -> DrafterChoice:
-    """Load what `spec` names ("demo-drafter", "lookup", "lookup+demo-drafter"); lookup loads nothing."""
-    spec = spec if isinstance(spec, DrafterSpec) else DrafterSpec.parse(spec)
-    model = None if spec.model is None else store.get(spec.model, progress=progress)
-    return DrafterChoice(lookup=spec.lookup, model=model)
 
 
 # --- drafters of one run ---------------------------------------------------------------------------

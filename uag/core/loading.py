@@ -72,15 +72,14 @@ def load_model(
 def load_drafter_choice(
     store, spec: str | DrafterSpec, *, progress: Callable[[str], None] | None = None, dtype: str | None = None
 ):
-    """`uag.core.drafters.load_drafter` (its model in `dtype`) with load failures said as ModelError; lookup
-    loads nothing."""
-    from uag.core.drafters import DrafterChoice, load_drafter
+    """The `DrafterChoice` that `spec` names ("demo-drafter", "lookup", "lookup+demo-drafter"), its model loaded
+    once through `store` in `dtype` (None: as stored), load failures said as ModelError; lookup loads nothing."""
+    from uag.core.drafters import DrafterChoice
 
     spec = spec if isinstance(spec, DrafterSpec) else DrafterSpec.parse(spec)
     with user_facing_load_errors("drafter", spec.model or str(spec)):
-        if dtype is None or spec.model is None:
-            return load_drafter(store, spec, progress=progress)
-        return DrafterChoice(lookup=spec.lookup, model=store.get(spec.model, dtype=dtype, progress=progress))
+        model = None if spec.model is None else store.get(spec.model, dtype=dtype, progress=progress)
+        return DrafterChoice(lookup=spec.lookup, model=model)
 
 
 def check_memory(store, models: Sequence[tuple[str, str | None, str | None]], *, available: int | None = None) -> None:

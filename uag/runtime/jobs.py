@@ -68,7 +68,7 @@ class Tick:
     """Nothing new from the job for a moment (the consumer may refresh its clock, or be closed)."""
 
 
-def report(job: Job, text: str) -> None:
+def tell(job: Job, text: str) -> None:
     """Tell a job's progress from inside it: to its consumer, and to anyone waiting behind it."""
     job.progress = text
     job.emit(Status(text))

@@ -180,8 +180,8 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
     from uag.models.store import ModelStore
     from uag.runtime.jobs import JobRunner
     from uag.runtime.worker import MLXWorker
-    from uag.server.app import create_app
     from uag.server.protocol import ServerDefaults
+    from uag.server.routes import create_app
     from uag.server.service import Service
 
     store = store or ModelStore(max_models=args.max_models)

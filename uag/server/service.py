@@ -2,7 +2,7 @@
 the conversation's caches and the pair's evidence, and hand back text deltas and one final report. Also what
 the Server tab shows: the recent requests and the time speculation saved.
 
-The HTTP layer (uag.server.app) never touches a model: it queues `Service.job` through the `JobRunner` that the
+The HTTP layer (uag.server.routes) never touches a model: it queues `Service.job` through the `JobRunner` that the
 app's Session shares, so API requests and the app's comparisons run on one worker, in turn. No request measures
 costs: `CostKeeper` measures a pair's missing or stale costs while the worker is idle, and stops for a request.
 """
@@ -192,11 +192,11 @@ class Service:
         """The target and the drafter (None: the target alone) in the server's dtypes, loaded once and checked as a
         pair (uag.runtime.pair.open_pair), failures as user messages; a job cancelled meanwhile (its client left,
         its time budget ran out) stops between the two."""
-        from uag.runtime.jobs import report
+        from uag.runtime.jobs import tell
 
         go_on = lambda: self._go_on(job, "loading the models")  # noqa: E731
         loaded = open_pair(self.store, self.target_name, drafter, target_dtype=self.target_dtype,
-                           drafter_dtype=self.drafter_dtype, progress=progress or (lambda text: report(job, text)),
+                           drafter_dtype=self.drafter_dtype, progress=progress or (lambda text: tell(job, text)),
                            between=go_on)  # fmt: skip
         go_on()
         return loaded
