@@ -213,3 +213,23 @@ def test_a_command_whose_package_is_missing_says_which(monkeypatch, capsys):
     assert cli.main(["serve"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: `uag serve` needs the Python package 'fastapi'") and "\n" not in err
+
+
+def test_every_command_says_progress_and_logs_on_stderr_one_way(capsys):
+    """`uag.command.progress` and `log_to_stderr` are the one way a command writes to stderr: `[uag] …` lines,
+    stdout left to the result, a logger's records not passed up to the root logger (no line twice)."""
+    import logging
+
+    from uag.command import log_to_stderr, progress
+
+    progress("loading the target\nfrom the cache")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "[uag] loading the target from the cache\n"
+    logger = logging.getLogger("uag.test_progress")
+    handler = log_to_stderr(levels={"uag.test_progress": logging.INFO})
+    try:
+        logger.info("measured %s", "costs")
+        assert capsys.readouterr().err == "[uag] measured costs\n" and not logger.propagate
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True

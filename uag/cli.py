@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from uag.command import USER_ERROR, CommandParser, add_generation_options, decoding_config, literal, run, say
+from uag.command import USER_ERROR, CommandParser, add_generation_options, decoding_config, literal, progress, run, say
 from uag.core.config import MODES, DrafterSpec, GenerationConfig
 from uag.core.prompt_input import read_prompt
 from uag.errors import InputError
@@ -88,10 +88,10 @@ def run_generate(args: argparse.Namespace) -> int:
         return _print_run(args, *_generate_sharded(args, config, prompt))
     if args.compare and not config.speculative:
         raise InputError("--compare sets a speculative run against the target alone: pick a --strategy but baseline")
-    progress = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
+    say_progress = None if args.json else progress
     drafter = args.drafter if config.speculative else None
     loaded = open_pair(ModelStore(), args.target, drafter, target_dtype=target_dtype, drafter_dtype=drafter_dtype,
-                       progress=progress)  # fmt: skip
+                       progress=say_progress)  # fmt: skip
     ids = prompt_ids_for(loaded, prompt, config)  # the target's template and context, the drafter's room
     if config.speculative and (note := slow_dtype_note(loaded.target.dtype, backend())):
         say(f"note: {note}")  # before the run: it may take a while
@@ -150,11 +150,11 @@ def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt
         raise InputError("--shard-timeout must be above 0 and --shard-check at least 0")
     ranks = connect(timeout_s=args.shard_timeout)
     try:
-        progress = None if args.json or ranks.rank else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
+        say_progress = None if args.json or ranks.rank else progress
         with user_facing_load_errors("target", args.target):
-            target = load_sharded(args.target, args.shard, ranks, progress=progress)
+            target = load_sharded(args.target, args.shard, ranks, progress=say_progress)
         spec = DrafterSpec.parse(args.drafter) if config.speculative else None
-        choice = None if spec is None else load_rank0_drafter(ModelStore(), spec, ranks, progress=progress)
+        choice = None if spec is None else load_rank0_drafter(ModelStore(), spec, ranks, progress=say_progress)
         loaded = pair_of(target, choice)  # rank 0 only holds the drafter: checked there
         ids = prompt_ids_for(loaded, prompt, config)  # before any collective: no rank waits on a refusal
         run = generate_sharded(target, choice, ids, config, ranks, check_every=args.shard_check)

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,27 @@ def say(line: str) -> None:
     line = " ".join(line.split())
     encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
     print(line.encode(encoding, "backslashreplace").decode(encoding), file=sys.stderr)
+
+
+def progress(line: str) -> None:
+    """What a command is doing, on stderr as ``[uag] …`` (loading, converting, measuring): every command's one way
+    to say it, so that stdout keeps only the result."""
+    say(f"[uag] {line}")
+
+
+def log_to_stderr(
+    formatter: logging.Formatter | None = None, levels: Mapping[str, int] | None = None
+) -> logging.Handler:
+    """Every command's log on stderr: one handler (``[uag] message`` unless `formatter` says otherwise) on the
+    loggers of `levels` (default: uag at INFO), which then stop passing records up to the root logger."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(formatter or logging.Formatter("[uag] %(message)s"))
+    for name, level in (levels or {"uag": logging.INFO}).items():
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = False
+    return handler
 
 
 def literal(text: str) -> int | float | str:

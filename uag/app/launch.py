@@ -5,14 +5,13 @@ command line), the port, the limits (models kept, time per request, requests per
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 
 from uag.app.session import Session
 from uag.app.ui import api_defaults, build, launch
-from uag.command import CommandParser, number, port_taken, whole
+from uag.command import CommandParser, log_to_stderr, number, port_taken, whole
 from uag.errors import UserError
 from uag.models.store import ModelStore
 from uag.runtime.access import REMOTE_MODELS
@@ -109,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[uag] %(message)s"))
-    logging.getLogger("uag").addHandler(handler)
-    logging.getLogger("uag").setLevel(logging.INFO)
+    log_to_stderr()
     session = Session(
         ModelStore(max_models=args.max_models, max_gb=args.max_gb),
         share=args.share,

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 
 import mlx.core as mx
 
-from uag.command import CommandParser, run, whole
+from uag.command import CommandParser, progress, run, whole
 from uag.core.config import LOOKUP, DrafterSpec
 from uag.core.costmodel import CostProfile
 from uag.core.passes import logprobs, settle_allocator
@@ -293,7 +293,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if problems:
         raise UserError("; ".join(problems))
     store = ModelStore()
-    say = None if args.json else (lambda msg: print(f"[uag] {msg}", file=sys.stderr))
+    say = None if args.json else progress
     target = load_model(store, args.target, role="target", progress=say)
     settings = {"context": args.context, "widths": range(1, args.max_width + 1), "repeats": args.repeats}
     if spec.model is None:  # prompt lookup alone: what auto prices its proposals by is the target's verify curve

@@ -187,12 +187,9 @@ def configure(log_format: str = "text") -> logging.Handler:
     (one line per request), the others at WARNING; repeated errors once per minute."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log_format must be one of {LOG_FORMATS} (got {log_format!r})")
-    handler = logging.StreamHandler()
-    handler.setFormatter(JSONLines() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
-    for name, level in (("uag", logging.INFO), ("uvicorn", logging.WARNING), ("asyncio", logging.WARNING)):
-        logger = logging.getLogger(name)
-        logger.addHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = False
+    from uag.command import log_to_stderr
+
+    formatter = JSONLines() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    handler = log_to_stderr(formatter, {"uag": logging.INFO, "uvicorn": logging.WARNING, "asyncio": logging.WARNING})
     quiet_repeats()
     return handler

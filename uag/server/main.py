@@ -15,10 +15,9 @@ import argparse
 import ipaddress
 import logging
 import os
-import sys
 from typing import Any
 
-from uag.command import CommandParser, literal, port_taken, run, whole
+from uag.command import CommandParser, literal, port_taken, progress, run, whole
 from uag.core.config import DEFAULT_K, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig
 from uag.core.translate import DEFAULT_WINDOW
 from uag.errors import InputError, UserError
@@ -311,12 +310,9 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     from uag.runtime.worker import MLXWorker
     from uag.server.connections import server_config
 
-    def say(message: str) -> None:
-        print(f"[uag] {message}", file=sys.stderr, flush=True)
-
     worker = MLXWorker()
     start = partial(join, args.target, args.shard, connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
-                    timeout_s=args.shard_timeout, progress=say)  # fmt: skip
+                    timeout_s=args.shard_timeout, progress=progress)  # fmt: skip
     ranks, target = worker.call(start)
     if ranks.rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every local rank: rank 0 ends the others
@@ -330,16 +326,16 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
         if port_taken(args.host, args.port):
             raise UserError(f"port {args.port} on {args.host} is taken: use --port")
         if not args.no_ui:
-            say("--shard serves the API only: the app's Compare runs the target whole, on one machine")
+            progress("--shard serves the API only: the app's Compare runs the target whole, on one machine")
             args.no_ui = True
         connections = _logging_and_connections(args, opts)
         store = leader.store(args.target, max_models=args.max_models)
         app, _ = build(args, opts, store=store, worker=worker, stream=leader.stream, measure=leader.measure)
-        worker.call(leader.prepare, store, opts["drafters"], say)
+        worker.call(leader.prepare, store, opts["drafters"], progress)
         server = uvicorn.Server(server_config(app, host=args.host, port=args.port, **connections))
         leader.on_lost = lambda: setattr(server, "should_exit", True)  # a lost rank: stop serving, say which
         leader.keep_in_touch()
-        say(f"serving {args.target} sharded by {args.shard} over {ranks.size} ranks at http://{args.host}:{args.port}"
+        progress(f"serving {args.target} sharded by {args.shard} over {ranks.size} ranks at http://{args.host}:{args.port}"
             "/v1; every request reads its whole prompt (no conversation caches across the shards)")  # fmt: skip
         # uvicorn stops on SIGINT/SIGTERM, then raises the signal again: let it pass, tell the others, exit 0.
         before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -29,7 +29,7 @@ import pandas as pd
 
 import uag
 from uag import _blas
-from uag.command import CommandParser, add_decoding_options, decoding_config, run, whole
+from uag.command import CommandParser, add_decoding_options, decoding_config, progress, run, whole
 from uag.core.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig, short_name
 from uag.core.records import Run
 from uag.errors import InputError
@@ -167,7 +167,7 @@ def _label(spec: RunSpec) -> str:
 
 
 def _say(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr)
+    progress(f"bench: {message}")
 
 
 def _load(sweep: Sweep):
