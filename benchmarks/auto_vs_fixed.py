@@ -5,12 +5,13 @@ k re-decided each cycle, k ≤ --k-max), run back to back. auto decides by the p
 get after `python -m uag calibrate` (measured and saved first where there is none, or with --recalibrate),
 and opens from what its earlier runs of the pair accepted, saved between runs as the API does. With
 --hybrid, auto over lookup + the drafter too. Speedups per prompt, their mean, and pooled (total tokens ÷
-total time, each prompt's median run).
+total time, each prompt's median run). With --ablate, also "auto −NAME" for each mechanism NAME of auto
+switched off on its own (uag.core.policy.MECHANISMS, or "all"; docs/how-it-works.md#what-each-part-earns).
 Targets (issue 25): auto ≥ 0.97 × the best fixed k pooled, ≥ 0.97 × baseline pooled where nothing pays.
 
 Usage: python benchmarks/auto_vs_fixed.py [--target demo-target] [--drafter demo-drafter] [--n 4]
        [--datasets wiki alpaca synthetic] [--ids code-001 …] [--max-tokens 64] [--ks 1 2 4] [--k-max 8]
-       [--hybrid] [--recalibrate] [--repeats 1] [--dtype D] [--json FILE]
+       [--hybrid] [--ablate all | stop_rule …] [--recalibrate] [--repeats 1] [--dtype D] [--json FILE]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import platform
 import statistics
+from dataclasses import replace
 from datetime import date
 
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
@@ -29,28 +31,49 @@ import mlx.core as mx
 from uag.api import generate  # auto: with the saved profile, as users get it
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice
+from uag.core.engine import Seams
+from uag.core.policy import MECHANISMS, AutoSettings, Evidence
 from uag.costs.calibrate import calibrate
-from uag.costs.profiles import find_calibration, save
+from uag.costs.pair import evidence_key
+from uag.costs.profiles import find_calibration, find_evidence, save
 from uag.machine import backend, blas, device_name
 from uag.models.store import ModelStore, check_pair
 from uag.study.datasets import load_bundled
 
+# Per ablated auto ("auto −NAME"): what it learned on the prompts before this one, as the API keeps a pair's.
+ablated: dict[str, Evidence] = {}
 
-def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int, repeats: int, hybrid: bool = False) -> dict:
+
+def opening_evidence(target, drafter) -> Evidence:
+    """A copy of what the pair's earlier runs saved (empty where none): an ablated auto opens from it as auto
+    does, and learns into its own (the pair's saved evidence stays auto's)."""
+    saved = find_evidence(evidence_key(target, drafter))
+    return Evidence() if saved is None else Evidence.from_dict(saved.to_dict())
+
+
+def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int, repeats: int, hybrid: bool = False, ablate=()) -> dict:
     """Each condition `repeats` times, in an order that rotates every repetition so drift on a shared
-    machine hits all alike; the median tokens/s per condition. Every run must match the baseline's tokens."""
+    machine hits all alike; the median tokens/s per condition. Every run must match the baseline's tokens.
+    `ablate`: mechanisms of auto to switch off, one at a time ("auto −NAME"; with --hybrid, over the hybrid)."""
     conditions = [("baseline", "baseline", 0)] + [(f"k={k}", "context", k) for k in ks] + [("auto", "auto", k_max)]
     conditions += [("auto hybrid", "auto", k_max)] if hybrid else []
+    conditions += [(f"auto −{name}", "auto", k_max) for name in ablate]
+    hybrid_choice = DrafterChoice(lookup=True, model=pair.drafter)
     rates = {name: [] for name, _, _ in conditions}
     runs = {}
     for rep in range(repeats):
         shift = rep % len(conditions)
         for name, strategy, k in conditions[shift:] + conditions[:shift]:
             drafter = None if strategy == "baseline" else pair.drafter
-            if name == "auto hybrid":
-                drafter = DrafterChoice(lookup=True, model=pair.drafter)
+            if name == "auto hybrid" or (hybrid and name.startswith("auto −")):
+                drafter = hybrid_choice
             config = GenerationConfig(strategy=strategy, k=max(k, 1), max_tokens=max_tokens)
-            runs[name] = generate(pair.target, drafter, text, config)
+            kw = {}
+            if name.startswith("auto −"):  # its own evidence, opened from what the pair's earlier runs saved
+                off = name.removeprefix("auto −")
+                kw = {"seams": Seams(auto=replace(AutoSettings(), **{off: False}))}
+                kw["evidence"] = ablated.setdefault(name, opening_evidence(pair.target, drafter))
+            runs[name] = generate(pair.target, drafter, text, config, **kw)
             rates[name].append(runs[name].tokens_per_second)
     base = runs["baseline"].token_ids
     for name, run in runs.items():
@@ -64,7 +87,8 @@ def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int, repeats: int, h
 
 
 def conditions_of(rows: list[dict], ks) -> list[str]:
-    return [f"k={k}" for k in ks] + ["auto"] + (["auto hybrid"] if rows and "auto hybrid" in rows[0] else [])
+    autos = [c for c in rows[0] if c.startswith("auto ") and c != "auto ks"] if rows else []
+    return [f"k={k}" for k in ks] + ["auto"] + autos
 
 
 def pooled(rows: list[dict], condition: str) -> float:
@@ -129,6 +153,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="prompts per dataset")
     parser.add_argument("--ids", nargs="+", help="only these prompt ids of the datasets (e.g. code-001 code-025)")
     parser.add_argument("--hybrid", action="store_true", help="also auto over lookup + the drafter")
+    parser.add_argument("--ablate", nargs="*", default=[], choices=[*MECHANISMS, "all"],
+                        help="also auto with each of these switched off (with --hybrid: over the hybrid)")  # fmt: skip
     parser.add_argument("--recalibrate", action="store_true", help="measure the pair's costs again (default: "
                         "the saved profile, as auto uses it; calibrated and saved where there is none)")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -149,7 +175,8 @@ def main() -> None:
     rows = []
     for dataset in args.datasets:
         for prompt in load_bundled(dataset, args.n, args.ids):
-            row = run_prompt(pair, prompt.text, args.ks, args.k_max, args.max_tokens, args.repeats, args.hybrid)
+            ablate = MECHANISMS if "all" in args.ablate else args.ablate
+            row = run_prompt(pair, prompt.text, args.ks, args.k_max, args.max_tokens, args.repeats, args.hybrid, ablate)
             rows.append({"id": prompt.id, **row})
             print(f"[auto_vs_fixed] {prompt.id}: " + ", ".join(f"{c} {row[c] / row['baseline']:.2f}"
                   for c in conditions_of(rows, args.ks)), flush=True)  # fmt: skip

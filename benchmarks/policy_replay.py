@@ -17,14 +17,14 @@ over its stretch), and
 For the widest fixed k it also prints how often the target kept a draft per band of the drafter's confidence
 in it (its probability of the token it drafted), which auto's stop rule reads (uag.core.policy.AdaptiveK.enough).
 benchmarks/cost_truth.py checks that pricing against real runs. Policies: fixed k; auto (AdaptiveK,
-deciding by the profile alone: learn_costs=False), each prompt from no evidence; and "auto carried", one
-`Evidence` carried from prompt to prompt in order, as a server keeps it per pair (the opening of each run
-decided by what the earlier ones accepted). A policy change is tried here on dozens of prompts in minutes;
-the winner is then checked end to end with benchmarks/coder_pair.py.
+deciding by the profile alone: learn_costs=False), one `Evidence` carried from prompt to prompt in order, as a
+server keeps it per pair; "auto −NAME" for each mechanism NAME of `--ablate` (uag.core.policy.MECHANISMS, or
+"all"), the same with that one switched off (each with its own carried evidence). A policy change is tried
+here on dozens of prompts in minutes; the winner is then checked end to end with benchmarks/auto_vs_fixed.py.
 
 Usage: python benchmarks/policy_replay.py [--target coder-target] [--drafter demo-drafter]
        [--datasets code wiki alpaca synthetic structured] [--n 10] [--ids code-003 …] [--max-tokens 48] [--ks 1 2 3 4]
-       [--k-max 8] [--json FILE]
+       [--k-max 8] [--ablate all | stop_rule carried …] [--json FILE]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.engine import Seams, generate, prompt_ids
 from uag.core.evidence import CONFIDENCE_BANDS, MODEL, confidence_band
-from uag.core.policy import AdaptiveK, Evidence, FixedK
+from uag.core.policy import MECHANISMS, AdaptiveK, AutoSettings, Evidence, FixedK
 from uag.core.records import Run
 from uag.machine import cache_dir, device_name
 from uag.models.store import LoadedModel, ModelStore
@@ -135,7 +135,7 @@ class FixedKHeard(FixedK):
     """Fixed k whose model drafter says how sure it was of each draft (a stop rule that never stops): the same
     drafts, verdicts and price as FixedK, and the record of each cycle carries the drafts' confidence."""
 
-    def stop_rule(self, source: str):
+    def stop_rule(self, source: str, k: int):
         return (lambda confidences: None) if source == MODEL else None
 
 
@@ -158,13 +158,25 @@ def confidence_table(runs: list[Run]) -> list[tuple[str, int, float]]:
     return [(f"{edges[b]:.2f}–{edges[b + 1]:.2f}", judged[b], kept[b] / judged[b]) for b in bands]
 
 
-def policies(args, profile: CostProfile, carried: Evidence) -> dict[str, object]:
-    out = {f"k={k}": (lambda k=k: FixedKHeard(k)) for k in args.ks}
-    out["auto"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False)
-    out["auto carried"] = lambda: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False, evidence=carried)
-    for variant in args.auto:  # "rehearse_every=8,k_max=4": AdaptiveK's fields changed
+def auto_settings(args) -> dict[str, AutoSettings]:
+    """auto's variants by name: "auto" (the defaults), "auto −NAME" per mechanism ablated, "auto[FIELD=V,…]" per
+    --auto variant; all deciding by the profile's costs alone (learn_costs=False: no timing noise)."""
+    pinned = AutoSettings(learn_costs=False)
+    out = {"auto": pinned}
+    for name in MECHANISMS if "all" in args.ablate else args.ablate:
+        out[f"auto −{name}"] = replace(pinned, **{name: False})
+    for variant in args.auto:  # "rehearse_every=8,prior=0.4": AutoSettings' fields changed
         fields = {k: float(v) if "." in v else int(v) for k, v in (kv.split("=") for kv in variant.split(","))}
-        out[f"auto[{variant}]"] = lambda f=fields: AdaptiveK(k_max=args.k_max, profile=profile, learn_costs=False, **f)
+        out[f"auto[{variant}]"] = replace(pinned, **fields)
+    return out
+
+
+def policies(args, profile: CostProfile, carried: dict[str, Evidence]) -> dict[str, object]:
+    """Each policy's maker by name; each auto variant learns into its own `carried` evidence."""
+    out = {f"k={k}": (lambda k=k: FixedKHeard(k)) for k in args.ks}
+    for name, settings in auto_settings(args).items():
+        evidence = carried.setdefault(name, Evidence())
+        out[name] = lambda s=settings, e=evidence: AdaptiveK(k_max=args.k_max, profile=profile, evidence=e, settings=s)
     return out
 
 
@@ -178,7 +190,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--k-max", type=int, default=8)
-    parser.add_argument("--auto", nargs="*", default=[], help="auto variants: AdaptiveK fields, e.g. rehearse_every=8")
+    parser.add_argument("--auto", nargs="*", default=[], help="auto variants: AutoSettings fields, rehearse_every=8")
+    parser.add_argument(
+        "--ablate", nargs="*", default=[], choices=[*MECHANISMS, "all"], help="auto with each of these switched off"
+    )
     parser.add_argument("--trace", nargs="*", default=[], help="print these policies' k per cycle, e.g. auto")
     parser.add_argument("--json", help="also write every row to this JSON file")
     args = parser.parse_args()
@@ -198,7 +213,7 @@ def main() -> None:
     gc.collect()
     mx.clear_cache()
 
-    carried = Evidence()  # what "auto carried" learned on the prompts before this one
+    carried: dict[str, Evidence] = {}  # per auto variant, what it learned on the prompts before this one
     names = list(policies(args, profile, carried))
     reads = ", ".join(f"{n}: {profile.drafter_pass(n):.0f}" for n in (1, 2, 4, 8, 16, 32, 64, 128))
     print(

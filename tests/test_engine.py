@@ -16,7 +16,7 @@ from uag.cli import main
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice, make_drafter
 from uag.core.engine import GenerationConfig, PromptCaches, Seams, generate, prompt_ids, stream
-from uag.core.policy import AdaptiveK
+from uag.core.policy import AdaptiveK, AutoSettings
 from uag.core.translate import make_translator
 from uag.models.store import ModelError
 
@@ -167,7 +167,8 @@ def test_auto_drafts_long_when_a_profile_says_drafts_are_cheap_and_stays_lossles
     target, _ = tiny
     cheap = CostProfile({1: 10.0, 2: 10.2, 3: 10.3, 4: 10.4, 5: 10.5, 9: 11.0}, drafter_ms=0.2, translate_ms=0.05)
     config = GenerationConfig(strategy="auto", k=4, max_tokens=40)
-    policy = AdaptiveK(k_max=4, profile=cheap, learn_costs=False)  # the profile's costs, not this machine's load
+    pinned = AutoSettings(learn_costs=False)  # the profile's costs, not this machine's load
+    policy = AdaptiveK(k_max=4, profile=cheap, settings=pinned)
     ids = prompt_ids(target, PROMPTS[0])
     run = list(stream(target, target, ids, config, seams=Seams(policy=policy)))[-1].run
     assert run.token_ids == baseline_ids(target, PROMPTS[0], 40)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.tiny_models import tiny_pair
 from uag.core.costmodel import CostProfile
-from uag.core.evidence import CARRY, Counts, Evidence, confidence_band
+from uag.core.evidence import Counts, Evidence, confidence_band
 from uag.costs import calibrate as calibration
 from uag.costs.profiles import (
     METHOD,
@@ -44,9 +44,7 @@ def fake_pair(target: str = "org/target", drafter: str = "org/drafter", dtype: s
 
 
 def learned() -> Evidence:
-    evidence = Evidence(
-        model=Counts([2.5, 1.0], [0.5, 1.5]), lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0
-    )
+    evidence = Evidence(lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0)
     evidence.lookup_bands[3] = Counts([4.0, 3.0], [0.0, 1.0])
     evidence.saw_drafts([0.95, 0.5, 0.1], kept=1, proposed=3)  # the model's drafts: how sure, how they fared
     return evidence
@@ -54,7 +52,7 @@ def learned() -> Evidence:
 
 def test_evidence_keeps_what_earlier_runs_accepted_but_not_their_costs():
     back = Evidence.from_dict(json.loads(json.dumps(learned().to_dict())))
-    assert back.model == learned().model and back.lookup == learned().lookup and back.expansion == 0.8
+    assert back.lookup == learned().lookup and back.expansion == 0.8
     assert back.lookup_bands == learned().lookup_bands  # lookup's per band of match length (uag.core.lookup)
     assert back.confidence == learned().confidence and back.drafted == learned().drafted  # the model's per band
     assert back.drafter_ms is None and back.verify_ms == {}  # costs are the calibration's, relearned in a run
@@ -63,10 +61,10 @@ def test_evidence_keeps_what_earlier_runs_accepted_but_not_their_costs():
 @pytest.mark.parametrize(
     "bad",
     [
-        {"model": {"accepted": [1.0], "rejected": []}, "lookup": {"accepted": [], "rejected": []}},
-        {"model": {"accepted": [-1.0], "rejected": [1.0]}, "lookup": {"accepted": [], "rejected": []}},
-        {"model": {"accepted": [], "rejected": []}, "lookup": {"accepted": ["nan"], "rejected": [1.0]}},
-        {"model": {"accepted": [], "rejected": []}, "lookup": {"accepted": [], "rejected": []}, "expansion": 0},
+        {"lookup": {"accepted": [1.0], "rejected": []}},
+        {"lookup": {"accepted": [-1.0], "rejected": [1.0]}},
+        {"lookup": {"accepted": ["nan"], "rejected": [1.0]}},
+        {"lookup": {"accepted": [], "rejected": []}, "expansion": 0},
         {**Evidence().to_dict(), "lookup_bands": [{"accepted": [], "rejected": []}]},  # bands another version had
         {**Evidence().to_dict(), "lookup_bands": [{"accepted": [1.0], "rejected": [-1.0]}] * 4},
         {**Evidence().to_dict(), "confidence": [{"accepted": [], "rejected": []}] * 3},  # bands of another version
@@ -80,6 +78,7 @@ def test_damaged_evidence_is_refused(bad):
 
 def test_evidence_saved_before_lookup_had_bands_still_opens_a_run():
     saved = {k: v for k, v in learned().to_dict().items() if k not in ("lookup_bands", "confidence", "drafted")}
+    saved["model"] = {"accepted": [2.5], "rejected": [0.5]}  # the model's counts per position: no longer read
     back = Evidence.from_dict(saved)
     assert back.lookup == learned().lookup and back.lookup_bands == Evidence().lookup_bands
     assert back.confidence == Evidence().confidence and back.mean_chance() is None  # as if the model never drafted
@@ -105,8 +104,8 @@ def test_a_new_run_keeps_how_confidence_reads_but_only_a_few_drafts_of_how_sure_
     for _ in range(20):
         evidence.saw_drafts([0.99, 0.98], kept=2, proposed=2)
     verdicts = [c.to_dict() for c in evidence.confidence]
-    evidence.carry()
-    assert sum(evidence.drafted) == pytest.approx(CARRY)
+    evidence.carry(3.0)
+    assert sum(evidence.drafted) == pytest.approx(3.0)
     assert [c.to_dict() for c in evidence.confidence] == verdicts
 
 
@@ -115,7 +114,7 @@ def test_evidence_is_kept_per_pair_and_machine_and_found_again(cache):
     assert find_evidence(pair) is None
     path = save_evidence(pair, learned())
     assert path == evidence_path(profile_key(pair)) and path.parent == cache / "evidence"
-    assert find_evidence(pair).model == learned().model and find_evidence(other) is None
+    assert find_evidence(pair).confidence == learned().confidence and find_evidence(other) is None
     assert find_evidence(fake_pair(dtype="bfloat16")) is None  # another dtype accepts differently
 
 

@@ -70,4 +70,4 @@ def test_rank_0_drafts_by_its_auto_policy_stop_rule_and_every_rank_hears_the_dra
     policy = RankPolicy(OneRankLink(), leader, inner, cancel=threading.Event())
     # the third draft is hardly ever kept: rank 0 proposes two, and k says the three it drafted
     assert policy.choose({"model": 8}, left=50) == ("model", 3) and leader.pending.proposed == [0, 1]
-    assert policy.stop_rule("model") is None  # the engine's drafter only hands over what rank 0 drafted
+    assert policy.stop_rule("model", 8) is None  # the engine's drafter only hands over what rank 0 drafted

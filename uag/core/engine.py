@@ -39,7 +39,7 @@ from uag.core.config import LOOKUP, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
 from uag.core.passes import PromptCaches, prefill, reuse, settle_allocator, trim_to
-from uag.core.policy import Evidence, Policy, StopRule, make_policy
+from uag.core.policy import AutoSettings, Evidence, Policy, StopRule, make_policy
 from uag.core.records import Cycle, Event, Run, Token
 from uag.core.sampling import PENALTY_CONTEXT, Sampler, TargetSampling
 from uag.core.translate import Translator
@@ -50,10 +50,12 @@ from uag.models.store import LoadedModel, check_pair
 
 @dataclass(frozen=True, slots=True)
 class Seams:
-    """Replacements for what a run builds itself (tests, benchmarks): the policy that picks k, the translator
-    of a drafter model's tokens, the target's sampler on speculative runs (the config's penalties still apply)."""
+    """Replacements for what a run builds itself (tests, benchmarks): the policy that picks k (or only the
+    settings of the `auto` one it builds), the translator of a drafter model's tokens, the target's sampler on
+    speculative runs (the config's penalties still apply)."""
 
     policy: Policy | None = None
+    auto: AutoSettings | None = None
     translator: Translator | None = None
     sampler: Sampler | None = None
 
@@ -262,7 +264,7 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
             token = next(stretch)
             yield Step([token], opening=True, read_ms=(time.perf_counter() - tic) * 1000)
         else:  # the prompt pass verifies a first draft
-            step = spec.open(source, k, budget, policy.stop_rule(source))
+            step = spec.open(source, k, budget, policy.stop_rule(source, k))
             policy.observe(step.cycle)
             generated += len(step.ids)
             yield step
@@ -285,7 +287,7 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
                 stretch.close()
                 stretch = None
                 continue
-            step = spec.cycle(source, k, budget - generated, policy.stop_rule(source))
+            step = spec.cycle(source, k, budget - generated, policy.stop_rule(source, k))
             policy.observe(step.cycle)
             generated += len(step.ids)
             yield step
@@ -361,7 +363,7 @@ def stream(
         run = Run("baseline", target.name, **common)
     else:
         drafting, notes, r = _drafter(target, drafter, config, caches, seams.translator)
-        policy = seams.policy or make_policy(config, profile, r, evidence)
+        policy = seams.policy or make_policy(config, profile, r, evidence, seams.auto)
         run = Run(drafting.translation, target.name, drafting.name, k=config.k, window=config.window,
                   notes=list(notes), policy=policy.name, **common)  # fmt: skip
     # Last, once nothing can refuse the run: the target's cache trimmed to what this prompt shares with it.

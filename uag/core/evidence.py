@@ -1,31 +1,34 @@
-"""What auto has learned about a pair: per source and target position the acceptance counts, the target
-tokens per drafter token, and the running cost estimates (`Evidence`); and how a rehearsal's guesses replay
-the drafts a parked stretch could have had (`replay_drafts`). `uag.core.policy.AdaptiveK` decides by it and
-updates it in place; a caller that keeps it (the server per pair, uag.costs.profiles per pair and machine)
-starts the next run with what this one learned. Standard library only.
+"""What a draft earns and costs, as auto knows it. `Evidence`, what it has learned of a pair: how often the target
+keeps a model draft per band of the drafter's confidence in it, and how sure its drafts tend to be; lookup's
+acceptance per position and per band of match length; target tokens per drafter token; the run's timings.
+`Prices`: what each phase of a cycle costs, from those timings and the pair's calibrated `CostProfile`.
+`uag.core.policy.AdaptiveK` decides by both and updates the evidence in place; a caller that keeps it (the
+server per pair, uag.costs.profiles per pair and machine) opens the next run with it. No mlx.
+
+Example: Evidence().kept_chance(0.9) -> 0.9 (no verdicts yet: the drafter's confidence itself)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from uag.core.config import LOOKUP
-from uag.core.costmodel import LOOKUP_MS
+from uag.core.costmodel import LOOKUP_MS, CostProfile
 from uag.core.lookup import MATCH_BANDS
+from uag.core.records import Cycle, Rehearsal
 
 MODEL = "model"
 
+EMA = 0.2  # weight of a new timing in the running cost estimates
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
-CARRY = 3.0  # the most observations per position a run inherits from earlier runs (its own soon outweigh them)
 BAND_WEIGHT = 1.0  # pseudo-observations pulling a lookup match band's estimate toward all of lookup's
 # Bands of a model draft's confidence (the drafter's probability of the token it drafted): where each ends.
-# What the target keeps follows it closely (SmolLM2 drafting for Qwen2.5-Coder-1.5B at k = 4, 12 code prompts:
-# 14 % kept below 0.2, 42-47 % at 0.2-0.6, 73 % at 0.6-0.8, 84-90 % above; on Polish most drafts fall below 0.4 and
-# 6 of 57 there were kept, 14 of 16 above 0.8; docs/benchmarks.md).
+# What the target keeps follows it closely (docs/how-it-works.md#auto-draft-only-as-far-as-pays).
 CONFIDENCE_BANDS = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)
 CONFIDENCE_WEIGHT = 2.0  # pseudo-observations pulling a confidence band's estimate toward the confidence itself
 
@@ -111,12 +114,10 @@ class Counts:
 
 @dataclass
 class Evidence:
-    """What auto has learned about one pair: per source the acceptance `Counts`, the target tokens per
-    drafter token, and the running cost estimates. `AdaptiveK` starts from it and updates it in place, so a
-    caller that keeps it (the server per pair, uag.costs.profiles per pair and machine) starts the next run
-    with what this one learned."""
+    """What auto has learned about one pair: the model's drafts by confidence, lookup's acceptance `Counts`, the
+    target tokens per drafter token, and the running cost estimates. `AdaptiveK` starts from it and updates it
+    in place, so a caller that keeps it starts the next run with what this one learned."""
 
-    model: Counts = field(default_factory=Counts)
     lookup: Counts = field(default_factory=Counts)
     # lookup's, per band of how far its match ran back (uag.core.lookup.match_band): its drafts from a
     # match of 2-3 tokens fare worse than from one of 16; each band leans on `lookup` until it has its own
@@ -133,24 +134,24 @@ class Evidence:
     lookup_ms: float = LOOKUP_MS
     scale: float = 1.0  # this machine's target passes now ÷ the profile's
 
-    def counts(self, source: str) -> Counts:
-        return self.lookup if source == LOOKUP else self.model
-
-    def kept_chance(self, q: float) -> float:
+    def kept_chance(self, q: float, bands: bool = True) -> float:
         """The chance that the target keeps a model draft of confidence q (its position's earlier drafts kept):
-        its band's evidence, leaning on q itself where that is thin.
+        its band's evidence, leaning on q itself where that is thin (`bands` False: q itself).
 
         Example: no evidence -> q;  q = 0.9 and its band kept 1 of 4 -> (1 + 2 × 0.9) / (4 + 2) ≈ 0.47
         """
+        if not bands:
+            return q
         counts = self.confidence[confidence_band(q)]
         a, b = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
         return (a + CONFIDENCE_WEIGHT * q) / (a + b + CONFIDENCE_WEIGHT)
 
-    def next_chances(self) -> list[tuple[float, float]]:
+    def next_chances(self, bands: bool = True) -> list[tuple[float, float]]:
         """What a draft not yet made is worth: (weight, chance kept) per confidence band, weighted by how
         often drafts fell there (decayed); [] before the model has drafted."""
         edges = (0.0, *CONFIDENCE_BANDS, 1.0)
-        return [(w, self.kept_chance((edges[i] + edges[i + 1]) / 2)) for i, w in enumerate(self.drafted) if w > 0]
+        mids = [(edges[i] + edges[i + 1]) / 2 for i in range(len(self.drafted))]
+        return [(w, self.kept_chance(mids[i], bands)) for i, w in enumerate(self.drafted) if w > 0]
 
     def saw_drafts(self, confidences: list[float], kept: int, proposed: int) -> None:
         """A model cycle's drafts: each one's confidence, and how the first `proposed` of them fared (the
@@ -160,10 +161,10 @@ class Evidence:
             if i < proposed and i <= kept:
                 self.confidence[confidence_band(q)].add(1, int(i < kept))
 
-    def mean_chance(self) -> float | None:
+    def mean_chance(self, bands: bool = True) -> float | None:
         """The chance that the target keeps a model draft not yet made: `next_chances` averaged (None before
         the model has drafted or rehearsed)."""
-        chances = self.next_chances()
+        chances = self.next_chances(bands)
         total = sum(w for w, _ in chances)
         return sum(w * c for w, c in chances) / total if total else None
 
@@ -179,21 +180,26 @@ class Evidence:
         self.drafted[:] = [w * DECAY for w in self.drafted]
         self.drafted[confidence_band(q)] += 1.0
 
-    def carry(self) -> None:
-        """A new run starts from this: what earlier runs accepted weighs at most `CARRY` cycles per position, and
-        how sure the drafter was at most `CARRY` drafts (the next text may differ). The bands' verdicts stay as
-        they are: their decay already holds each to about ten."""
-        for counts in (self.model, self.lookup, *self.lookup_bands):
-            counts.limit(CARRY)
+    def carry(self, weight: float) -> None:
+        """A new run starts from this: what lookup accepted weighs at most `weight` cycles per position, and how
+        sure the drafter was at most `weight` drafts (the next text may differ). The confidence bands' verdicts
+        stay as they are: their decay already holds each to about ten."""
+        for counts in (self.lookup, *self.lookup_bands):
+            counts.limit(weight)
         total = sum(self.drafted)
-        if total > CARRY:
-            self.drafted[:] = [w * CARRY / total for w in self.drafted]
+        if total > weight:
+            self.drafted[:] = [w * weight / total for w in self.drafted]
+
+    def forget(self) -> None:
+        """A new run that carries nothing: every acceptance estimate back to its prior (costs are kept)."""
+        fresh = Evidence()
+        self.lookup, self.lookup_bands = fresh.lookup, fresh.lookup_bands
+        self.confidence, self.drafted, self.expansion = fresh.confidence, fresh.drafted, fresh.expansion
 
     def to_dict(self) -> dict[str, Any]:
         """What is worth keeping across processes: acceptance and expansion. Costs are the calibration's
         (a later process may run under another load); they are relearned within a run."""
         return {
-            "model": self.model.to_dict(),
             "lookup": self.lookup.to_dict(),
             "lookup_bands": [c.to_dict() for c in self.lookup_bands],
             "confidence": [c.to_dict() for c in self.confidence],
@@ -203,13 +209,15 @@ class Evidence:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Evidence:
-        counts = {s: Counts.from_dict(data[s]) for s in (MODEL, LOOKUP)}
-        if not all(c.valid() for c in counts.values()):
+        """The evidence `to_dict` saved; a file from before the confidence bands may hold the model's counts per
+        position too ("model"), which no decision reads any more: they are passed over."""
+        lookup = Counts.from_dict(data[LOOKUP])
+        if not lookup.valid():
             raise ValueError("evidence counts must be non-negative, one accepted and one rejected per position")
         expansion = float(data.get("expansion", 1.0))
         if not (math.isfinite(expansion) and expansion > 0):
             raise ValueError(f"evidence expansion must be positive (got {expansion!r})")
-        evidence = cls(model=counts[MODEL], lookup=counts[LOOKUP], expansion=expansion)
+        evidence = cls(lookup=lookup, expansion=expansion)
         bands = data.get("lookup_bands")  # absent in files saved before the bands: they start empty
         if bands is not None:
             bands = [Counts.from_dict(b) for b in bands]
@@ -229,26 +237,136 @@ class Evidence:
         return evidence
 
 
-def replay_drafts(hits: list[bool], k: int, expansion: float = 1.0) -> list[tuple[int, int]]:
-    """The drafts of k drafter tokens that drafting through a stretch would have made, from the drafter's
-    guesses there (`hits[i]`: its guess at drafter position i was the next token), as (target positions
-    proposed, target positions kept). A draft from position j holds while the guesses from j on are
-    right; then the target writes one token of its own (1 / expansion drafter tokens: `expansion` is
-    target tokens per drafter token) and the next draft starts after it. A draft still undecided when
-    the stretch ends is left out.
+def expected_tokens(acceptances: Sequence[float]) -> float:
+    """Tokens a cycle commits on average when it proposes len(acceptances) target tokens, each kept with its
+    chance given the ones before it kept (and the target's own token after them).
 
-    Example: hits = [T, T, F, T, F, F, T, T, T], k = 2 -> [(2, 2), (2, 1), (2, 0), (2, 2)]
-    (drafts from positions 0, 3, 5 and 6: kept 2, then 1 — position 4 was wrong — then 0, then 2)
+    Example: [0.5, 0.5] -> 1 + 0.5 + 0.25 = 1.75
     """
-    out, j = [], 0
-    tried = max(1, round(k * expansion))
-    step = max(1, round(1 / expansion)) if expansion > 0 else 1
-    while j < len(hits):
-        held = 0
-        while held < k and j + held < len(hits) and hits[j + held]:
-            held += 1
-        if held < k and j + held == len(hits):
-            break
-        out.append((tried, tried if held == k else min(tried, int(held * expansion))))
-        j += held + step
-    return out
+    total, survive = 1.0, 1.0
+    for p in acceptances:
+        survive *= p
+        total += survive
+    return total
+
+
+@dataclass
+class Prices:
+    """The cost of each phase of a cycle, from the run's own timings first (kept in `evidence`), then the
+    `profile`, then guesses (`r`: drafter step ÷ target step). `learn` False keeps the profile's costs and never
+    the run's own timings (tests and the replay pin them)."""
+
+    profile: CostProfile | None
+    evidence: Evidence
+    r: float = 0.1
+    learn: bool = True
+
+    def target_ms(self, w: int) -> float | None:
+        """Cost of a target pass over w tokens: own timings first; then the profile's, anchored at the nearest
+        width this run has timed (the profile's shape, the run's level: a server's evidence carries from request
+        to request, and passes over a long context cost more than the profile's); then extrapolation.
+
+        Example: profile 450 / 500 ms for 1 / 2 tokens, this run's 2-token passes 700 ms -> w = 1: 630 ms
+        """
+        timed = self.evidence.verify_ms
+        if w in timed:
+            return timed[w]
+        if self.profile is not None:
+            anchors = [v for v in timed if self.profile.target_at(v) > 0] if self.learn else []
+            if not anchors:
+                return self.profile.target_at(w) * self.evidence.scale
+            near = min(anchors, key=lambda v: (abs(v - w), v))
+            return self.profile.target_at(w) * timed[near] / self.profile.target_at(near)
+        if not timed:
+            return None
+        known = sorted(timed)
+        base = timed[known[0]]
+        if len(known) == 1:  # assume a k-token pass costs 10 % more per extra token until we know
+            return base * (1 + 0.1 * (w - known[0]))
+        lo, hi = known[0], known[-1]
+        slope = max(0.0, (timed[hi] - timed[lo]) / (hi - lo))
+        return timed[lo] + slope * (w - lo) if w > lo else base
+
+    def proposal_length(self, k: int) -> int:
+        """Target tokens k drafter tokens translate into (`Evidence.expansion`)."""
+        return max(1, round(self.evidence.expansion * k)) if k else 0
+
+    def cycle_ms(self, k: int) -> float | None:
+        """A cycle of k model drafts: k drafter steps, translation and re-sync, the target's pass over them."""
+        verify = self.target_ms(self.proposal_length(k) + 1)
+        if verify is None or k == 0:
+            return verify
+        return k * self.drafter_step_ms(verify) + self.cycle_overhead_ms() + verify
+
+    def drafter_step_ms(self, fallback: float) -> float:
+        """One drafter pass: own timings first, then the profile, then r × a target step (or `fallback`)."""
+        if self.evidence.drafter_ms is not None:
+            return self.evidence.drafter_ms
+        if self.profile is not None:
+            return self.profile.drafter_ms * self.evidence.scale
+        return self.r * (self.target_ms(1) or fallback)
+
+    def cycle_overhead_ms(self) -> float:
+        """Translation and re-sync per drafting cycle."""
+        if self.evidence.overhead_ms is not None:
+            return self.evidence.overhead_ms
+        return self.profile.translate_ms if self.profile is not None else 0.0
+
+    def reading_ms(self, n: int) -> float:
+        """What reading n tokens adds to the one drafter pass that reads them (the prompt, a parked stretch):
+        learned from this pair's catch-ups, else the profile's measured reading curve, else the target's cost
+        per extra token of a wide pass scaled by drafter step / target step.
+
+        Example: no profile; target 10 ms for 1 token, 14 ms for 9; drafter step 5 ms -> n = 5: 4 × 0.25 = 1 ms
+        """
+        if n <= 1:
+            return 0.0
+        if self.evidence.read_ms is not None:
+            return self.evidence.read_ms * (n - 1)
+        if self.profile is not None:
+            return self.profile.reading_ms(n) * self.evidence.scale
+        step, widths = self.target_ms(1), sorted(self.evidence.verify_ms)
+        if not step:
+            return 0.0
+        wide = widths[-1] if widths else 1
+        per_token = max(0.0, (self.target_ms(wide) - step) / (wide - 1)) if wide > 1 else 0.1 * step
+        return (n - 1) * per_token * self.drafter_step_ms(step) / step
+
+    # --- learning from the run's own timings ------------------------------------------------------------
+    def time_verify(self, cycle: Cycle) -> None:
+        """The run's own target timings, and how they compare with the profile's (`Evidence.scale`)."""
+        evidence, w = self.evidence, len(cycle.proposed_ids) + 1
+        if self.learn or not (self.profile and w in self.profile.target_ms):
+            evidence.verify_ms[w] = ema(evidence.verify_ms.get(w), cycle.verify_ms)
+        if self.learn and self.profile is not None:
+            evidence.scale = statistics.median(ms / self.profile.target_at(v) for v, ms in evidence.verify_ms.items())
+
+    def time_lookup(self, cycle: Cycle) -> None:
+        if self.learn:
+            self.evidence.lookup_ms = ema(self.evidence.lookup_ms, cycle.draft_ms + cycle.translate_ms)
+
+    def time_drafting(self, cycle: Cycle) -> None:
+        """A model cycle: its drafter steps, or, where its first pass caught up on the prompt or a parked
+        stretch, what reading a token costs; translation and re-sync."""
+        evidence = self.evidence
+        passes = cycle.drafter_passes if self.learn else 0
+        if passes and cycle.drafter_read <= 2 * passes + 1:
+            evidence.drafter_ms = ema(evidence.drafter_ms, cycle.draft_ms / passes)
+        elif passes:
+            caught_up = cycle.draft_ms - passes * self.drafter_step_ms(cycle.draft_ms / passes)
+            evidence.read_ms = ema(evidence.read_ms, max(0.0, caught_up) / (cycle.drafter_read - passes))
+        if self.learn:
+            evidence.overhead_ms = ema(evidence.overhead_ms, cycle.translate_ms + cycle.resync_ms)
+
+    def time_rehearsal(self, rehearsal: Rehearsal) -> None:
+        """A rehearsal is one drafter pass: a step, and what each token it read added."""
+        if self.learn and rehearsal.read > 1:
+            step = self.drafter_step_ms(self.target_ms(1) or 0.0)
+            per_token = max(0.0, rehearsal.ms - step) / (rehearsal.read - 1)
+            self.evidence.read_ms = ema(self.evidence.read_ms, per_token)
+
+
+def ema(old: float | None, new: float) -> float:
+    if old is None or not math.isfinite(old):
+        return new
+    return (1 - EMA) * old + EMA * new

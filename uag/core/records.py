@@ -97,8 +97,8 @@ class Offer(dict[str, int]):
 @dataclass(frozen=True, slots=True)
 class Rehearsal:
     """What a parked stretch would have given the drafter: at each of its drafter positions, whether the
-    drafter's greedy guess there was the token that came next (uag.core.evidence.replay_drafts replays drafting
-    over them)."""
+    drafter's greedy guess there was the token that came next; the policy reads only how sure each guess was
+    (`Evidence.saw_guesses`)."""
 
     hits: list[bool]
     read: int  # tokens the drafter's pass read (the stretch, and on a first read what it had not of its prompt)

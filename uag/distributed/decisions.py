@@ -154,7 +154,7 @@ class RankPolicy:
     def plain_steps(self) -> int:
         return self._stretch
 
-    def stop_rule(self, source: str) -> StopRule | None:
+    def stop_rule(self, source: str, k: int) -> StopRule | None:
         return None  # rank 0 drafted already, by its own policy's rule (`_decide`)
 
     def wants_rehearsal(self) -> bool:
@@ -190,7 +190,7 @@ class RankPolicy:
         if k == 0:
             return [PLAIN, self.inner.plain_steps()]
         budget = k * PROPOSAL_SPAN if left is None else left - 1
-        draft = self.drafter.inner.propose(source, k, budget, self.inner.stop_rule(source))
+        draft = self.drafter.inner.propose(source, k, budget, self.inner.stop_rule(source, k))
         k = draft.length(k)  # where auto's rule stopped the drafter: the drafts it made
         # Rank 0 verifies exactly what the others receive (a translation longer than 4·k is cut: still lossless).
         draft.proposed = draft.proposed[: self.link.width - HEADER]
