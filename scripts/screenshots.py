@@ -3,7 +3,7 @@
 Starts `python app.py` on a free port, picks a preset, enters a prompt (or clicks an example), runs the
 comparison, waits for it to finish and saves a PNG of the Compare tab. Prints the measured speedup; nothing
 is retried or chosen behind your back: run it again if the machine was busy. Needs Debian's chromium and the
-playwright package (as tests/test_browser.py).
+playwright package (as tests/app/test_browser.py).
 
     python scripts/screenshots.py assets/screenshot-compare.png --example 0
     python scripts/screenshots.py assets/screenshot-coder.png \\

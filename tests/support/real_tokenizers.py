@@ -7,7 +7,7 @@
 ``build(name)`` writes a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json, chat template
 included) once per cache and returns its path; ``load(name)`` loads it with ``AutoTokenizer``. The BPE pair is
 checked against llama.cpp's reference tokenizations and Mistral against ``sentencepiece`` in
-``tests/test_real_tokenizers.py``. No mlx here.
+``tests/models/test_real_tokenizers.py``. No mlx here.
 
 Mistral matches sentencepiece id for id, except that a leading space of the whole text is absorbed into the
 dummy prefix (HF's Metaspace, as in the hub's Mistral tokenizers): " Ala" -> [▁Al, a], sentencepiece [▁, ▁Al, a].

@@ -1,4 +1,4 @@
-"""One rank of a sharded test run (tests/test_sharded.py starts one process per rank).
+"""One rank of a sharded test run (tests/distributed/test_sharded.py starts one process per rank).
 
 Runs `uag.distributed.sharded.generate_sharded` once per --run and writes what the test checks to OUT/rank<r>.json:
 per run the token ids, target passes, and every cache offset that was not exact after a cycle. Errors

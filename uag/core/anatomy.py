@@ -22,7 +22,7 @@ Positions that never became proposals are counted too:
   end inside a UTF-8 character are like ``short``: that character is part of the target's next token.
 
 Translation loss is split + held + absorbed; with a drafter that drafts exactly the target's text it
-should be ≈ 0 (tests/test_anatomy.py).
+should be ≈ 0 (tests/core/test_anatomy.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from uag.models.vocab import HFVocab, same_vocabulary
 DEMO_NAMES = ("demo-target", "demo-drafter", "coder-target", "coder-drafter")
 # Architectures whose sliding-window layers build the window into the attention mask, so those layers
 # can use a plain (always trimmable) KVCache instead of a RotatingKVCache, which stops being trimmable
-# once it wraps around (checked against the rotating cache in tests/test_engine.py).
+# once it wraps around (checked against the rotating cache in tests/core/test_engine.py).
 WINDOW_MASKED = frozenset({"gemma3_text", "gemma3"})
 
 

@@ -23,8 +23,8 @@ import pytest
 import uag  # noqa: F401  (loads OpenBLAS before mlx)
 from uag.models import convert, demo
 
-REPO = Path(__file__).resolve().parents[1]
-REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "demo_reference.json").read_text())
+REPO = Path(__file__).resolve().parents[2]
+REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures" / "demo_reference.json").read_text())
 CASES = [(name, i) for name, ref in REFERENCE["models"].items() for i in range(len(ref["runs"]))]
 
 _MISSING = [s.package for s in demo.DEMO_MODELS.values() if importlib.util.find_spec(s.source.module) is None]

@@ -416,7 +416,7 @@ def test_the_documented_examples_run_verbatim(served):
 
     url, _ = served
     port = url.rsplit(":", 1)[1]
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
     blocks = re.findall(r"```(sh|python) server-example\n(.*?)```", doc, re.S)
     assert [kind for kind, _ in blocks] == ["sh", "python", "python"]
     env = {**os.environ, "UAG_API_KEY": KEY}

@@ -17,7 +17,7 @@ import pytest
 
 from tests.support import real_tokenizers as rt
 
-FIXTURES = Path(__file__).parent / "fixtures" / "llama_cpp_vocab"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "llama_cpp_vocab"
 SEPARATOR = "\n__ggml_vocab_test__\n"
 POLISH = [
     "Zażółć gęślą jaźń",

@@ -22,7 +22,7 @@ import pytest
 
 from tests.support.tiny_models import build_tiny
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_LIMIT_S = 150  # a hang guard for one launch (two ranks, imports, loading, a few runs): ~30 s on idle cores
 PROMPT = "Ala ma kota, a kot ma Alę. Ala ma kota, a kot"
 

@@ -23,11 +23,11 @@ import uag  # noqa: F401  (loads OpenBLAS before mlx)
 from uag.errors import ModelError
 from uag.models import convert, demo, wheels
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 REFERENCE = json.loads((FIXTURES / "coder_reference.json").read_text())
 NAMES = tuple(demo.CODER_MODELS)
 FETCH = os.environ.get("UAG_TEST_CODER") == "1"
-# Same tolerance, and for the same reason, as tests/test_demo.py: a reference step whose top-2 logits are
+# Same tolerance, and for the same reason, as tests/models/test_demo.py: a reference step whose top-2 logits are
 # closer than this may round the other way in another float32 implementation.
 NEAR_TIE = 0.05
 

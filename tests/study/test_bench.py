@@ -16,7 +16,7 @@ from uag.study import bench
 from uag.study.datasets import Prompt
 from uag.study.results import ResultsDB
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sweep(**change) -> bench.Sweep:
