@@ -1,27 +1,11 @@
 """Generation on mlx-lm models: the target alone, or speculative cycles with any drafter.
 
-Layers, as in mlx-lm's generate.py:
-
-1. Step generators yield plain `Step` records (the committed token ids, how many came from a draft, the
-   `Cycle` or None, whether the prompt pass made it): `baseline_steps` (mlx-lm's own `generate_step`,
-   the reference users know) and `speculative_steps`, which runs `Speculation.cycle` (draft → verify →
-   commit) and, where the policy parks, `Speculation.plain_steps` (pipelined target steps).
-2. `stream()` owns the run: the `Run` record, text pieces, timing, EOS, the token budget, cancel, and
-   the `finally` that leaves both caches holding exactly the committed tokens. It yields `Event`s.
-3. `generate()` drains a stream into its `Run`.
-
-A conversation keeps its caches between runs (`PromptCaches`, uag.core.passes): each run trims them to
-what its prompt shares with what they hold and reads only the rest, on the target's side and on the
-drafter model's (through the translator's drafter-side prompt).
-
-A speculative cycle: the drafter proposes up to k target tokens (a model's drafts translated, or a
-lookup's); the target scores its pending token plus the proposal in one forward pass; the longest
-prefix it agrees with is kept, plus the target's own next token (uag.core.verify); both sides are trimmed
-back to what was committed. Lossless: every token is one the target chose.
-
-The first cycle rides on the prompt pass (as in the study's implementation): the drafter drafts from the
-prompt alone, and the target reads the prompt and verifies that draft in the same pass, so a run where
-the policy drafts from the start spends one target pass fewer than reading the prompt first would.
+Layers, as in mlx-lm's generate.py: step generators yield `Step` records (`baseline_steps`, mlx-lm's own
+`generate_step`; `speculative_steps`, `Speculation.cycle` — draft, verify, commit — and, where the policy parks,
+`Speculation.plain_steps`); `stream()` owns the run (the `Run` record, text, timing, EOS, the budget, cancel, and
+the `finally` that leaves both caches holding exactly the committed tokens) and yields `Event`s; `generate()`
+drains it. A conversation's caches (`PromptCaches`) are trimmed to what each prompt shares and read past it; the
+first cycle rides on the prompt pass. Why each part is as it is: docs/how-it-works.md, "The engine".
 """
 
 from __future__ import annotations
