@@ -67,7 +67,7 @@ def run_prompt(pair, text: str, ks, k_max: int, max_tokens: int, repeats: int, h
             drafter = None if strategy == "baseline" else pair.drafter
             if name == "auto hybrid" or (hybrid and name.startswith("auto −")):
                 drafter = hybrid_choice
-            config = GenerationConfig(strategy=strategy, k=max(k, 1), max_tokens=max_tokens)
+            config = GenerationConfig.parse(strategy=strategy, k=max(k, 1), max_tokens=max_tokens)
             kw = {}
             if name.startswith("auto −"):  # its own evidence, opened from what the pair's earlier runs saved
                 off = name.removeprefix("auto −")

@@ -45,7 +45,7 @@ SHORT = {"demo-drafter": "SmolLM2", "demo-target": "Gemma", "coder-drafter": "Qw
 
 
 def conditions(args, chat: bool) -> list[Condition]:
-    g = lambda **kw: GenerationConfig(max_tokens=args.max_tokens, chat=chat, **kw)  # noqa: E731
+    g = lambda **kw: GenerationConfig.parse(max_tokens=args.max_tokens, chat=chat, **kw)  # noqa: E731
     out = [Condition("baseline", None, g(strategy="baseline"))]
     for name in args.drafters:
         out += [

@@ -89,7 +89,7 @@ def median_run(runs: list[Run]) -> Run:
 
 def measure_prompt(target, drafters: dict, ids: list[int], args, repeats: int) -> dict:
     """Every condition on one prompt, `repeats` times in rotating order; the median run of each."""
-    g = lambda **kw: GenerationConfig(max_tokens=args.max_tokens, **kw)  # noqa: E731
+    g = lambda **kw: GenerationConfig.parse(max_tokens=args.max_tokens, **kw)  # noqa: E731
     conditions = [("baseline", None, g(strategy="baseline"))]
     for name, choice in drafters.items():
         conditions += [(f"{name} k={k}", choice, g(strategy="context", k=k)) for k in args.ks]

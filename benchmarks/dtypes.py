@@ -80,7 +80,7 @@ def measure_dtype(args, dtype: str, prompts) -> dict:
         name: load_drafter_choice(store, spec, dtype=dtype, progress=say)
         for name, spec in (("lookup", "lookup"), ("hybrid", f"lookup+{args.drafter}"), ("model", args.drafter))
     }
-    auto = GenerationConfig("auto", k=args.k, max_tokens=args.max_tokens)
+    auto = GenerationConfig(k=args.k, k_policy="adaptive", max_tokens=args.max_tokens)
     conditions = [Condition("baseline", None, auto.replace(strategy="baseline"))]
     conditions += [Condition(name, choice, auto) for name, choice in choices.items()]
     profiles = {c.name: profile_for(target, c.drafter, progress=say) for c in conditions[1:]}

@@ -92,7 +92,7 @@ def translation(target, drafter, k: int, window: int, max_tokens: int, n_prompts
     cycles = []
     for prompt in prompts:
         run = generate(
-            target, drafter, prompt, GenerationConfig(strategy="context", k=k, window=window, max_tokens=max_tokens)
+            target, drafter, prompt, GenerationConfig(translation="context", k=k, window=window, max_tokens=max_tokens)
         )
         cycles += [c for c in run.cycles if c.k == k]
     translate = sorted(c.translate_ms for c in cycles)

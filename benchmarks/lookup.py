@@ -40,7 +40,7 @@ from uag.study.datasets import load_bundled
 
 
 def conditions(model, hybrid, lookup, args) -> list[Condition]:
-    g = lambda **kw: GenerationConfig(max_tokens=args.max_tokens, **kw)  # noqa: E731
+    g = lambda **kw: GenerationConfig.parse(max_tokens=args.max_tokens, **kw)  # noqa: E731
     return [
         Condition("baseline", None, g(strategy="baseline")),
         Condition("ctx k=1", model, g(strategy="context", k=1)),

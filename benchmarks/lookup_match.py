@@ -45,7 +45,7 @@ def answer(model_name: str, ids: list[str] | None, n: int, max_tokens: int, path
         for t, text in enumerate(conv.turns):
             messages.append({"role": "user", "content": text})
             prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            run = api.generate(model, lookup, prompt, GenerationConfig(strategy="context", k=8, max_tokens=max_tokens))
+            run = api.generate(model, lookup, prompt, GenerationConfig("context", k=8, max_tokens=max_tokens))
             rows.append({"id": conv.id, "turn": t + 1, "prompt": list(prompt), "output": run.token_ids})
             messages.append({"role": "assistant", "content": run.text})
             print(f"  {conv.id} turn {t + 1}: {len(prompt)} prompt tokens, {run.generated} answered", flush=True)

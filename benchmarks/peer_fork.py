@@ -112,7 +112,7 @@ class Fork:
 
 
 def run_uag(target, drafter, mode: str, ids: list[int], k: int, args) -> dict:
-    config = uag.GenerationConfig(
+    config = uag.GenerationConfig.parse(
         strategy=mode, k=k, window=args.window, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
     t_call = time.perf_counter()

@@ -98,7 +98,7 @@ def baseline(target: LoadedModel, ids: list[int], max_tokens: int) -> list[int]:
     path = cache_dir() / "replay" / f"{key}.json"
     if path.exists():
         return json.loads(path.read_text())
-    run = generate(target, None, ids, GenerationConfig(strategy="baseline", max_tokens=max_tokens))
+    run = generate(target, None, ids, GenerationConfig(translation="baseline", max_tokens=max_tokens))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run.token_ids))
     return run.token_ids
@@ -227,7 +227,7 @@ def main() -> None:
         row = {"dataset": dataset, "id": pid, "target ms": len(base) * profile.target_at(1)}  # the target alone
         for name, make in policies(args, profile, carried).items():
             strategy = "auto" if name.startswith("auto") else "context"
-            config = GenerationConfig(strategy=strategy, k=args.k_max, max_tokens=args.max_tokens)
+            config = GenerationConfig.parse(strategy=strategy, k=args.k_max, max_tokens=args.max_tokens)
             run = generate(replay, drafter, ids, config, seams=Seams(policy=make()))
             assert run.token_ids == base, (pid, name)  # the replay is only as good as this
             row[f"ms {name}"] = priced_ms(run, profile)

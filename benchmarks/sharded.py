@@ -73,8 +73,8 @@ def rank_main(args) -> int:
     encoded = [target.tokenizer.encode(p.text) for p in prompts]
     lookup = DrafterChoice(lookup=True) if ranks.rank == 0 else None
     configs = {
-        "baseline": GenerationConfig(strategy="baseline", max_tokens=args.max_tokens),
-        "lookup": GenerationConfig(strategy="context", k=args.k, max_tokens=args.max_tokens),
+        "baseline": GenerationConfig(translation="baseline", max_tokens=args.max_tokens),
+        "lookup": GenerationConfig(translation="context", k=args.k, max_tokens=args.max_tokens),
     }
     curves, runs = {str(lat): [] for lat in args.latencies}, []
     for rep in range(args.reps):

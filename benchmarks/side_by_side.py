@@ -40,7 +40,7 @@ def run_prompt(
     for rep in range(repeats):
         shift = rep % len(conditions)
         for c in [*conditions[shift:], *conditions[:shift]]:
-            kw = {"profile": profile} if profile is not None and c.config.strategy == "auto" else {}
+            kw = {"profile": profile} if profile is not None and c.config.k_policy == "adaptive" else {}
             runs[c.name] = generate(target, c.drafter, text, c.config, **kw)
             rates[c.name].append(runs[c.name].tokens_per_second or 0.0)
     reference = runs[conditions[0].name].token_ids

@@ -307,7 +307,7 @@ def baselines(store, prompts, max_tokens: int) -> dict[str, list[int]]:
         key = hashlib.sha256(f"{target.path}|{max_tokens}|{text}".encode()).hexdigest()
         if key not in known:
             ids = prompt_ids(target, text)
-            run = generate(target, None, ids, GenerationConfig(strategy="baseline", max_tokens=max_tokens))
+            run = generate(target, None, ids, GenerationConfig(translation="baseline", max_tokens=max_tokens))
             known[key] = {"prompt": ids, "truth": run.token_ids}
             changed = True
             print(f"baseline recorded: {text[:40]!r}", file=sys.stderr)

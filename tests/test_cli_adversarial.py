@@ -65,6 +65,9 @@ CASES = [
     ("fractional-k", [*GENERATE, "-k", "2.5", "Ala"], None, "-k: k (draft length) must be a whole number from 1 to 32 (got 2.5)"),
     ("word-seed", [*GENERATE, "--seed", "abc", "Ala"], None, "--seed: seed must be a whole number"),
     ("unknown-strategy", [*GENERATE[:-2], "--strategy", "exact", "Ala"], None, "--strategy: strategy must be one of baseline"),
+    ("unknown-k-policy", [*GENERATE, "--k-policy", "sometimes", "Ala"], None, "--k-policy: k policy must be one of fixed, adaptive (got 'sometimes')"),
+    ("auto-with-fixed-k", [*GENERATE[:-2], "--strategy", "auto", "--k-policy", "fixed", "Ala"], None, "--strategy, --k-policy: strategy 'auto' means k policy adaptive, not 'fixed'"),
+    ("baseline-with-adaptive-k", [*GENERATE, "--k-policy", "adaptive", "Ala"], None, "--strategy, --k-policy: k policy adaptive needs a drafter"),
     ("unknown-flag", [*GENERATE, "--temperature", "0.5", "Ala"], None, "unrecognized arguments: --temperature"),
     ("invalid-utf8-argv", [*GENERATE, b"Zaz\xf3\xb3\xe6 \xff"], None, "the prompt is not valid UTF-8: byte 0xf3 at character 4"),
     ("invalid-utf8-stdin", [*GENERATE, "-"], b"Ala \xff\xfe ma kota", "the prompt on stdin is not valid UTF-8: byte 0xff at byte 5"),
@@ -118,6 +121,38 @@ def test_bad_input_is_one_error_line_with_exit_2(folders, tmp_path, argv, stdin,
     assert message in lines[0], lines[0]
     assert "Traceback" not in err and not TYPE_NAME.search(lines[0]), lines[0]
     assert done.stdout == b""
+
+
+@pytest.mark.parametrize(
+    ("flags", "translation", "k_policy"),
+    [
+        (["--strategy", "tli", "--k-policy", "adaptive"], "tli", "adaptive"),
+        (["--strategy", "tli+auto"], "tli", "adaptive"),
+        (["--strategy", "auto"], "context", "adaptive"),
+        (["--strategy", "auto", "--k-policy", "adaptive"], "context", "adaptive"),
+        (["--k-policy", "adaptive"], "context", "adaptive"),  # --strategy's default, context
+        (["--strategy", "tli"], "tli", "fixed"),
+        ([], "context", "fixed"),
+    ],
+)
+def test_k_policy_and_strategy_flags_set_the_translation_and_the_k_policy(monkeypatch, flags, translation, k_policy):
+    """What `uag generate` runs for its flags: the config it reads the prompt with (caught there: no model loads)."""
+    from types import SimpleNamespace
+
+    from uag import cli
+    from uag.errors import InputError
+    from uag.runtime import pair
+
+    asked = []
+
+    def caught(loaded, prompt, config):
+        asked.append(config)
+        raise InputError("caught")
+
+    monkeypatch.setattr(pair, "open_pair", lambda *a, **kw: SimpleNamespace(target=object(), choice=None))
+    monkeypatch.setattr(pair, "prompt_ids_for", caught)
+    assert cli.main(["generate", *flags, "-k", "6", "Ala"]) == 2
+    assert (asked[0].translation, asked[0].k_policy, asked[0].k) == (translation, k_policy, 6)
 
 
 def test_there_are_at_least_15_distinct_bad_inputs():

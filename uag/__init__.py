@@ -3,7 +3,7 @@
     import uag
     target = uag.load("demo-target")
     run = uag.generate(target, uag.load_drafter("demo-drafter"), "Stolica Polski to",
-                       uag.GenerationConfig(strategy="context", k=2))
+                       uag.GenerationConfig(translation="context", k=2))
 
 Importing uag does one thing beyond defining names, on Linux only: it loads the system OpenBLAS so that
 MLX's CPU matmuls use it (~50x faster float32 than MLX's reference BLAS). That must happen before

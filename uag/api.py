@@ -3,7 +3,7 @@
     import uag
     target = uag.load("demo-target")
     drafter = uag.load_drafter("lookup+demo-drafter")        # or "demo-drafter", or "lookup"
-    run = uag.generate(target, drafter, "Stolica Polski to", uag.GenerationConfig(strategy="context", k=2))
+    run = uag.generate(target, drafter, "Stolica Polski to", uag.GenerationConfig(translation="context", k=2))
     run.text, run.acceptance_rate, run.tokens_per_second
 
 Models load once per process (a shared `ModelStore`), through `uag.core.loading`: a broken model folder is a
@@ -62,12 +62,12 @@ def stream(
     progress: Progress | None = None,
     **kw,
 ) -> Iterator[Event]:
-    """`uag.core.engine.stream`; strategy "auto" gets the pair's measured costs (`profile_for`) unless
+    """`uag.core.engine.stream`; adaptive k ("auto") gets the pair's measured costs (`profile_for`) unless
     `profile=` is given, and what earlier runs of the pair accepted unless `evidence=` is given (then saved
     again when the run ends). `progress` hears about a first-use calibration. Saved costs that the run finds off
     are kept, with one warning line (uag.costs.pair.open_auto)."""
     config = config or GenerationConfig()
-    if config.strategy != "auto":
+    if config.k_policy != "adaptive":
         return _stream(target, drafter, prompt, config, **kw)
     auto = open_auto(target, drafter, kw, progress=progress)
     return _closing(_stream(target, drafter, prompt, config, **{**kw, **auto.engine_kwargs()}), auto.finish)
@@ -84,7 +84,7 @@ def generate(
 ) -> Run:
     """One whole run (see `stream`)."""
     config = config or GenerationConfig()
-    if config.strategy != "auto":
+    if config.k_policy != "adaptive":
         return _generate(target, drafter, prompt, config, **kw)
     auto = open_auto(target, drafter, kw, progress=progress)
     try:

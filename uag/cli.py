@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         default="context",
         help=f"{' / '.join(MODES)}: baseline = target alone; none / naive / context / tli = how drafts are "
-        "translated; auto = context with k re-decided each cycle",
+        "translated; auto = context with k re-decided each cycle (tli+auto: tli with it; see --k-policy)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and records")
     add_dtype_options(gen)
@@ -109,12 +109,10 @@ def _ran(loaded, config: GenerationConfig) -> dict:
 def _print_comparison(args: argparse.Namespace, loaded, ids: list[int], config: GenerationConfig) -> int:
     """The target alone, then the speculative run, and the verdict on their greedy outputs (the same as a server
     reply's `"check": true`: uag.runtime.pair.check_against_target)."""
-    from dataclasses import replace
-
     from uag.api import generate
     from uag.runtime.pair import check_against_target
 
-    baseline = generate(loaded.target, None, ids, replace(config, strategy="baseline"))
+    baseline = generate(loaded.target, None, ids, config.replace(strategy="baseline"))
     speculative = generate(loaded.target, loaded.choice, ids, config)
     checked = check_against_target(loaded, ids, config, speculative, baseline=baseline)
     if args.json:

@@ -152,6 +152,7 @@ def run(command: str, body: Callable[[], int]) -> int:
 # The flag that sets each GenerationConfig field, for messages ("--seed: seed must be …").
 FLAGS = {
     "strategy": "--strategy",
+    "k_policy": "--k-policy",
     "k": "-k",
     "window": "--window",
     "max_tokens": "--max-tokens",
@@ -170,6 +171,11 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
         help="hub id, local directory, demo-drafter, lookup (prompt lookup, no model) or lookup+<model>",
     )
     parser.add_argument("-k", default=str(DEFAULT_K), help=f"draft length, 1..{MAX_K} (default {DEFAULT_K})")
+    parser.add_argument(
+        "--k-policy",
+        help="fixed: draft k every cycle; adaptive: re-decide the draft length each cycle, k the most (default: as "
+        "--strategy says: adaptive for auto and tli+auto, else fixed)",
+    )
     add_decoding_options(parser)
 
 
@@ -199,6 +205,7 @@ def decoding_config(args: argparse.Namespace, **fields: Any) -> GenerationConfig
 
     Example: --seed -1 --temp inf -> InputError("--temp: temperature must be a number from 0 to 2 (got inf);
              --seed: seed must be a whole number from 0 to 2147483647 (got -1)")
+             --strategy auto --k-policy fixed -> InputError("--strategy, --k-policy: strategy 'auto' means …")
     """
     raw: dict[str, Any] = {
         "window": literal(args.window),
@@ -208,6 +215,8 @@ def decoding_config(args: argparse.Namespace, **fields: Any) -> GenerationConfig
         "chat": bool(args.chat),
         **fields,
     }
+    if getattr(args, "k_policy", None) is not None:  # unsaid: as the strategy says
+        raw["k_policy"] = args.k_policy
     problems = []
     for name, value in raw.items():
         try:
@@ -216,4 +225,7 @@ def decoding_config(args: argparse.Namespace, **fields: Any) -> GenerationConfig
             problems.append(f"{FLAGS.get(name, name)}: {err}")
     if problems:
         raise InputError("; ".join(problems))
-    return GenerationConfig.parse(**raw)
+    try:
+        return GenerationConfig.parse(**raw)
+    except InputError as err:  # every flag is fine alone: the strategy and the k policy disagree
+        raise InputError(f"--strategy, --k-policy: {err}") from None

@@ -103,7 +103,7 @@ def tiny(store):
 
 
 def baseline_ids(target, prompt, max_tokens):
-    return generate(target, None, prompt, GenerationConfig(strategy="baseline", max_tokens=max_tokens)).token_ids
+    return generate(target, None, prompt, GenerationConfig(translation="baseline", max_tokens=max_tokens)).token_ids
 
 
 @pytest.mark.parametrize("kind", ["lookup", "hybrid"])
@@ -114,7 +114,7 @@ def test_every_drafter_kind_is_lossless_greedy_at_every_k(tiny, kind, strategy):
     for prompt in PROMPTS:
         expected = baseline_ids(target, prompt, 24)
         for k in KS:
-            run = generate(target, choice, prompt, GenerationConfig(strategy=strategy, k=k, max_tokens=24))
+            run = generate(target, choice, prompt, GenerationConfig.parse(strategy=strategy, k=k, max_tokens=24))
             assert run.token_ids == expected, (prompt, kind, strategy, k)
             assert run.generated == 24 and all(c.emitted >= 1 for c in run.cycles)
             assert all(len(c.proposed_ids) <= k for c in run.cycles if c.source == "lookup")
@@ -148,7 +148,7 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(tiny, kind):
     choice = DrafterChoice(lookup=True, model=model if kind == "hybrid" else None)
     for k in KS:
         calls.clear()
-        config = GenerationConfig(strategy="context", k=k, max_tokens=30, temperature=0.7, seed=5)
+        config = GenerationConfig(translation="context", k=k, max_tokens=30, temperature=0.7, seed=5)
         events = stream(target, choice, prompt_ids(target, PROMPTS[0]), config, seams=Seams(sampler=recording))
         run = list(events)[-1].run
         # one target pass (one sampler call) per cycle, and one for the prompt pass unless it verified a draft
@@ -188,7 +188,7 @@ def test_a_lookup_proposal_that_runs_past_eos_stops_at_the_first_eos(tiny):
 def test_lookup_with_nothing_to_find_runs_plain_target_steps(tiny):
     target, _ = tiny
     ids = prompt_ids(target, "x")[:1] or prompt_ids(target, "x")  # the shortest context there is
-    expected = generate(target, None, ids, GenerationConfig(strategy="baseline", max_tokens=6)).token_ids
+    expected = generate(target, None, ids, GenerationConfig(translation="baseline", max_tokens=6)).token_ids
     run = generate(target, DrafterChoice(lookup=True), ids, GenerationConfig(k=4, max_tokens=6))
     assert run.token_ids == expected
 
@@ -196,7 +196,7 @@ def test_lookup_with_nothing_to_find_runs_plain_target_steps(tiny):
 @pytest.mark.parametrize("stop_after", [None, 4])
 def test_hybrid_leaves_both_caches_exact_after_a_run_and_an_early_stop(tiny, stop_after):
     target, model = tiny
-    config = GenerationConfig(strategy="context", k=4, max_tokens=24)
+    config = GenerationConfig(translation="context", k=4, max_tokens=24)
     translator = make_translator("context", target.vocab, model.vocab, window=config.window, shared=False)
     caches = (target.make_cache(), model.make_cache())
     choice = DrafterChoice(lookup=True, model=model)
@@ -275,7 +275,7 @@ def test_auto_with_lookup_alone_gets_the_target_verify_curve_once_and_reuses_it(
 
 def test_a_stop_rule_ends_the_model_s_drafts_where_it_says_and_its_cache_stays_exact(tiny):
     target, model = tiny
-    config = GenerationConfig(strategy="context", k=6, max_tokens=24)
+    config = GenerationConfig(translation="context", k=6, max_tokens=24)
     prompt = prompt_ids(target, PROMPTS[0])
     pipelined = make_drafter(DrafterChoice(model=model), target, config)
     pipelined.start(prompt)

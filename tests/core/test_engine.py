@@ -17,7 +17,7 @@ from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice, make_drafter
 from uag.core.engine import GenerationConfig, PromptCaches, Seams, generate, prompt_ids, stream
 from uag.core.policy import AdaptiveK, AutoSettings
-from uag.core.translate import make_translator
+from uag.core.translate import IntersectionTranslator, make_translator
 from uag.models.store import ModelError
 
 STRATEGIES = ("none", "naive", "context", "tli", "auto")
@@ -34,7 +34,7 @@ def tiny(store):
 
 
 def baseline_ids(target, prompt, max_tokens, **kw):
-    return generate(target, None, prompt, GenerationConfig(strategy="baseline", max_tokens=max_tokens, **kw)).token_ids
+    return generate(target, None, prompt, GenerationConfig("baseline", max_tokens=max_tokens, **kw)).token_ids
 
 
 @pytest.mark.parametrize("drafter_name", ["qwen", "llama"])
@@ -45,7 +45,7 @@ def test_tiny_models_greedy_output_equals_baseline(tiny, drafter_name, strategy)
         expected = baseline_ids(target, prompt, 20)
         for k in KS:
             run = generate(
-                target, drafters[drafter_name], prompt, GenerationConfig(strategy=strategy, k=k, max_tokens=20)
+                target, drafters[drafter_name], prompt, GenerationConfig.parse(strategy=strategy, k=k, max_tokens=20)
             )
             assert run.token_ids == expected, (prompt, strategy, k)
             assert run.generated == 20 and run.finish_reason == "length"
@@ -75,7 +75,7 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(tiny):
         calls.append(np.array(y).reshape(-1).tolist())
         return y
 
-    config = GenerationConfig(strategy="context", k=3, max_tokens=30, temperature=0.9, seed=3)
+    config = GenerationConfig(translation="context", k=3, max_tokens=30, temperature=0.9, seed=3)
     # the target drafts for itself: shared vocabulary, drafts get accepted, so both paths are exercised
     ids = prompt_ids(target, PROMPTS[0])
     run = list(stream(target, target, ids, config, seams=Seams(sampler=recording)))[-1].run
@@ -108,7 +108,7 @@ def test_the_prompt_pass_verifies_the_first_draft(tiny, strategy):
     target, drafters = tiny
     counting = replace(target, model=CountingModel(target.model))
     ids = prompt_ids(target, PROMPTS[1])
-    run = generate(counting, drafters["qwen"], ids, GenerationConfig(strategy=strategy, k=3, max_tokens=12))
+    run = generate(counting, drafters["qwen"], ids, GenerationConfig.parse(strategy=strategy, k=3, max_tokens=12))
     assert run.token_ids == baseline_ids(target, ids, 12)
     first = run.cycles[0]
     assert first.proposed and run.opening == first.emitted
@@ -121,11 +121,11 @@ def test_the_prompt_pass_verifies_the_first_draft(tiny, strategy):
 
 def test_sampling_is_seedable(tiny):
     target, drafters = tiny
-    config = GenerationConfig(strategy="context", k=2, max_tokens=15, temperature=1.0, seed=11)
+    config = GenerationConfig(translation="context", k=2, max_tokens=15, temperature=1.0, seed=11)
     first = generate(target, drafters["qwen"], PROMPTS[1], config).token_ids
     again = generate(target, drafters["qwen"], PROMPTS[1], config).token_ids
     assert first == again
-    other = GenerationConfig(strategy="context", k=2, max_tokens=15, temperature=1.0, seed=12)
+    other = GenerationConfig(translation="context", k=2, max_tokens=15, temperature=1.0, seed=12)
     assert generate(target, drafters["qwen"], PROMPTS[1], other).token_ids != first
 
 
@@ -143,7 +143,7 @@ def assert_cache_holds(model, cache, ids):
 def test_caches_hold_the_committed_sequences_after_a_run_and_after_an_early_stop(tiny, strategy, stop_after):
     target, drafters = tiny
     drafter = drafters["llama"]
-    config = GenerationConfig(strategy=strategy, k=3, max_tokens=24)
+    config = GenerationConfig.parse(strategy=strategy, k=3, max_tokens=24)
     translator = make_translator(strategy, target.vocab, drafter.vocab, window=config.window, shared=False)
     caches = (target.make_cache(), drafter.make_cache())
     events = stream(
@@ -166,7 +166,7 @@ def test_auto_drafts_long_when_a_profile_says_drafts_are_cheap_and_stays_lossles
     """Self-speculation accepts everything; with a cheap drafter, auto should go to k_max."""
     target, _ = tiny
     cheap = CostProfile({1: 10.0, 2: 10.2, 3: 10.3, 4: 10.4, 5: 10.5, 9: 11.0}, drafter_ms=0.2, translate_ms=0.05)
-    config = GenerationConfig(strategy="auto", k=4, max_tokens=40)
+    config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=40)
     pinned = AutoSettings(learn_costs=False)  # the profile's costs, not this machine's load
     policy = AdaptiveK(k_max=4, profile=cheap, settings=pinned)
     ids = prompt_ids(target, PROMPTS[0])
@@ -177,9 +177,20 @@ def test_auto_drafts_long_when_a_profile_says_drafts_are_cheap_and_stays_lossles
 
 def test_auto_parks_on_a_drafter_that_cannot_pay_and_stays_lossless(tiny):
     target, drafters = tiny  # random drafter: nothing accepted, and it is bigger than the target
-    run = generate(target, drafters["qwen"], PROMPTS[1], GenerationConfig(strategy="auto", k=4, max_tokens=40))
+    run = generate(target, drafters["qwen"], PROMPTS[1], GenerationConfig(k_policy="adaptive", k=4, max_tokens=40))
     assert run.token_ids == baseline_ids(target, PROMPTS[1], 40)
     assert sum(c.k == 0 for c in run.cycles) >= 30  # parked
+
+
+def test_tli_with_adaptive_k_runs_the_adaptive_policy_over_the_tli_translator_and_stays_lossless(tiny):
+    """`--strategy tli --k-policy adaptive` (strategy "tli+auto"): before the split, tli could only draft a fixed k."""
+    target, drafters = tiny
+    config = GenerationConfig("tli", 4, k_policy="adaptive", max_tokens=20)
+    drafter = make_drafter(DrafterChoice(model=drafters["qwen"]), target, config)
+    assert isinstance(drafter.translator, IntersectionTranslator)
+    run = generate(target, drafters["qwen"], PROMPTS[0], config)
+    assert (run.strategy, run.policy, run.k) == ("tli", "auto", 4)
+    assert run.token_ids == baseline_ids(target, PROMPTS[0], 20)
 
 
 class ParkedRehearsingEvery5(AdaptiveK):
@@ -197,7 +208,7 @@ class ParkedRehearsingEvery5(AdaptiveK):
 def test_parked_stretches_and_rehearsals_are_lossless_and_keep_the_caches_exact(tiny, stop_after):
     target, drafters = tiny
     drafter = drafters["llama"]
-    config = GenerationConfig(strategy="auto", k=4, max_tokens=30)
+    config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=30)
     translator = make_translator("context", target.vocab, drafter.vocab, window=config.window, shared=False)
     caches = (target.make_cache(), drafter.make_cache())
     events = stream(
@@ -229,7 +240,7 @@ def test_a_rehearsal_checks_the_drafter_guess_at_every_generated_position(tiny, 
     drafter's cache then holds everything but the newest token, as after a draft."""
     target, drafters = tiny
     ids, written = prompt_ids(target, PROMPTS[0]), baseline_ids(target, PROMPTS[0], 12)
-    config = GenerationConfig(strategy=strategy, max_tokens=12)
+    config = GenerationConfig.parse(strategy=strategy, max_tokens=12)
     for model, expected in ((target, [True] * 12), (drafters["qwen"], None)):
         drafter = make_drafter(DrafterChoice(model=model), target, config, shared=model is target)
         n_prompt = drafter.start(ids)
@@ -249,7 +260,7 @@ def test_a_rehearsal_checks_the_drafter_guess_at_every_generated_position(tiny, 
 def test_drafter_passes_per_cycle_stay_at_k(tiny):
     target, drafters = tiny
     for k in KS:
-        run = generate(target, drafters["qwen"], PROMPTS[0], GenerationConfig(strategy="context", k=k, max_tokens=30))
+        run = generate(target, drafters["qwen"], PROMPTS[0], GenerationConfig("context", k=k, max_tokens=30))
         assert run.drafter_passes <= (k + 0.2) * len(run.cycles)
 
 
@@ -263,7 +274,7 @@ def test_eos_stops_the_run_and_max_tokens_is_exact(tiny):
         y = mx.argmax(logprobs, axis=-1)
         return mx.full(y.shape, eos, y.dtype) if len(calls) == 4 else y
 
-    config = GenerationConfig(strategy="context", k=2, max_tokens=50)
+    config = GenerationConfig(translation="context", k=2, max_tokens=50)
     events = stream(
         target, drafters["qwen"], prompt_ids(target, PROMPTS[0]), config, seams=Seams(sampler=greedy_then_eos)
     )
@@ -357,7 +368,7 @@ def test_demo_pair_every_strategy_and_k_reproduces_the_baseline(demo_pair, promp
     accepted = 0
     for strategy in strategies:
         for k in (1, 4):  # the narrowest and a wide draft (k = 2 runs in the CLI check below and on tiny pairs)
-            run = generate(target, drafter, prompt, GenerationConfig(strategy=strategy, k=k, max_tokens=20))
+            run = generate(target, drafter, prompt, GenerationConfig.parse(strategy=strategy, k=k, max_tokens=20))
             assert run.token_ids == expected, (strategy, k)
             accepted += run.accepted if strategy in ("context", "tli") else 0
     assert accepted > 0  # a real pair: some drafts really are accepted

@@ -223,7 +223,7 @@ def test_auto_opens_from_the_pair_s_saved_evidence_and_saves_what_it_learned(dem
     target, _ = demo_pair
     lookup = DrafterChoice(lookup=True)
     key = evidence_key(target, lookup)
-    config = GenerationConfig(strategy="auto", k=4, max_tokens=12)
+    config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=12)
     profile = CostProfile({w: 10.0 + w for w in range(1, 6)}, drafter_ms=0.0)
     prompt = "one two three four five six. one two three four five six. one two three four five six. one two"
     assert find_evidence(key) is None

@@ -296,8 +296,8 @@ def test_k_max_must_be_positive():
 
 def test_every_policy_says_its_name_and_keeps_within_the_budget_by_one_clamp():
     assert (FixedK.name, AdaptiveK.name) == ("fixed", "auto")
-    assert make_policy(GenerationConfig(strategy="context", k=3)) == FixedK(3)
-    auto = make_policy(GenerationConfig(strategy="auto", k=6), CODER_CPU)
+    assert make_policy(GenerationConfig(translation="context", k=3)) == FixedK(3)
+    auto = make_policy(GenerationConfig(k_policy="adaptive", k=6), CODER_CPU)
     assert auto.name == "auto" and auto.k_max == 6 and auto.profile is CODER_CPU
     assert within(("model", 4), 3) == ("model", 2) and within(("lookup", 2), 1) == ("", 0)
     assert within(("model", 4), None) == ("model", 4)

@@ -79,7 +79,7 @@ def assert_exact(caches: PromptCaches, target, drafter_model=None):
 def test_a_second_turn_with_reused_caches_equals_a_cold_run(tiny, strategy, kind):
     target, model = tiny
     drafter = drafter_for(kind, target, model)
-    config = GenerationConfig(strategy=strategy, k=3, max_tokens=MAX_TOKENS)
+    config = GenerationConfig.parse(strategy=strategy, k=3, max_tokens=MAX_TOKENS)
     caches = PromptCaches.empty()
     first_ids = prompt_ids(target, PROMPT)
     first = generate(target, drafter, first_ids, config, caches=caches)
@@ -106,7 +106,7 @@ def test_a_second_turn_with_reused_caches_equals_a_cold_run(tiny, strategy, kind
 def test_a_prompt_that_parts_early_reuses_only_the_common_prefix(tiny, strategy, kind):
     target, model = tiny
     drafter = drafter_for(kind, target, model)
-    config = GenerationConfig(strategy=strategy, k=3, max_tokens=MAX_TOKENS)
+    config = GenerationConfig.parse(strategy=strategy, k=3, max_tokens=MAX_TOKENS)
     caches = PromptCaches.empty()
     generate(target, drafter, PROMPT, config, caches=caches)
     held = list(caches.target_ids)
@@ -123,7 +123,7 @@ def test_a_prompt_that_parts_early_reuses_only_the_common_prefix(tiny, strategy,
 def test_a_prompt_the_caches_hold_entirely_still_reads_its_last_token(tiny, strategy, kind):
     target, model = tiny
     drafter = drafter_for(kind, target, model)
-    config = GenerationConfig(strategy=strategy, k=3, max_tokens=MAX_TOKENS)
+    config = GenerationConfig.parse(strategy=strategy, k=3, max_tokens=MAX_TOKENS)
     caches = PromptCaches.empty()
     ids = prompt_ids(target, PROMPT)
     first = generate(target, drafter, ids, config, caches=caches)
@@ -141,7 +141,7 @@ def test_a_prompt_the_caches_hold_entirely_still_reads_its_last_token(tiny, stra
 def test_a_stopped_run_leaves_exact_caches_that_the_next_turn_reuses(tiny, strategy, kind, how):
     target, model = tiny
     drafter = drafter_for(kind, target, model)
-    config = GenerationConfig(strategy=strategy, k=3, max_tokens=30)
+    config = GenerationConfig.parse(strategy=strategy, k=3, max_tokens=30)
     caches, cancel = PromptCaches.empty(), threading.Event()
     ids = prompt_ids(target, PROMPT)
     events = stream(target, drafter, ids, config, caches=caches, cancel=cancel)
@@ -175,7 +175,7 @@ class ParkedRehearsingEvery3(AdaptiveK):
 
 def test_rehearsals_start_from_the_drafter_cache_a_conversation_kept(tiny):
     target, model = tiny
-    config = GenerationConfig(strategy="auto", k=4, max_tokens=16)
+    config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=16)
     caches = PromptCaches.empty()
     ids = prompt_ids(target, PROMPT)
     first = generate(target, model, ids, config, caches=caches, seams=Seams(policy=ParkedRehearsingEvery3(k_max=4)))
@@ -195,7 +195,7 @@ def test_rehearsals_start_from_the_drafter_cache_a_conversation_kept(tiny):
 
 def test_a_failed_run_drops_the_caches_and_the_next_run_reads_cold(tiny):
     target, model = tiny
-    config = GenerationConfig(strategy="context", k=3, max_tokens=MAX_TOKENS)
+    config = GenerationConfig(translation="context", k=3, max_tokens=MAX_TOKENS)
     caches = PromptCaches.empty()
     ids = prompt_ids(target, PROMPT)
     generate(target, model, ids, config, caches=caches)
@@ -218,7 +218,7 @@ def test_a_failed_run_drops_the_caches_and_the_next_run_reads_cold(tiny):
 def test_another_models_cache_is_never_reused(tiny, store):
     target, model = tiny
     other = store.get(str(build_tiny("mistral", "mistral-v1", seed=9, tie_embeddings=False)))
-    config = GenerationConfig(strategy="context", k=3, max_tokens=MAX_TOKENS)
+    config = GenerationConfig(translation="context", k=3, max_tokens=MAX_TOKENS)
     caches = PromptCaches.empty()
     ids = prompt_ids(target, PROMPT)
     generate(target, model, ids, config, caches=caches)
@@ -231,7 +231,7 @@ def test_another_models_cache_is_never_reused(tiny, store):
 def test_a_cache_that_cannot_be_trimmed_is_not_kept(store):
     """A recurrent target's state cannot be cut back to a common prefix: every run reads its prompt."""
     mamba = store.get(str(build_tiny("mamba", "llama-3.2")))
-    config = GenerationConfig(strategy="baseline", max_tokens=5)
+    config = GenerationConfig(translation="baseline", max_tokens=5)
     caches = PromptCaches.empty()
     first = generate(mamba, None, "Ala ma kota", config, caches=caches)
     assert caches.target_cache is None and caches.target_ids == []
@@ -243,7 +243,7 @@ def test_nbytes_counts_both_caches(tiny):
     target, model = tiny
     caches = PromptCaches.empty()
     assert caches.nbytes() == 0 and "0 tokens" in repr(caches)
-    generate(target, model, PROMPT, GenerationConfig(strategy="context", k=2, max_tokens=4), caches=caches)
+    generate(target, model, PROMPT, GenerationConfig(translation="context", k=2, max_tokens=4), caches=caches)
     target_bytes = sum(c.nbytes for c in caches.target_cache)
     assert target_bytes > 0 and caches.nbytes() == target_bytes + sum(c.nbytes for c in caches.drafter_cache)
 
@@ -262,7 +262,7 @@ def test_demo_pair_second_turn_with_reused_caches_equals_a_cold_run(demo_pair, s
 
     target, _ = demo_pair
     choice = None if drafter is None else load_drafter_choice(store, drafter)
-    config = GenerationConfig(strategy=strategy, k=3, max_tokens=16)
+    config = GenerationConfig.parse(strategy=strategy, k=3, max_tokens=16)
     caches = PromptCaches.empty()
     question = "Wymień trzy miasta w Polsce:\n1."
     first = generate(target, choice, question, config, caches=caches)

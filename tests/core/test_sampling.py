@@ -197,7 +197,7 @@ class Alternating(FixedK):
 
 
 def baseline_ids(target, prompt, max_tokens, **settings):
-    config = GenerationConfig(strategy="baseline", max_tokens=max_tokens, **settings)
+    config = GenerationConfig(translation="baseline", max_tokens=max_tokens, **settings)
     return generate(target, None, prompt, config).token_ids
 
 
@@ -220,7 +220,7 @@ def test_greedy_with_a_penalty_under_speculation_is_the_target_alone_with_it(tin
         translated = {"qwen": qwen} if n == 0 else {}  # a big vocabulary to translate into: slow, so one prompt
         for name, drafter in {**drafters, **translated}.items():
             for strategy, k, policy in SCHEDULES if name != "qwen" else SCHEDULES[:1]:
-                config = GenerationConfig(strategy=strategy, k=k, max_tokens=24, **penalty)
+                config = GenerationConfig.parse(strategy=strategy, k=k, max_tokens=24, **penalty)
                 run = generate(target, drafter, prompt, config, seams=Seams(policy=policy and policy(k)))
                 assert run.token_ids == expected, (prompt, name, strategy, k, policy)
                 accepted += run.accepted if name == "self" else 0
@@ -235,7 +235,7 @@ def test_a_penalty_reads_the_whole_conversation_whatever_the_caches_held(tiny):
     penalty = dict(repetition_penalty=1.3, presence_penalty=0.5)
     first_ids = prompt_ids(target, PROMPTS[2])
     for drafter in (None, target, qwen):
-        config = GenerationConfig(strategy="baseline" if drafter is None else "context", k=3, max_tokens=12, **penalty)
+        config = GenerationConfig("baseline" if drafter is None else "context", k=3, max_tokens=12, **penalty)
         caches = PromptCaches.empty()
         first = generate(target, drafter, first_ids, config, caches=caches)
         second_ids = [*first_ids, *first.token_ids, *prompt_ids(target, " i dalej")[1:]]
@@ -250,7 +250,7 @@ def test_top_k_of_one_at_temperature_one_is_greedy(tiny):
         expected = baseline_ids(target, prompt, 16)
         assert baseline_ids(target, prompt, 16, temperature=1.0, top_k=1, seed=5) == expected
         for drafter, strategy in ((target, "context"), (qwen, "tli"), (DrafterChoice(lookup=True), "auto")):
-            config = GenerationConfig(strategy=strategy, k=3, max_tokens=16, temperature=1.0, top_k=1, seed=5)
+            config = GenerationConfig.parse(strategy=strategy, k=3, max_tokens=16, temperature=1.0, top_k=1, seed=5)
             assert generate(target, drafter, prompt, config).token_ids == expected, (strategy, drafter)
 
 
@@ -276,7 +276,7 @@ def test_a_seeded_sampled_run_emits_only_tokens_inside_the_cut(tiny, cut):
     # the target alone; exact-match sampling (the target drafting for itself); rejection sampling (tli)
     for drafter, strategy in ((None, "baseline"), (target, "context"), (qwen, "tli")):
         for seed in (1, 2):
-            settings = dict(strategy=strategy, k=3, max_tokens=16, temperature=1.5, seed=seed)
+            settings = dict(translation=strategy, k=3, max_tokens=16, temperature=1.5, seed=seed)
             run = generate(target, drafter, ids, GenerationConfig(**settings, **cut))
             assert all(kept_by_the_cut(target, ids + run.token_ids, run.generated, **cut)), (strategy, seed)
             free = generate(target, drafter, ids, GenerationConfig(**settings))
@@ -318,7 +318,7 @@ def test_the_prompt_time_of_a_one_token_read_excludes_the_first_drafting(tiny):
     """A conversation's next turn whose caches hold all but one token: the prompt time is the target reading that
     token (with the first draft's verification), not the drafter's start and first draft, however long they take."""
     target, qwen = tiny
-    config = GenerationConfig(strategy="context", k=3, max_tokens=8)
+    config = GenerationConfig(translation="context", k=3, max_tokens=8)
     caches = PromptCaches.empty()
     first = generate(target, qwen, PROMPTS[0], config, caches=caches)
     ids = [*first.prompt_ids, *first.token_ids]
@@ -333,7 +333,7 @@ def test_the_prompt_time_of_a_one_token_read_excludes_the_first_drafting(tiny):
 
 def test_the_prompt_time_of_a_run_parked_from_the_start_is_the_target_reading_the_prompt(tiny):
     target, qwen = tiny
-    config = GenerationConfig(strategy="context", k=3, max_tokens=8)
+    config = GenerationConfig(translation="context", k=3, max_tokens=8)
     slow = SlowDrafter(make_drafter(DrafterChoice(model=qwen), target, config), delay=0.6)
     start = time.perf_counter()
     run = generate(target, slow, PROMPTS[1], config, seams=Seams(policy=Alternating(3)))

@@ -40,7 +40,7 @@ def test_rank_0_decides_and_drafts_within_the_tokens_left_by_the_policy_own_clam
     policy.cancel.set()  # rank 0's cancel: every rank stops at the next decision
     with pytest.raises(Stopped):
         policy.choose({"model": 8}, left=10)
-    follower = RankPolicy(OneRankLink(), leader, None, name=make_policy(GenerationConfig(strategy="auto")).name)
+    follower = RankPolicy(OneRankLink(), leader, None, name=make_policy(GenerationConfig(k_policy="adaptive")).name)
     assert follower.name == "auto"
 
 

@@ -108,7 +108,7 @@ def unsharded_greedy(target: str, max_tokens: int) -> list[int]:
 
     model = ModelStore().get(target)
     ids = model.tokenizer.encode(PROMPT)
-    return generate(model, None, ids, GenerationConfig(strategy="baseline", max_tokens=max_tokens)).token_ids
+    return generate(model, None, ids, GenerationConfig(translation="baseline", max_tokens=max_tokens)).token_ids
 
 
 def check_run(results: list[dict], reference: list[int]) -> None:

@@ -31,7 +31,7 @@ def coder():
     store = ModelStore()
     target = store.get("coder-target")
     expected = {
-        p: generate(target, None, p, GenerationConfig(strategy="baseline", max_tokens=MAX_TOKENS)).token_ids
+        p: generate(target, None, p, GenerationConfig(translation="baseline", max_tokens=MAX_TOKENS)).token_ids
         for p in PROMPTS
     }
     yield store, target, expected
@@ -54,7 +54,7 @@ def test_greedy_output_equals_the_target_alone(coder, store, drafter):
     choice = DrafterChoice(lookup=bool(lookup), model=model)
     runs = []
     for prompt, k in zip(PROMPTS, (3, 1)):  # both prompts and both widths, in half the runs of every pairing
-        run = generate(target, choice, prompt, GenerationConfig(strategy="context", k=k, max_tokens=MAX_TOKENS))
+        run = generate(target, choice, prompt, GenerationConfig(translation="context", k=k, max_tokens=MAX_TOKENS))
         assert run.token_ids == expected[prompt], (drafter, prompt, k)
         assert run.proposed > 0 and len(run.cycles) < MAX_TOKENS  # it drafted, and in fewer target passes
         runs.append(run)
@@ -75,7 +75,7 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(coder, store):
         calls.append(np.array(y).reshape(-1).tolist())
         return y
 
-    config = GenerationConfig(strategy="context", k=3, max_tokens=MAX_TOKENS, temperature=0.7, seed=7)
+    config = GenerationConfig(translation="context", k=3, max_tokens=MAX_TOKENS, temperature=0.7, seed=7)
     ids = prompt_ids(target, PROMPTS[0])
     run = list(stream(target, store.get("demo-drafter"), ids, config, seams=Seams(sampler=recording)))[-1].run
     assert len(calls) == len(run.cycles) and run.opening == run.cycles[0].emitted  # the prompt pass verified a draft

@@ -288,5 +288,5 @@ def test_generate_json_records_what_ran(models, cache, cli):
 
 def test_what_ran_says_auto_is_adaptive_k_with_context_translation():
     target = SimpleNamespace(name="t", dtype="bfloat16")
-    ran = what_ran(target, DrafterChoice(lookup=True), GenerationConfig("auto", k=8))
+    ran = what_ran(target, DrafterChoice(lookup=True), GenerationConfig(k=8, k_policy="adaptive"))
     assert ran["k_policy"] == "adaptive" and ran["translation"] == "context" and ran["k"] == 8

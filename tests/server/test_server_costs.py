@@ -93,7 +93,7 @@ def calibration(profile: CostProfile, load: MachineLoad | None, target=None) -> 
 
 
 def request(prompt: str = "Stolica Polski to", **kw) -> Request:
-    config = GenerationConfig(strategy="auto", k=4, max_tokens=4)
+    config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=4)
     return Request("completion", model="org/target", config=config, drafter="lookup", prompt=prompt, **kw)
 
 

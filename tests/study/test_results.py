@@ -105,9 +105,10 @@ def test_a_run_must_match_its_spec(db):
 BASE = RunSpec("t", "d", GenerationConfig("context", 2, window=16, max_tokens=32), "wiki", "wiki-001")
 SPEC_CHANGES = [dict(target="t2"), dict(drafter="d2"), dict(drafter="lookup+d"), dict(dataset="alpaca"),
                 dict(prompt_id="wiki-002"), dict(target_dtype="q8"), dict(drafter_dtype="q4")]  # fmt: skip
-CONFIG_CHANGES = [dict(strategy="naive"), dict(k=4), dict(window=8), dict(max_tokens=64), dict(temperature=0.7),
-                  dict(seed=1), dict(chat=True), dict(top_p=0.9), dict(top_k=40), dict(min_p=0.1),
-                  dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5)]  # fmt: skip
+CONFIG_CHANGES = [dict(translation="naive"), dict(k_policy="adaptive"), dict(k=4), dict(window=8), dict(max_tokens=64),
+                  dict(temperature=0.7), dict(seed=1), dict(chat=True), dict(top_p=0.9), dict(top_k=40),
+                  dict(min_p=0.1), dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
+                  dict(frequency_penalty=0.5)]  # fmt: skip
 
 
 @pytest.mark.parametrize("change", SPEC_CHANGES + CONFIG_CHANGES)
@@ -136,6 +137,9 @@ def test_run_keys_are_those_of_files_written_before_specs_held_a_config():
         target="t", max_tokens=32, temperature=0.0, seed=None, chat=False, dataset="wiki", prompt_id="wiki-001"
     )
     assert BASE.key == old_key(**common, drafter="d", strategy="context", k=2, window=16)
+    auto = replace(BASE, config=BASE.config.replace(k_policy="adaptive"))  # stored as strategy "auto", as before
+    assert auto.columns()["strategy"] == "auto"
+    assert auto.key == old_key(**common, drafter="d", strategy="auto", k=2, window=16)
     baseline = RunSpec.baseline(target="t", max_tokens=32, dataset="wiki", prompt_id="wiki-001")
     assert baseline.key == old_key(**common, drafter=None, strategy="baseline", k=0, window=0)
 

@@ -54,7 +54,7 @@ def _rank(args) -> int:
     results = []
     for spec in args.run:
         strategy, _, name = spec.partition(":")
-        config = GenerationConfig(strategy=strategy, k=args.k, max_tokens=args.max_tokens)
+        config = GenerationConfig.parse(strategy=strategy, k=args.k, max_tokens=args.max_tokens)
         drafter = load_rank0_drafter(store, DrafterSpec.parse(name), ranks) if config.speculative else None
         results.append(_generate(args, ranks, target, drafter, ids, config, progress))
     ranks.close()

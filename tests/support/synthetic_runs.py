@@ -39,7 +39,8 @@ def spec(prompt_id: str, drafter: str | None = None, strategy: str = "baseline",
             target=TARGET, max_tokens=GENERATED, temperature=0.0, seed=None, chat=False, dataset=dataset,
             prompt_id=prompt_id,
         )  # fmt: skip
-    return RunSpec(TARGET, drafter, GenerationConfig(strategy, k, window=16, max_tokens=GENERATED), dataset, prompt_id)
+    config = GenerationConfig.parse(strategy=strategy, k=k, window=16, max_tokens=GENERATED)  # "auto" too
+    return RunSpec(TARGET, drafter, config, dataset, prompt_id)
 
 
 def make_run(spec: RunSpec, *, tps: float, accepted: int = 0, proposed: int = 0) -> Run:

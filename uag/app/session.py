@@ -259,7 +259,7 @@ class Session:
         if note := slow_dtype_note(loaded.target.dtype, backend()):
             yield Status(f"Note: {note}.")
         auto = None
-        if settings.strategy == "auto":  # as the CLI's: the pair's costs, and the evidence its runs here share
+        if settings.generation.k_policy == "adaptive":  # as the CLI's: the pair's costs, the evidence its runs share
             auto = open_auto(loaded.target, loaded.choice, held=self.evidence, progress=partial(self._measuring, job))
         job.limit(self.runner.budget_s)  # generation time only: loading the models is not the user's doing
         # Never concurrently: the target alone first, then with the drafter, each timed on its own.

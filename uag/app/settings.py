@@ -8,7 +8,7 @@ check to `GenerationConfig.parse`; the prompt through `check_prompt`. Standard l
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from uag.core.config import FIELDS, SPECULATIVE, GenerationConfig
@@ -19,7 +19,7 @@ from uag.runtime.presets import DEFAULT
 MAX_PROMPT_CHARS = 20_000  # the app's bound on a prompt; the target's context bounds it again in tokens
 # The app opens on auto with k ≤ 8: with the default preset it wins on structured prompts (docs/results.md). The
 # library's own defaults (GenerationConfig: context, k = 2) are left as they are.
-DEFAULT_GENERATION = GenerationConfig(strategy="auto", k=8)
+DEFAULT_GENERATION = GenerationConfig(k=8, k_policy="adaptive")  # strategy "auto"
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,12 @@ class Settings:
         Example: Settings.parse(k=40, strategy="baseline") -> InputError("strategy must be one of …; k …")
         """
         problems = []
-        raw = {**asdict(DEFAULT_GENERATION), **raw}
-        if raw["strategy"] not in SPECULATIVE:
-            problems.append(f"strategy must be one of {', '.join(SPECULATIVE)} (got {raw['strategy']!r})")
-            raw["strategy"] = DEFAULT_GENERATION.strategy
+        strategy = raw.get("strategy", DEFAULT_GENERATION.strategy)
+        if strategy not in SPECULATIVE:
+            problems.append(f"strategy must be one of {', '.join(SPECULATIVE)} (got {strategy!r})")
+            raw = {**raw, "strategy": DEFAULT_GENERATION.strategy}
         try:
-            generation = GenerationConfig.parse(**raw)
+            generation = DEFAULT_GENERATION.replace(**raw)  # a strategy names the translation and the k policy
         except InputError as err:
             problems.append(str(err))
         dtypes = {}

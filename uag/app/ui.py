@@ -85,7 +85,7 @@ def _control(field, value: Any):
         return gr.Radio(
             list(SPECULATIVE), value=value, label=label,
             info="how drafter tokens become target tokens; auto = context with k re-decided each cycle (k is then "
-            "the maximum). The target alone always runs first.",
+            "the maximum; tli+auto: tli with it). The target alone always runs first.",
         )  # fmt: skip
     if field.name == "chat":
         return gr.Checkbox(value, label=label, info=field.help)
@@ -320,7 +320,7 @@ def _api(handlers: Handlers, session: Session):
         Parameters: prompt (required); target, drafter: preset names ("demo-target", "demo-drafter"), hub
         ids or (local callers only) model folders, on uag serve's /ui only the pairs it serves; the drafter
         may also be "lookup" or "lookup+<model>";
-        strategy: "none" | "naive" | "context" | "tli" | "auto"; k: draft length 1..32 (the maximum for
+        strategy: "none" | "naive" | "context" | "tli" | "auto" | "tli+auto" | …; k: draft length 1..32 (the max for
         auto); window: context window 0..64; max_tokens: 1..4096; temperature: 0..2 (0 = greedy); seed:
         int or None; chat: true/false, apply the target's chat template; target_dtype, drafter_dtype: None (as
         stored), "float32", "bfloat16", "float16", "q8" or "q4" (mlx-lm's quantisation, converted once).

@@ -9,7 +9,7 @@ message when it is not. The UI builds its controls from `FIELDS`; the samplers a
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from uag.core.translate import DEFAULT_WINDOW, STRATEGIES
@@ -25,7 +25,11 @@ MAX_SEED = 2**31 - 1  # what mx.random.seed takes
 MAX_TOP_K = 1_000_000  # above any vocabulary: a top_k at or above the target's keeps every token
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range, -2..2
-SPECULATIVE = (*STRATEGIES, "auto")  # "auto": context translation, k re-decided each cycle (k = the maximum)
+TRANSLATIONS = ("baseline", *STRATEGIES)  # how a drafter's tokens become the target's; baseline: the target alone
+K_POLICIES = ("fixed", "adaptive")  # adaptive: k re-decided each cycle, with config.k the most (uag.core.policy)
+AUTO = "auto"  # a strategy name's mark of adaptive k: "auto" alone is context translation, "tli+auto" tli
+# Strategy names: a translation and a k policy in one word, as the CLI, the app, the server and results files use them.
+SPECULATIVE = (*STRATEGIES, AUTO, *(f"{t}+{AUTO}" for t in STRATEGIES if t != "context"))
 MODES = ("baseline", *SPECULATIVE)
 
 
@@ -41,7 +45,7 @@ class Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("strategy", "translation", help="baseline = target alone; none / naive / context / tli; auto picks k"),
+    Field("strategy", "strategy", help="baseline = target alone; none / naive / context / tli; auto: adaptive k"),
     Field("k", "k (draft length)", 1, MAX_K, "tokens drafted per cycle (auto: the most it may draft)"),
     Field("window", "context window W", 0, MAX_WINDOW, "committed tokens re-encoded with each draft"),
     Field("max_tokens", "max tokens", 1, MAX_TOKENS, "tokens to generate at most"),
@@ -59,18 +63,56 @@ SAMPLING_FIELDS: tuple[Field, ...] = (
     Field("presence_penalty", "presence_penalty", -MAX_PENALTY, MAX_PENALTY, "subtract from recent tokens' logits"),
     Field("frequency_penalty", "frequency_penalty", -MAX_PENALTY, MAX_PENALTY, "the same, once per occurrence"),
 )
-FIELD = {f.name: f for f in (*FIELDS, *SAMPLING_FIELDS)}
+# The two halves of a strategy, as GenerationConfig holds them (the app's one control names both).
+STRATEGY_FIELDS: tuple[Field, ...] = (
+    Field("translation", "translation", help=f"{' / '.join(TRANSLATIONS)}; baseline = target alone"),
+    Field("k_policy", "k policy", help="fixed: k every cycle; adaptive: k re-decided each cycle, at most k"),
+)
+FIELD = {f.name: f for f in (*FIELDS, *STRATEGY_FIELDS, *SAMPLING_FIELDS)}
+
+
+def strategy_name(translation: str, k_policy: str) -> str:
+    """A translation and a k policy in one name (`GenerationConfig.strategy`).
+
+    Example: ("context", "adaptive") -> "auto";  ("tli", "adaptive") -> "tli+auto";  ("tli", "fixed") -> "tli"
+    """
+    if k_policy != "adaptive" or translation == "baseline":
+        return translation
+    return AUTO if translation == "context" else f"{translation}+{AUTO}"
+
+
+def split_strategy(name: str) -> tuple[str, str | None] | None:
+    """The translation and k policy a strategy name says (a plain translation leaves the k policy unsaid: None);
+    None for a name that is not one.
+
+    Example: "auto" -> ("context", "adaptive");  "tli+auto" -> ("tli", "adaptive");  "tli" -> ("tli", None)
+    """
+    if name in TRANSLATIONS:
+        return name, None
+    head, plus, tail = name.partition("+")
+    if name == AUTO or (plus and tail == AUTO and head in STRATEGIES and head != "context"):
+        return head if plus else "context", "adaptive"
+    return None
+
+
+def adaptive_k(strategy: str) -> bool:
+    """Whether a strategy name re-decides k each cycle. Example: "auto" -> True;  "tli+auto" -> True;  "tli" -> False"""
+    said = split_strategy(strategy)
+    return said is not None and said[1] == "adaptive"
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """What to generate and how. `strategy="baseline"` runs the target alone; "auto" translates in
-    context and re-decides the draft length each cycle, with `k` as its maximum. The samplers (top_p, top_k,
-    min_p: they act at temperature > 0) and penalties (at any temperature) are mlx-lm's; speculation applies
-    them to the target at every position it verifies, so its output stays the target's (uag.core.sampling)."""
+    """What to generate and how. `translation="baseline"` runs the target alone; otherwise it says how a drafter
+    model's tokens become the target's, and `k_policy` whether k tokens are drafted every cycle ("fixed") or the
+    draft length is re-decided each cycle with `k` as its maximum ("adaptive"); `strategy` names the two at once
+    ("auto": context and adaptive). The samplers (top_p, top_k, min_p: they act at temperature > 0) and penalties
+    (at any temperature) are mlx-lm's; speculation applies them to the target at every position it verifies, so
+    its output stays the target's (uag.core.sampling)."""
 
-    strategy: str = "context"
+    translation: str = "context"
     k: int = DEFAULT_K
+    k_policy: str = field(default="fixed", kw_only=True)  # keyword only: GenerationConfig("tli", 4) stays k = 4
     window: int = DEFAULT_WINDOW
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
@@ -85,7 +127,16 @@ class GenerationConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.strategy != "baseline"
+        return self.translation != "baseline"
+
+    @property
+    def strategy(self) -> str:
+        """The translation and the k policy in one name, as records, labels and results files keep it.
+
+        Example: GenerationConfig(k_policy="adaptive").strategy -> "auto";  GenerationConfig("tli").strategy ->
+                 "tli";  GenerationConfig("tli", k_policy="adaptive").strategy -> "tli+auto"
+        """
+        return strategy_name(self.translation, self.k_policy)
 
     @property
     def penalized(self) -> bool:
@@ -106,38 +157,47 @@ class GenerationConfig:
         """
         return self.penalized or self.truncated
 
-    @property
-    def translation(self) -> str:
-        """How a drafter model's tokens are translated: the strategy, except that auto translates in context.
-
-        Example: GenerationConfig("auto").translation -> "context";  GenerationConfig("tli").translation -> "tli"
-        """
-        return "context" if self.strategy == "auto" else self.strategy
-
     def validate(self) -> GenerationConfig:
         """Raise InputError listing every setting out of bounds; return self."""
         GenerationConfig.parse(**asdict(self))
         return self
 
     def replace(self, **changes: Any) -> GenerationConfig:
-        """A copy with `changes` applied, parsed and checked like user input."""
-        return GenerationConfig.parse(**{**asdict(self), **changes})
+        """A copy with `changes` applied, parsed and checked like user input. A `strategy` among them names the
+        translation and the k policy both (unless `k_policy` is given too).
+
+        Example: GenerationConfig.parse(strategy="auto").replace(strategy="baseline").k_policy -> "fixed"
+        """
+        current = asdict(self)
+        if "strategy" in changes:
+            del current["translation"], current["k_policy"]
+        return GenerationConfig.parse(**{**current, **changes})
 
     @classmethod
     def parse(cls, **raw: Any) -> GenerationConfig:
-        """Settings from loosely typed input (form fields, JSON, flags); InputError lists every problem.
+        """Settings from loosely typed input (form fields, JSON, flags); InputError lists every problem. A
+        `strategy` (a name of SPECULATIVE or "baseline") may stand for the translation and the k policy; a plain
+        translation's k policy is `k_policy`, fixed unless given.
 
         Example: GenerationConfig.parse(k=2.0, seed="") -> GenerationConfig(k=2, seed=None, …)
                  GenerationConfig.parse(k=40, temperature=-1) -> InputError("k (draft length) must be …; …")
+                 GenerationConfig.parse(strategy="tli", k_policy="adaptive").strategy -> "tli+auto"
+                 GenerationConfig.parse(strategy="auto", k_policy="fixed") -> InputError("strategy 'auto' means …")
         """
-        unknown = set(raw) - {f.name for f in fields(cls)}
+        unknown = set(raw) - {f.name for f in fields(cls)} - {"strategy"}
         if unknown:
             raise InputError(f"unknown settings: {', '.join(sorted(unknown))}")
         defaults = cls()
         values = {f.name: raw.get(f.name, getattr(defaults, f.name)) for f in fields(cls)}
         problems: list[str] = []
-        if values["strategy"] not in MODES:
-            problems.append(f"strategy must be one of {', '.join(MODES)} (got {values['strategy']!r})")
+        if "strategy" in raw:
+            _read_strategy(raw, values, problems)
+        if values["translation"] not in TRANSLATIONS:
+            problems.append(f"translation must be one of {', '.join(TRANSLATIONS)} (got {values['translation']!r})")
+        if values["k_policy"] not in K_POLICIES:
+            problems.append(f"k policy must be one of {', '.join(K_POLICIES)} (got {values['k_policy']!r})")
+        elif values["translation"] == "baseline" and values["k_policy"] == "adaptive":
+            problems.append("k policy adaptive needs a drafter: the baseline runs the target alone")
         for name in ("k", "window", "max_tokens"):
             values[name] = _whole(values[name], FIELD[name], problems)
         values["temperature"] = _number(values["temperature"], FIELD["temperature"], problems)
@@ -154,6 +214,23 @@ class GenerationConfig:
         if problems:
             raise InputError("; ".join(problems))
         return cls(**values)
+
+
+def _read_strategy(raw: dict[str, Any], values: dict[str, Any], problems: list[str]) -> None:
+    """The translation and k policy that raw["strategy"] says, into `values`; a problem where it is no strategy or
+    says otherwise than raw's own translation or k_policy."""
+    name = raw["strategy"]
+    said = split_strategy(name) if isinstance(name, str) else None
+    if said is None:
+        problems.append(f"strategy must be one of {', '.join(MODES)} (got {name!r})")
+        return
+    for key, value in zip(("translation", "k_policy"), said):
+        if value is None:
+            continue
+        if key in raw and raw[key] != value:
+            label = FIELD[key].label
+            problems.append(f"strategy {name!r} means {label} {value}, not {raw[key]!r}: give one of the two")
+        values[key] = value
 
 
 def _bound(x: float) -> str:

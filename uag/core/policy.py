@@ -1,11 +1,11 @@
 """How many tokens to draft next: a `Policy`. `FixedK` always drafts k (the study's setting); `AdaptiveK`
-(strategy "auto") drafts, each cycle, the source and k with the best expected tokens per millisecond:
+(k_policy "adaptive", as strategy "auto") drafts, each cycle, the source and k with the best expected tokens per ms:
 
     k* = argmax over k in 0..k_max of  E(k) / cost(k),     E(k) = 1 + Σ_{j ≤ n(k)} Π_{i ≤ j} p_i
 
 from its `Evidence` (the chances p_i), its `Prices` (uag.core.evidence) and its `AutoSettings`; k = 0 parks (plain
 target steps, now and then a rehearsal). Why each part is there, and what it earns: docs/how-it-works.md, `auto`.
-No mlx. Example: make_policy(GenerationConfig(strategy="auto", k=8), profile).choose({"model": 8})
+No mlx. Example: make_policy(GenerationConfig(k_policy="adaptive", k=8), profile).choose({"model": 8})
 """
 
 from __future__ import annotations
@@ -102,10 +102,10 @@ def make_policy(
     evidence: Evidence | None = None,
     settings: AutoSettings | None = None,
 ) -> Policy:
-    """Fixed k, or for strategy "auto" the adaptive policy with k ≤ config.k, seeded by `profile` (the pair's
-    measured costs on this machine, uag.costs.profiles) and `evidence` (what earlier runs of the pair taught,
-    updated in place by this one) when there are, tuned by `settings` (None: the defaults)."""
-    if config.strategy != "auto":
+    """Fixed k, or for k_policy "adaptive" (with any translation) the adaptive policy with k ≤ config.k, seeded
+    by `profile` (the pair's measured costs on this machine, uag.costs.profiles) and `evidence` (what earlier runs
+    of the pair taught, updated in place by this one) when there are, tuned by `settings` (None: the defaults)."""
+    if config.k_policy != "adaptive":
         return FixedK(config.k)
     return AdaptiveK(k_max=config.k, profile=profile, r=r, evidence=evidence, settings=settings or AutoSettings())
 

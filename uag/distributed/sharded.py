@@ -202,7 +202,7 @@ def check_sharded(config: GenerationConfig, drafter: DrafterChoice | None, rank:
     """What a sharded run refuses, said before any rank waits on another (a server checks it before it sends a
     request to the other ranks)."""
     config.validate()
-    if config.speculative and config.strategy == "tli" and config.temperature > 0:
+    if config.speculative and config.translation == "tli" and config.temperature > 0:
         raise InputError("--shard: tli at temperature > 0 needs the drafter's distributions on every rank; "
                          "use temperature 0 or another strategy")  # fmt: skip
     if config.speculative and rank == 0 and drafter is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from uag.core.config import DrafterSpec, GenerationConfig
@@ -234,7 +234,7 @@ def check_against_target(
     if run.generated == 0:
         return Checked(run, baseline, None, "the reply has no tokens")
     if baseline is None:
-        plain = replace(config, strategy="baseline", max_tokens=run.generated)
+        plain = config.replace(strategy="baseline", max_tokens=run.generated)
         for event in (stream or engine_stream)(target, None, ids, plain, cancel=cancel, caches=PromptCaches.empty()):
             baseline = event.run
         if baseline is None or baseline.finish_reason == "stopped":
@@ -259,6 +259,6 @@ def what_ran(target: LoadedModel, choice: DrafterChoice | None, config: Generati
         "drafter": choice.name if speculative else None,
         "drafter_dtype": model.dtype if speculative and model is not None else None,
         "translation": config.translation if speculative else None,
-        "k_policy": ("adaptive" if config.strategy == "auto" else "fixed") if speculative else None,
+        "k_policy": config.k_policy if speculative else None,
         "k": config.k if speculative else None,
     }

@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 
 from uag.app.history import group_of, plot_view
-from uag.core.config import DrafterSpec, short_name
+from uag.core.config import DrafterSpec, adaptive_k, short_name
 from uag.server.protocol import ServerDefaults
 from uag.server.service import Served, Service
 
@@ -39,7 +39,7 @@ def speculation_label(s: Served) -> str:
     """
     if s.drafter is None:
         return "off"
-    return f"{short_name(s.drafter)} {s.strategy} k{'≤' if s.strategy == 'auto' else '='}{s.k}"
+    return f"{short_name(s.drafter)} {s.strategy} k{'≤' if adaptive_k(s.strategy) else '='}{s.k}"
 
 
 def sources_label(s: Served) -> str:
@@ -49,7 +49,7 @@ def sources_label(s: Served) -> str:
              auto with {"plain": 47} -> "none drafted (parked)"
     """
     if s.drafter is not None and not s.drafted:
-        return "none drafted (parked)" if s.strategy == "auto" else "none drafted"
+        return "none drafted (parked)" if adaptive_k(s.strategy) else "none drafted"
     return ", ".join(f"{name} {n}" for name, n in sorted(s.sources.items(), key=lambda item: item[0] == "plain"))
 
 
@@ -155,7 +155,7 @@ def server_view(service: Service, ks: Sequence[int] = (2, 4, 8)) -> tuple[str, p
     if parked:
         caption += (
             f" {len(parked)} speculative request{'s' * (len(parked) != 1)} never drafted"
-            f"{' (auto parked)' if all(s.strategy == 'auto' for s in parked) else ''}: run as the target alone, "
+            f"{' (auto parked)' if all(adaptive_k(s.strategy) for s in parked) else ''}: run as the target alone, "
             "they count only what the drafter's rehearsals took."
         )
     checked = [s.check for s in served if s.check]

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from uag.command import CommandParser, literal, port_taken, progress, run, whole
-from uag.core.config import DEFAULT_K, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig
+from uag.core.config import DEFAULT_K, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
 from uag.core.translate import DEFAULT_WINDOW
 from uag.errors import InputError, UserError
 from uag.models.dtypes import add_dtype_options, parse_dtype
@@ -105,7 +105,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     """The server's checked settings; InputError naming every bad flag."""
     problems = []
     drafter = None if args.drafter.strip().lower() == "off" else args.drafter
-    k = args.k if args.k is not None else DEFAULT_K_AUTO if args.strategy == "auto" else DEFAULT_K
+    k = args.k if args.k is not None else DEFAULT_K_AUTO if adaptive_k(args.strategy) else DEFAULT_K
     fields = {"strategy": args.strategy, "k": literal(k), "window": literal(args.window),
               "max_tokens": literal(args.max_tokens)}  # fmt: skip
     for name, value in fields.items():

@@ -2,7 +2,7 @@
 its error object is in uag.server.errors, responses and chunks in uag.server.responses. Pure: no mlx, no HTTP.
 
     parse_chat({"model": "demo-target", "messages": [{"role": "user", "content": "Hi"}], "top_k": 40}, defaults)
-        -> Request(config=GenerationConfig(strategy="auto", k=16, top_k=40, …), …)
+        -> Request(config=GenerationConfig(translation="context", k=16, k_policy="adaptive", top_k=40, …), …)
 
 Accepted, typed and bounded as the engine bounds them (null: absent): temperature, top_p, seed, presence_penalty,
 frequency_penalty, and the top_k, min_p, repetition_penalty that llama.cpp, vLLM and Open WebUI send; uag's
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from uag.core.config import DEFAULT_K, FIELD, MAX_K, MAX_WINDOW, SPECULATIVE, DrafterSpec, GenerationConfig
+from uag.core.config import DEFAULT_K, FIELD, MAX_K, MAX_WINDOW, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
 from uag.core.prompt_input import check_text
 from uag.errors import InputError
 from uag.server.errors import APIError, bad, show
@@ -288,7 +288,7 @@ def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict
                   "for the target alone send \"speculative\": false")  # fmt: skip
     k = _whole(value, "k", 1, MAX_K, param="speculative")
     if k is None:  # auto's -k is its longest draft, not a fixed length
-        k = min(defaults.k, DEFAULT_K) if strategy != "auto" and defaults.strategy == "auto" else defaults.k
+        k = min(defaults.k, DEFAULT_K) if not adaptive_k(strategy) and adaptive_k(defaults.strategy) else defaults.k
     if k > defaults.k:
         raise bad("speculative", f"k must be from 1 to {defaults.k}, this server's -k (got {k})")
     window = _whole(value, "window", 0, MAX_WINDOW, param="speculative")

@@ -12,6 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from uag.core.config import strategy_name
+from uag.core.translate import STRATEGIES
+
 
 # --- responses ---------------------------------------------------------------------------------------------------
 def new_id(kind: str) -> str:
@@ -76,6 +79,17 @@ def estimated_speedup(run: Any, step: StepTime | None) -> float | None:
     return after * step.ms / 1000 / seconds
 
 
+def reported_strategy(run: Any) -> str:
+    """The strategy a reply names for a speculative run: the translation it used ("identity" for a shared
+    vocabulary, "lookup" without a model), with adaptive k named as uag.core.config names it.
+
+    Example: tli with policy "auto" -> "tli+auto";  context or identity with policy "auto" -> "auto";  naive -> "naive"
+    """
+    if run.policy != "auto":
+        return run.strategy
+    return strategy_name(run.strategy if run.strategy in STRATEGIES else "context", "adaptive")
+
+
 def report(
     run: Any, *, completion_tokens: int, cached_tokens: int, drafter: str | None, step: StepTime | None
 ) -> dict[str, Any]:
@@ -94,7 +108,7 @@ def report(
         },
         "speculative": {
             "drafter": drafter,
-            "strategy": "baseline" if drafter is None else ("auto" if run.policy == "auto" else run.strategy),
+            "strategy": "baseline" if drafter is None else reported_strategy(run),
             "k": run.k if drafter is not None else 0,
             "cycles": len(drafting),
             "drafted_tokens": run.proposed,

@@ -260,7 +260,7 @@ class Service:
         self._go_on(job, "reading the prompt")
         config = request.config
         auto = None
-        if config.strategy == "auto":  # costs missing or off are measured later, while the worker is idle
+        if config.k_policy == "adaptive":  # costs missing or off are measured later, while the worker is idle
             schedule = lambda key, why: self._want(Wanted(key, request.drafter, why))  # noqa: E731
             auto = open_auto(target, choice, held=self.evidence, schedule=schedule)
         # Keyed by the target: the caches name the models that filled them, and the engine reuses a drafter's

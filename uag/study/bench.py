@@ -212,11 +212,11 @@ def _prompt_ids(target, choices, pending: list[PlannedRun]) -> dict:
 
 
 def _generate(target, choice, ids: list[int], config: GenerationConfig):
-    """One run; strategy auto starts from the pair's measured costs (uag.costs.pair), as through uag.api."""
+    """One run; adaptive k (auto) starts from the pair's measured costs (uag.costs.pair), as through uag.api."""
     from uag.core.engine import generate
     from uag.costs.pair import profile_for
 
-    profile = profile_for(target, choice) if config.strategy == "auto" else None
+    profile = profile_for(target, choice) if config.k_policy == "adaptive" else None
     return generate(target, choice, ids, config, profile=profile)
 
 
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=SPECULATIVE,
         default=list(DEFAULT_STRATEGIES),
-        help=f"default: {' '.join(DEFAULT_STRATEGIES)} (auto: k is the maximum it may choose)",
+        help=f"default: {' '.join(DEFAULT_STRATEGIES)} (auto, tli+auto: k is the maximum it may choose)",
     )
     parser.add_argument("--k", type=k_list, nargs="+", default=[[DEFAULT_K]], help="draft lengths: 1 2 4 or 1,2,4")
     parser.add_argument(

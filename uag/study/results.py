@@ -41,7 +41,7 @@ RUN_COLUMNS = {
     # what was asked (RunSpec)
     "target": "TEXT NOT NULL",
     "drafter": "TEXT",  # NULL for baselines
-    "strategy": "TEXT NOT NULL",  # "baseline" or as requested: none / naive / context / tli / auto
+    "strategy": "TEXT NOT NULL",  # "baseline" or as requested: none / naive / context / tli / auto / tli+auto …
     "k": "INTEGER NOT NULL",
     "window": "INTEGER NOT NULL",
     "max_tokens": "INTEGER NOT NULL",
