@@ -161,7 +161,9 @@ def test_remote_users_never_see_or_use_a_path_a_local_user_loaded(tmp_path):  # 
 def test_a_hub_shaped_name_that_is_a_local_folder_is_not_loaded_for_remote_users(tmp_path, monkeypatch):
     (tmp_path / "org" / "model").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)  # mlx-lm would load "org/model" from here rather than from the hub
-    with pytest.raises(InputError, match="not available to remote users"):  # not "a folder": tests/app/test_ui_boundary.py
+    with pytest.raises(
+        InputError, match="not available to remote users"
+    ):  # not "a folder": tests/app/test_ui_boundary.py
         check_model("org/model", "target", access=REMOTE_ANY)
 
 

@@ -1,5 +1,5 @@
-"""`uag serve --shard`: two ranks on 127.0.0.1 (the ring backend, started as tests/distributed/test_sharded.py starts them),
-rank 0 serving the `openai` SDK, the target tensor-sharded over both.
+"""`uag serve --shard`: two ranks on 127.0.0.1 (the ring backend, started as tests/distributed/test_sharded.py starts
+them), rank 0 serving the `openai` SDK, the target tensor-sharded over both.
 
 One cluster for the module: greedy replies with lookup, a drafter model of another vocabulary and `auto` equal the
 target alone's and the unsharded `uag generate --strategy baseline`; a streamed reply equals the whole one; a stop
@@ -24,7 +24,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import real_tokenizers
 from tests.distributed.test_sharded import (
     LAUNCH_LIMIT_S,
     PROMPT,
@@ -33,6 +32,7 @@ from tests.distributed.test_sharded import (
     free_ports,
     models,  # noqa: F401  its tiny models, a fixture (read by name below)
 )
+from tests.support import real_tokenizers
 
 openai = pytest.importorskip("openai")
 
@@ -59,7 +59,9 @@ def serving(tmp: Path, target: str, *args: str) -> Iterator[tuple[str, list[subp
     # first run measures them (every rank taking part), later runs find them, as a server's next start does.
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "UAG_API_KEY": KEY,
            "UAG_CACHE_DIR": str(real_tokenizers.cache_root() / "serve-sharded")}  # fmt: skip
-    pin = shutil.which("taskset") and (os.cpu_count() or 1) >= 2  # one core each (tests/distributed/test_sharded.py says why)
+    pin = (
+        shutil.which("taskset") and (os.cpu_count() or 1) >= 2
+    )  # one core each (tests/distributed/test_sharded.py says why)
     procs = []
     for r in range(2):
         cmd = [sys.executable, "-m", "uag", "serve", "--shard", "tensor", "--target", target, "--port", str(port),

@@ -11,8 +11,8 @@ import pytest
 
 import uag.core.engine
 import uag.costs.calibrate
-from tests.support.tiny_models import build_tiny
 from tests.server.test_server_costs import QUIET, SAVED, calibration, fake_target
+from tests.support.tiny_models import build_tiny
 from uag.app.session import Session
 from uag.app.settings import Settings
 from uag.core.config import GenerationConfig
