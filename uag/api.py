@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice
-from uag.core.engine import generate as _generate
+from uag.core.engine import last_run
 from uag.core.engine import stream as _stream
 from uag.core.loading import load_drafter_choice, load_model
 from uag.core.records import Event, Run
@@ -83,14 +83,7 @@ def generate(
     **kw,
 ) -> Run:
     """One whole run (see `stream`)."""
-    config = config or GenerationConfig()
-    if config.k_policy != "adaptive":
-        return _generate(target, drafter, prompt, config, **kw)
-    auto = open_auto(target, drafter, kw, progress=progress)
-    try:
-        return _generate(target, drafter, prompt, config, **{**kw, **auto.engine_kwargs()})
-    finally:
-        auto.finish()
+    return last_run(stream(target, drafter, prompt, config, progress=progress, **kw))
 
 
 def _closing(events: Iterator[Event], finish: Callable[[], None]) -> Iterator[Event]:

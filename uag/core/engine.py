@@ -439,8 +439,13 @@ def generate(
     target: LoadedModel, drafter: DrafterChoice | LoadedModel | Drafter | None, prompt, config: GenerationConfig, **kw
 ) -> Run:
     """Run a stream to the end and return its record."""
+    return last_run(stream(target, drafter, prompt, config, **kw))
+
+
+def last_run(events: Iterator[Event]) -> Run:
+    """Drain a stream of `Event`s and return the run's final record."""
     run = None
-    for event in stream(target, drafter, prompt, config, **kw):
+    for event in events:
         run = event.run
     if run is None or run.finish_reason is None:
         raise RuntimeError("generation ended without a final record")

@@ -74,14 +74,19 @@ def profile_for(
     to check), so auto drafts from the first cycle with the right k instead of learning widths one by one.
     """
     key = evidence_key(target, drafter)
-    if key is None:
-        return None
+    return None if key is None else saved_or_measured(key, target, drafter, progress=progress).profile
+
+
+def saved_or_measured(
+    key: dict, target: LoadedModel, drafter: DrafterChoice | LoadedModel, *, progress: Progress | None = None
+) -> Calibration:
+    """The pair's saved calibration (`key`: its `evidence_key`), or a quick one measured now and kept."""
     calibration = read_calibration(key)
     if calibration is None:
         (progress or (lambda _: None))(MEASURING)
         calibration = measure_costs(target, drafter, progress=progress)
         keep_measured(calibration, target)
-    return calibration.profile
+    return calibration
 
 
 def measure_costs(
@@ -193,15 +198,11 @@ def open_auto(
     """
     key = evidence_key(target, drafter)
     calibration, profile = None, given.get("profile")
-    if "profile" not in given:
-        calibration = None if key is None else read_calibration(key)
-        if calibration is None and key is not None:
-            if schedule is not None:
-                schedule(key, "no costs are saved for it yet")
-            else:
-                (progress or (lambda _: None))(MEASURING)
-                calibration = measure_costs(target, drafter, progress=progress)
-                keep_measured(calibration, target)
+    if "profile" not in given and key is not None:
+        if schedule is None:
+            calibration = saved_or_measured(key, target, drafter, progress=progress)
+        elif (calibration := read_calibration(key)) is None:
+            schedule(key, "no costs are saved for it yet")
         profile = None if calibration is None else calibration.profile
     if "evidence" in given:
         return AutoInputs(profile, given["evidence"])  # the caller's evidence stays the caller's
