@@ -52,12 +52,15 @@ Chosen conversations instead of the first N (e.g. ones no tuning looked at): --i
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -74,6 +77,7 @@ import httpx
 import openai
 
 from uag import _blas
+from uag.core.policy import MECHANISMS
 from uag.models import demo
 from uag.study.datasets import Conversation, load_bundled, load_conversations
 
@@ -96,6 +100,7 @@ class Condition:
     argv: tuple[str, ...]  # the server's command line, without --port
     model: str  # the request's `model`
     extra_body: dict | None = None
+    cache: Path | None = None  # a private copy of this cache folder for each start (UAG_CACHE_DIR); None: the user's
 
 
 def folder(name: str) -> str:
@@ -110,6 +115,13 @@ def conditions(args: argparse.Namespace) -> list[Condition]:
         Condition(f"uag:{d}", "uag", (*uag_serve, "--drafter", d, "--drafters", d, "--strategy", "auto"), args.target)
         for d in args.drafters
     ]
+    if args.ablate:  # auto with one part off, over the first drafter; every auto server opens from the same evidence
+        first, snapshot = out[0], cache_snapshot()
+        out = [replace(c, cache=snapshot) for c in out]
+        out += [
+            replace(first, name=f"{first.name}-no-{m}", argv=(*first.argv, "--auto-off", m))
+            for m in (MECHANISMS if "all" in args.ablate else args.ablate)
+        ]
     out.append(Condition("uag:off", "uag", (*uag_serve, "--drafter", "off"), args.target, {"speculative": False}))
     target = folder(args.target)
     mlx = (sys.executable, "-m", "mlx_lm", "server", "--model", target, "--max-tokens", str(args.max_tokens),
@@ -132,6 +144,27 @@ def conditions(args: argparse.Namespace) -> list[Condition]:
             raise SystemExit(f"--only: no condition {', '.join(unknown)} (there are {', '.join(c.name for c in out)})")
         out = [c for c in out if c.name in args.only]
     return out
+
+
+def cache_snapshot() -> Path:
+    """A copy of the user cache's saved profiles and evidence as they are now, its converted models linked."""
+    from uag.machine import cache_dir
+
+    snapshot = Path(tempfile.mkdtemp(prefix="uag-serve-cache-"))
+    atexit.register(shutil.rmtree, snapshot, True)
+    for name in ("profiles", "evidence"):
+        if (cache_dir() / name).is_dir():
+            shutil.copytree(cache_dir() / name, snapshot / name)
+    (snapshot / "models").symlink_to(cache_dir() / "models")
+    return snapshot
+
+
+def private_cache(snapshot: Path) -> Path:
+    """A fresh copy of `snapshot` for one server: what it saves stays its own (the models stay linked)."""
+    folder = Path(tempfile.mkdtemp(prefix="uag-serve-run-"))
+    atexit.register(shutil.rmtree, folder, True)
+    shutil.copytree(snapshot, folder, symlinks=True, dirs_exist_ok=True)
+    return folder
 
 
 def free_port() -> int:
@@ -161,6 +194,8 @@ class Server:
         library = openblas()
         if library and self.condition.server == "mlx_lm":  # uag serve loads it itself
             env["LD_PRELOAD"] = " ".join(filter(None, [library, env.get("LD_PRELOAD")]))
+        if self.condition.cache is not None:
+            env["UAG_CACHE_DIR"] = str(private_cache(self.condition.cache))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
         started = time.perf_counter()
@@ -608,6 +643,24 @@ def targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None,
     return out
 
 
+def ablation(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None, float | None]]:
+    """(condition, edit turns 2-3 tokens/s pooled, end to end summed over them), each × auto as shipped over the
+    same drafter (`--ablate`: condition uag:<drafter>-no-<mechanism>), on the turns both served."""
+    out = []
+    for name, table in tables.items():
+        full = tables.get(name.split("-no-")[0]) if "-no-" in name else None
+        if full is None:
+            continue
+        keys = select(table, "edit", (2, 3)).keys() & select(full, "edit", (2, 3)).keys()
+        e2e = [(table[k]["e2e_s"], full[k]["e2e_s"]) for k in keys if table[k]["e2e_s"] and full[k]["e2e_s"]]
+        out.append((
+            name,
+            ratio(pooled_tps(table, keys), pooled_tps(full, keys)),
+            ratio(sum(f for _, f in e2e), sum(t for t, _ in e2e)) if e2e else None,
+        ))  # fmt: skip
+    return out
+
+
 def lossless(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, int, int]]:
     """(comparison, turns equal, turns compared): each uag speculative condition against uag:off, turn by turn
     and repeat by repeat; then mlx_lm's conditions against uag:off, for information."""
@@ -639,7 +692,7 @@ def summary(rows: list[dict]) -> str:
         f"repeats: {meta.get('repeats', '?')} (medians)"
     ]
     columns = (
-        ("condition", 26),
+        ("condition", max([26, *(len(name) + 2 for name in tables)])),
         ("workload", 12),
         ("turns", 6),
         ("TTFT s", 9),
@@ -683,6 +736,9 @@ def summary(rows: list[dict]) -> str:
         verdict = "" if goal == "(peer)" else "not measured" if met is None else "met" if met else "NOT met"
         measured = "-" if value is None else f"{value:.2f}x"
         lines.append(f"{what:<86}{measured:>9}  {goal:<9} {verdict}")
+    for name, tps, e2e in ablation(tables):
+        what = f"ablation: {name}, edit turns 2-3 × auto as shipped: tokens/s; speed end to end"
+        lines.append(f"{what:<86}{fmt(tps, '.3f'):>9}  {fmt(e2e, '.3f')}")
     for name, same, total in lossless(tables):
         if name.startswith("uag:"):
             what, verdict = f"lossless: {name} text == uag:off text", "met" if same == total and total else "NOT met"
@@ -724,6 +780,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--ttft-conversation", default=DEFAULT_TTFT_CONVERSATION, help="'' to skip the cold read")
     parser.add_argument("--only", nargs="+", help="run only these conditions, e.g. uag:off mlx_lm")
+    parser.add_argument(
+        "--ablate",
+        nargs="+",
+        default=[],
+        choices=[*MECHANISMS, "all"],
+        help="also auto over the first drafter "
+        "with each of these switched off (`uag serve --auto-off`), as condition uag:<drafter>-no-<name>; every "
+        "uag server then opens from a copy of the saved profiles and evidence as they were at the start",
+    )
     parser.add_argument(
         "--together",
         action="store_true",

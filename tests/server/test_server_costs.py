@@ -21,12 +21,13 @@ from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.evidence import Evidence
 from uag.core.records import Run
-from uag.costs.pair import keep_measured, open_auto
+from uag.costs.pair import evidence_key, keep_measured, open_auto
 from uag.costs.profiles import (
     Calibration,
     MachineLoad,
     decayed,
     find_calibration,
+    find_evidence,
     profile_path,
     replaces,
     save,
@@ -388,3 +389,28 @@ def test_the_busy_time_is_read_from_proc_stat(monkeypatch, tmp_path):
     )
     monkeypatch.setattr(profiles.os, "sysconf", lambda name: 100)
     assert profiles._busy_s() == pytest.approx(59.95)
+
+
+def test_an_ablated_server_runs_its_auto_settings_and_leaves_the_saved_evidence_alone(cache, now_quiet):
+    """`--auto-off`: each request's run gets the settings (Seams.auto) and opens from the pair's saved evidence,
+    which it neither saves over nor judges; as shipped, the run gets no seams and the evidence is saved."""
+    from uag.core.policy import AutoSettings
+
+    seen = []
+
+    def stream(target, drafter, ids, config, *, cancel=None, caches=None, profile=None, evidence=None, **kw):
+        seen.append((kw.get("seams"), evidence))
+        evidence.expansion = 1.25  # what the run learned
+        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens, policy="baseline")
+        return Scripted._events(run, "Warszawa.")
+
+    key = evidence_key(fake_target(), DrafterChoice(lookup=True))
+    ablated = service(Measure(), stream)
+    ablated.auto = AutoSettings(stop_rule=False)
+    ask(ablated), ask(ablated)
+    assert [s.auto for s, _ in seen] == [AutoSettings(stop_rule=False)] * 2
+    assert seen[0][1] is seen[1][1]  # one evidence across the server's requests, kept in the process
+    assert find_evidence(key) is None  # nothing saved for the pair's next process
+    seen.clear()
+    ask(service(Measure(), stream))
+    assert seen[0][0] is None and find_evidence(key).expansion == 1.25

@@ -292,6 +292,22 @@ def test_serve_takes_the_dtypes_generate_takes():
         serve_args("--target-dtype", "int3", "--drafter-dtype", "fp7")
 
 
+def test_auto_off_switches_parts_of_auto_off_and_only_where_auto_runs():
+    """`uag serve --auto-off NAME` (an ablation, repeatable): AutoSettings with those switches off; refused with a
+    fixed strategy, which has no auto to switch, and with --shard."""
+    from tests.support.server import serve_args
+    from uag.core.policy import AutoSettings
+    from uag.errors import InputError
+
+    assert serve_args()[1]["auto"] is None  # as shipped
+    auto = serve_args("--auto-off", "stop_rule", "--auto-off", "carried")[1]["auto"]
+    assert auto == AutoSettings(stop_rule=False, carried=False)
+    with pytest.raises(InputError, match="--auto-off switches off parts of auto: --strategy context has none"):
+        serve_args("--strategy", "context", "--auto-off", "stop_rule")
+    with pytest.raises(SystemExit):  # argparse names the choices
+        serve_args("--auto-off", "pace")
+
+
 def test_check_is_greedy_only_and_a_bool():
     defaults = ServerDefaults(model="m", drafter="lookup")
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}

@@ -183,6 +183,7 @@ def open_auto(
     progress: Progress | None = None,
     held: dict[str, Evidence] | None = None,
     schedule: Schedule | None = None,
+    keep: bool = True,
 ) -> AutoInputs:
     """What an `auto` run of the pair opens from, where the caller's engine arguments `given` hold none: the
     pair's `profile`, and as `evidence` what earlier runs of the pair accepted on this machine
@@ -195,6 +196,8 @@ def open_auto(
     the run found off is said in one warning line (`uag calibrate` measures it again). With it (a server)
     nothing is measured here: the run goes on the saved profile or none (auto then learns the costs as it
     runs), and `schedule(key, why)` hears of a missing profile now and of one the run found off at the end.
+    `keep=False` (an ablated auto, `uag serve --auto-off`): the evidence opens from the pair's saved evidence and
+    stays in `held`; nothing is saved and the profile is not judged.
     """
     key = evidence_key(target, drafter)
     calibration, profile = None, given.get("profile")
@@ -213,6 +216,9 @@ def open_auto(
         if name not in held:
             held[name] = saved_evidence(key)
         evidence = held[name]
+
+    if not keep:
+        return AutoInputs(profile, evidence)
 
     def finish() -> None:
         keep_evidence(key, evidence)

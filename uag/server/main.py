@@ -19,6 +19,7 @@ from typing import Any
 
 from uag.command import CommandParser, literal, port_taken, progress, run, whole
 from uag.core.config import DEFAULT_K, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
+from uag.core.policy import MECHANISMS, AutoSettings
 from uag.core.translate import DEFAULT_WINDOW
 from uag.errors import InputError, UserError
 from uag.models.dtypes import add_dtype_options, parse_dtype
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default 4)")
     p.add_argument("--max-models", type=whole, default=DEFAULT_MAX_MODELS, help="models kept loaded (default 4)")
     p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
+    p.add_argument("--auto-off", action="append", default=[], choices=MECHANISMS, metavar="MECHANISM",
+                   help="switch off one part of auto for an ablation (repeatable; "
+                   f"{', '.join(MECHANISMS)}): auto then neither reads nor saves the pair's saved evidence "
+                   "(docs/how-it-works.md#what-each-part-earns)")  # fmt: skip
     add_http_options(p)
     from uag.distributed.options import add_shard_options
 
@@ -154,13 +159,16 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
             dtypes[role] = parse_dtype(getattr(args, f"{role}_dtype"), flag=flag)
         except InputError as err:
             problems.append(str(err))
+    off = getattr(args, "auto_off", None) or []
+    if off and not adaptive_k(args.strategy):
+        problems.append(f"--auto-off switches off parts of auto: --strategy {args.strategy} has none")
     if getattr(args, "shard", None):
         problems += _shard_problems(args, drafters)
     if problems:
         raise InputError("; ".join(problems))
     config = GenerationConfig.parse(**fields)
     return {"config": config, "drafter": drafters[0] if drafter else None, "drafters": tuple(drafters), "key": key,
-            "perimeter": perimeter,
+            "perimeter": perimeter, "auto": AutoSettings(**dict.fromkeys(off, False)) if off else None,
             "target_dtype": dtypes["target"], "drafter_dtype": dtypes["drafter"]}  # fmt: skip
 
 
@@ -204,7 +212,7 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         runner = session.runner  # one per-client count for the app's runs and the API's
     service = Service(store, runner, defaults, target=args.target, cache_bytes=args.cache_gb * 1e9, stream=stream,
                       target_dtype=opts.get("target_dtype"), drafter_dtype=opts.get("drafter_dtype"),
-                      measure=measure)  # fmt: skip
+                      measure=measure, auto=opts.get("auto"))  # fmt: skip
     app = create_app(service, api_key=opts["key"], max_body=int(args.max_body_mb * 2**20), max_queue=args.max_queue,
                      perimeter=opts.get("perimeter"))  # fmt: skip
     if session is not None:
@@ -294,6 +302,8 @@ def _shard_problems(args: argparse.Namespace, drafters: list[str]) -> list[str]:
     models = [DrafterSpec.parse(d).model for d in drafters]
     if any(m and ModelStore.identity(m) == ModelStore.identity(args.target) for m in models):
         problems.append("--shard: the target cannot draft for itself (rank 0 holds only its shard)")
+    if getattr(args, "auto_off", None):
+        problems.append("--auto-off is for a single process: drop it with --shard")
     return problems
 
 

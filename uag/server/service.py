@@ -146,6 +146,7 @@ class Service:
         target_dtype: str | None = None,
         drafter_dtype: str | None = None,
         measure: Callable[..., Any] | None = None,
+        auto: Any = None,
     ):
         from uag.core.engine import stream as engine_stream
 
@@ -154,6 +155,7 @@ class Service:
         self.caches = ConversationCaches(cache_bytes)
         self.stream = stream or engine_stream
         self.measure = measure
+        self.auto = auto  # AutoSettings with parts of auto switched off (`--auto-off`, an ablation); None: as shipped
         self.costs = CostKeeper(runner.worker, self._measure, lambda wanted: self.holds(wanted.drafter))
         self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs share
         self.recent: deque[Served] = deque(maxlen=RECENT)
@@ -262,7 +264,7 @@ class Service:
         auto = None
         if config.k_policy == "adaptive":  # costs missing or off are measured later, while the worker is idle
             schedule = lambda key, why: self._want(Wanted(key, request.drafter, why))  # noqa: E731
-            auto = open_auto(target, choice, held=self.evidence, schedule=schedule)
+            auto = open_auto(target, choice, held=self.evidence, schedule=schedule, keep=self.auto is None)
         # Keyed by the target: the caches name the models that filled them, and the engine reuses a drafter's
         # cache only for that drafter, so a conversation keeps its target cache when speculation changes.
         pair = target.name
@@ -271,6 +273,10 @@ class Service:
         text = ReplyText(request.stop, request.tools)
         run, stopped, clean = None, False, False
         extra = {} if auto is None else auto.engine_kwargs()
+        if self.auto is not None:
+            from uag.core.engine import Seams
+
+            extra["seams"] = Seams(auto=self.auto)
         events = self.stream(target, choice, ids, config, cancel=job.cancelled, caches=caches, **extra)
         try:
             for event in events:
