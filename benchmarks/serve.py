@@ -142,7 +142,7 @@ def conditions(args: argparse.Namespace) -> list[Condition]:
         unknown = sorted(set(args.only) - {c.name for c in out})
         if unknown:
             raise SystemExit(f"--only: no condition {', '.join(unknown)} (there are {', '.join(c.name for c in out)})")
-        out = [c for c in out if c.name in args.only]
+        out = sorted((c for c in out if c.name in args.only), key=lambda c: args.only.index(c.name))
     return out
 
 
@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--ttft-conversation", default=DEFAULT_TTFT_CONVERSATION, help="'' to skip the cold read")
-    parser.add_argument("--only", nargs="+", help="run only these conditions, e.g. uag:off mlx_lm")
+    parser.add_argument("--only", nargs="+", help="run only these conditions, in this order, e.g. uag:off mlx_lm")
     parser.add_argument(
         "--ablate",
         nargs="+",

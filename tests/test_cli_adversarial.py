@@ -41,6 +41,7 @@ def folders(tmp_path_factory):
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     (root / "bad.txt").write_bytes("Zażółć gęślą ".encode() + b"\xff\xfe jaz")  # Latin-1 bytes inside UTF-8
     (root / "prompts").mkdir()
+    (root / "schema.json").write_text('{"type": "object", "properties": {"n": {"type": "strin"}}}')
     return {
         "good": str(good),
         "short_drafter": str(build_tiny("llama", "llama-3.2", seed=3, max_position_embeddings=16)),
@@ -50,6 +51,7 @@ def folders(tmp_path_factory):
         "folder": str(root / "prompts"),
         "missing": str(root / "nothing-here"),
         "root": str(root),
+        "schema": str(root / "schema.json"),
     }
 
 
@@ -80,6 +82,9 @@ CASES = [
     ("model-folder-missing", [*GENERATE, "--target", "{missing}", "Ala"], None, "no model directory at"),
     ("config-without-model-type", [*GENERATE, "--target", "{no_type}", "Ala"], None, "model_type"),
     ("truncated-weights", [*GENERATE, "--target", "{truncated}", "Ala"], None, "incomplete or"),
+    ("json-schema-not-json", [*GENERATE, "--json-schema", "{bad_file}", "Ala"], None, "--json-schema: cannot read a JSON Schema from"),
+    ("json-schema-bad-type", [*GENERATE, "--json-schema", "{schema}", "Ala"], None, "--json-schema: schema: "),
+    ("json-schema-and-object", [*GENERATE, "--json-schema", "{schema}", "--json-object", "Ala"], None, "not allowed with argument --json-schema"),
     ("empty-lookup-drafter", ["-m", "uag", "generate", "--drafter", "lookup+", "Ala"], None, "after lookup+ name a drafter model"),
     (
         "prompt-beyond-drafter-context",
@@ -121,6 +126,27 @@ def test_bad_input_is_one_error_line_with_exit_2(folders, tmp_path, argv, stdin,
     assert message in lines[0], lines[0]
     assert "Traceback" not in err and not TYPE_NAME.search(lines[0]), lines[0]
     assert done.stdout == b""
+
+
+def test_json_schema_makes_the_reply_fit_the_schema(folders, tmp_path):
+    """The flag reaches the engine: a tiny random model (Llama-3.2's real tokenizer) writes what the schema
+    allows, with speculation as without, the schema given bare or as response_format's json_schema object."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    bare, wrapped = tmp_path / "bare.json", tmp_path / "wrapped.json"
+    bare.write_text(json.dumps(schema))
+    wrapped.write_text(json.dumps({"name": "answer", "schema": schema, "strict": True}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    replies = []
+    for path, strategy in ((bare, "baseline"), (wrapped, "auto")):
+        done = subprocess.run(
+            [sys.executable, "-m", "uag", "generate", "--target", folders["good"], "--drafter", "lookup",
+             "--strategy", strategy, "--json-schema", str(path), "--max-tokens", "12", "--json", "Ala"],
+            cwd=tmp_path, env=env, capture_output=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr.decode()
+        replies.append(json.loads(done.stdout)["text"])
+    assert replies[0] == replies[1] and replies[0].startswith('{"ok": ')
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@
     python -m uag generate --drafter demo-drafter -k 2 "Stolica Polski to"
     python -m uag generate --drafter lookup --prompt-file notes.txt      # prompt lookup, no drafter model
     cat long.txt | python -m uag generate --strategy auto -k 8 -            # the prompt from stdin
+    python -m uag generate --strategy auto --json-schema person.json --chat "Describe Ala as JSON"
 
 Every decoding flag is checked by `GenerationConfig.parse`, the same checks as the app's and the API's, and
 the prompt is checked against the target's context and the drafter's before anything is generated. Bad
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from uag.command import USER_ERROR, CommandParser, add_generation_options, decoding_config, literal, progress, run, say
 from uag.core.config import MODES, DrafterSpec, GenerationConfig
@@ -43,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the target alone too, and say whether (and why) greedy outputs differ (JSON: baseline, "
         "speculative, divergence)",
     )
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="PATH",
+        help="the reply must fit this JSON Schema (a file holding the schema, or OpenAI's response_format "
+        "json_schema object with name, schema, strict)",
+    )
+    shape.add_argument("--json-object", action="store_true", help="the reply must be one JSON object")
     gen.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
     gen.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from stdin")
     from uag.distributed.options import add_shard_options
@@ -74,7 +84,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from uag.models.store import ModelStore
     from uag.runtime.pair import open_pair, prompt_ids_for
 
-    config = decoding_config(args, strategy=args.strategy, k=literal(args.k))
+    config = decoding_config(args, strategy=args.strategy, k=literal(args.k), constraint=_constraint(args))
     if getattr(args, "shard", None) and args.prompt == "-":
         raise InputError("--shard: every rank needs the prompt: give it as an argument or with --prompt-file")
     prompt = read_prompt(args.prompt, args.prompt_file, sys.stdin.buffer)
@@ -83,8 +93,9 @@ def run_generate(args: argparse.Namespace) -> int:
     target_dtype = parse_dtype(args.target_dtype, flag="--target-dtype")
     drafter_dtype = parse_dtype(args.drafter_dtype, flag="--drafter-dtype")
     if getattr(args, "shard", None):  # a target split over the ranks of mlx.launch
-        if target_dtype or drafter_dtype or args.compare:
-            raise InputError("--shard loads the models as stored and runs once: drop --*-dtype and --compare")
+        if target_dtype or drafter_dtype or args.compare or config.constraint:
+            raise InputError("--shard loads the models as stored and runs once, unconstrained: drop --*-dtype, "
+                             "--compare, --json-schema and --json-object")  # fmt: skip
         return _print_run(args, *_generate_sharded(args, config, prompt))
     if args.compare and not config.speculative:
         raise InputError("--compare sets a speculative run against the target alone: pick a --strategy but baseline")
@@ -98,6 +109,26 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.compare:
         return _print_comparison(args, loaded, ids, config)
     return _print_run(args, generate(loaded.target, loaded.choice, ids, config), _ran(loaded, config))
+
+
+def _constraint(args: argparse.Namespace) -> str | None:
+    """The grammar --json-schema or --json-object asks for (uag.core.grammar); InputError naming the flag."""
+    from uag.core.grammar import response_format_constraint
+
+    if args.json_object:
+        return response_format_constraint({"type": "json_object"})
+    if args.json_schema is None:
+        return None
+    try:
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise InputError(f"--json-schema: cannot read a JSON Schema from {args.json_schema}: {err}") from None
+    wrapped = isinstance(schema, dict) and isinstance(schema.get("schema"), dict)  # response_format's json_schema
+    spec = schema if wrapped else {"name": Path(args.json_schema).stem, "schema": schema}
+    try:
+        return response_format_constraint({"type": "json_schema", "json_schema": spec})
+    except InputError as err:
+        raise InputError(f"--json-schema: {str(err).removeprefix('response_format.json_schema.')}") from None
 
 
 def _ran(loaded, config: GenerationConfig) -> dict:

@@ -145,10 +145,10 @@ def test_generate_step_after_a_cached_prefix_sees_the_prefix_through_with_prefix
     sampling = TargetSampling.of(GenerationConfig(repetition_penalty=2.0))
     logits = mx.zeros((1, 10))
     prefix, read = [1, 2, 3], [4]
-    seen = sampling.with_prefix(prefix)[0](mx.array(read), logits)
+    seen = sampling.with_prefix(prefix, len(read))[0](mx.array(read), logits)
     whole = sampling.processors[0](mx.array(prefix + read), logits)
     assert np.array(seen).tolist() == np.array(whole).tolist()
-    assert sampling.with_prefix([]) is sampling.processors
+    assert sampling.with_prefix([], 4) is sampling.processors
 
 
 def test_rejection_sampling_keeps_the_targets_truncated_distribution():

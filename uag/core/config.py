@@ -124,6 +124,9 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # a grammar the reply must follow (uag.core.grammar: response_format, forced tool calls), as JSON text; the
+    # target is masked by it at every position it samples or verifies, drafts included
+    constraint: str | None = None
 
     @property
     def speculative(self) -> bool:
@@ -211,6 +214,8 @@ class GenerationConfig:
             values[name] = _number(values[name], FIELD[name], problems)
         for name in ("top_p", "repetition_penalty"):  # 0 would keep no token / divide by zero
             values[name] = _number(values[name], FIELD[name], problems, above_lo=True)
+        if values["constraint"] is not None and not (isinstance(values["constraint"], str) and values["constraint"]):
+            problems.append("constraint must be a grammar from uag.core.grammar (or none)")
         if problems:
             raise InputError("; ".join(problems))
         return cls(**values)
@@ -275,6 +280,7 @@ def _flag(value: Any, field: Field, problems: list[str]) -> Any:
 
 
 LOOKUP = "lookup"
+GRAMMAR = "grammar"  # a draft of the tokens a constraint's grammar forces (uag.core.grammar): no drafter makes it
 
 
 @dataclass(frozen=True)

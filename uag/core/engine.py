@@ -14,22 +14,25 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import can_trim_prompt_cache
 
-from uag.core.config import LOOKUP, GenerationConfig
+from uag.core.config import GRAMMAR, LOOKUP, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
 from uag.core.passes import PromptCaches, prefill, reuse, settle_allocator, trim_to
-from uag.core.policy import AutoSettings, Evidence, Policy, StopRule, make_policy
-from uag.core.records import Cycle, Event, Run, Token
+from uag.core.policy import AutoSettings, Evidence, Policy, StopRule, make_policy, within
+from uag.core.records import Cycle, Event, Pieces, Run
 from uag.core.sampling import PENALTY_CONTEXT, Sampler, TargetSampling
 from uag.core.translate import Translator
 from uag.core.verify import accept_greedy, accept_rejection
 from uag.errors import InputError, ModelError
 from uag.models.store import LoadedModel, check_pair
+
+if TYPE_CHECKING:
+    from uag.core.grammar import Matcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,14 @@ def _fitting(target: LoadedModel, ids: Sequence[int]) -> list[int]:
     return list(ids)
 
 
+def matcher_for(target: LoadedModel, constraint: str) -> Matcher:
+    """A run's matcher for a constraint (uag.core.grammar) over the target's tokens and its logits' width."""
+    from uag.core.grammar import Matcher, TokenTable
+
+    width = getattr(getattr(target.model, "args", None), "vocab_size", None) or target.vocab.size
+    return Matcher(TokenTable.of(target.tokenizer, width, target.eos_ids), constraint)
+
+
 def token_budget(target: LoadedModel, n_prompt: int, max_tokens: int) -> int:
     """The tokens a run may write: max_tokens, or fewer where the target's context ends first."""
     limit = target.context_length
@@ -88,15 +99,16 @@ def token_budget(target: LoadedModel, n_prompt: int, max_tokens: int) -> int:
 
 
 def baseline_steps(
-    target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, cache: list, cached: int, budget: int
-) -> Iterator[Step]:
+    target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, cache: list, cached: int, budget: int,
+    grammar: Matcher | None = None,
+) -> Iterator[Step]:  # fmt: skip
     """The target alone, through mlx-lm's `generate_step`, reading the prompt after the `cached` tokens the
     cache holds; the cache is left holding every committed token but the newest. Its penalties see the whole
-    committed sequence, the cached tokens included, as speculation's do."""
-    sampling = TargetSampling.of(config)
+    committed sequence, the cached tokens included, as speculation's do; the grammar masks every step."""
+    sampling = TargetSampling.of(config, grammar=grammar)
     steps = generate_step(
         mx.array(prompt[cached:]), target.model, max_tokens=budget, sampler=sampling.sampler,
-        logits_processors=sampling.with_prefix(prompt[:cached]) or None, prompt_cache=cache,
+        logits_processors=sampling.with_prefix(prompt[:cached], len(prompt) - cached) or None, prompt_cache=cache,
     )  # fmt: skip
     generated = 0
     try:
@@ -122,10 +134,11 @@ class Speculation:
 
     def __init__(
         self, target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, drafter: Drafter, cache: list,
-        cached: int = 0, *, sampler: Sampler | None = None,
+        cached: int = 0, *, sampler: Sampler | None = None, grammar: Matcher | None = None,
     ):  # fmt: skip
         self.target, self.config, self.drafter, self.cache = target, config, drafter, cache
-        self.sampling = TargetSampling.of(config, sampler)
+        self.sampling = TargetSampling.of(config, sampler, grammar)
+        self.grammar = grammar  # the constraint's matcher: it has consumed every generated committed token
         self.committed = list(prompt)  # target ids: prompt, then every generated token
         self.seen = cached
         self.eos = target.eos_ids
@@ -144,8 +157,15 @@ class Speculation:
 
     def cycle(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Step:
         """Draft (up to k, as many as `stop` says where there is one) → verify → commit: at most `budget`
-        tokens, stopping at EOS."""
-        draft = self.drafter.propose(source, k, budget - 1, stop)
+        tokens, stopping at EOS. Under a grammar, a greedy draft ends at its first token the grammar refuses
+        (the target could not keep it), and source GRAMMAR proposes the tokens the grammar forces."""
+        if source == GRAMMAR:
+            forced = self.grammar.forced()[: min(k, budget - 1)]
+            draft = Draft(GRAMMAR, forced, draft_ids=list(forced), usable=list(forced))
+        else:
+            draft = self.drafter.propose(source, k, budget - 1, stop)
+        if self.grammar is not None and draft.q is None:
+            draft.proposed = draft.proposed[: self.grammar.valid(draft.proposed)]
         t0 = time.perf_counter()
         verdict = self._verify(draft)
         new = verdict.committed(draft.proposed)
@@ -181,6 +201,8 @@ class Speculation:
     def _commit(self, draft: Draft, new: list[int]) -> bool:
         """Append committed tokens, trim the target's cache to all but the newest, tell the drafter."""
         self.committed += new
+        if self.grammar is not None:
+            self.grammar.consume(new)
         self.seen = min(self.seen, len(self.committed) - 1)
         trim_to(self.cache, self.seen)
         return self.drafter.commit(draft, new)
@@ -192,7 +214,7 @@ class Speculation:
         more than it yields: a whole wasted step at the end of every parked stretch). When `until()`
         turns true after a token, the step already queued is taken and the stretch ends there. At the
         start of a run the stretch opens with the prompt, read as mlx-lm reads it."""
-        model, cache, sampling = self.target.model, self.cache, self.sampling
+        model, cache, sampling, grammar = self.target.model, self.cache, self.sampling, self.grammar
         history = mx.array(self.committed[-PENALTY_CONTEXT - 1 : -1], dtype=mx.int32) if sampling.processors else None
 
         def queue(ids: mx.array) -> mx.array:
@@ -200,8 +222,7 @@ class Speculation:
             logits = model(ids[None], cache=cache)[:, -1, :]
             if sampling.processors:  # the penalties' history grows by each input, as in generate_step
                 history = mx.concatenate([history, ids.astype(mx.int32)])[-PENALTY_CONTEXT:]
-                logits = sampling.process(history, logits)
-            y = sampling.choose(logits)
+            y = sampling.choose(sampling.step(history, logits))
             mx.async_eval(y)
             return y
 
@@ -212,6 +233,8 @@ class Speculation:
             y = queue(mx.array(pending[-1:]))
             i = 0
             while y is not None:
+                if grammar is not None:  # the next step's mask follows this token: no step is queued ahead
+                    grammar.consume([y.item()])
                 following = queue(y) if i + 1 < n else None
                 token = y.item()
                 self.committed.append(token)
@@ -236,11 +259,17 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
     proposal offered up to `k_max` (the policy may ask for fewer)."""
     generated = 0
     offer = lambda: spec.drafter.offer(k_max)  # noqa: E731
-    lookup_pending = lambda: LOOKUP in offer()  # noqa: E731  a lookup match turned up: stop the stretch
+    forced = lambda: 0 if spec.grammar is None else len(spec.grammar.forced())  # noqa: E731
+    lookup_pending = lambda: LOOKUP in offer() or forced() > 0  # noqa: E731  a draft turned up: stop the stretch
+
+    def choose(left: int) -> tuple[str, int]:  # what the grammar forces is proposed free, before the policy asks
+        n = forced()
+        return within((GRAMMAR, min(n, k_max)), left) if n else policy.choose(offer(), left)
+
     stretch = None
     try:
         policy.begin(spec.drafter.start(spec.committed), budget)
-        source, k = policy.choose(offer(), budget)  # the policy keeps within the budget (uag.core.policy.within)
+        source, k = choose(budget)  # the policy keeps within the budget (uag.core.policy.within)
         if k == 0:  # parked from the start: the prompt pass opens a stretch
             stretch = spec.plain_steps(min(policy.plain_steps(), budget), lookup_pending)
             generated += 1
@@ -253,7 +282,7 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
             generated += len(step.ids)
             yield step
         while generated < budget and spec.committed[-1] not in spec.eos:
-            source, k = ("", 0) if stretch is not None else policy.choose(offer(), budget - generated)
+            source, k = ("", 0) if stretch is not None else choose(budget - generated)
             if k == 0:  # plain target steps, as many in a row as the policy wants
                 stretch = stretch or spec.plain_steps(min(policy.plain_steps(), budget - generated), lookup_pending)
                 t0 = time.perf_counter()
@@ -293,28 +322,6 @@ def _rehearse(drafter: Drafter, policy: Policy, cycle: Cycle) -> None:
 # --- the stream ----------------------------------------------------------------------------------
 
 
-class _Pieces:
-    """Streaming detokenizer: each committed target token gets its piece of the output text."""
-
-    def __init__(self, target: LoadedModel):
-        self._detokenizer = target.tokenizer.detokenizer
-        self._eos = target.eos_ids
-
-    def __call__(self, ids: Sequence[int], accepted: int) -> tuple[Token, ...]:
-        tokens = []
-        for i, token_id in enumerate(ids):
-            text = ""
-            if token_id not in self._eos:
-                self._detokenizer.add_token(token_id)
-                text = self._detokenizer.last_segment
-            tokens.append(Token(token_id, text, i < accepted))
-        return tuple(tokens)
-
-    def flush(self) -> str:
-        self._detokenizer.finalize()
-        return self._detokenizer.last_segment
-
-
 def stream(
     target: LoadedModel,
     drafter: DrafterChoice | LoadedModel | Drafter | None,
@@ -342,6 +349,7 @@ def stream(
     budget = token_budget(target, len(ids), config.max_tokens)
     caches = PromptCaches() if caches is None else caches
     seams = seams or Seams()
+    grammar = None if config.constraint is None else matcher_for(target, config.constraint)
     common = dict(temperature=config.temperature, seed=config.seed, max_tokens=config.max_tokens, prompt_ids=ids)
     if config.strategy == "baseline":
         run = Run("baseline", target.name, **common)
@@ -355,11 +363,13 @@ def stream(
     cache, run.cached_tokens = reuse(held, caches.target_ids, ids, target.make_cache)
     caches.target_cache, caches.target_ids, caches.target_model = cache, ids[: run.cached_tokens], target.name
     if config.strategy == "baseline":
-        steps = baseline_steps(target, ids, config, cache, run.cached_tokens, budget)
+        steps = baseline_steps(target, ids, config, cache, run.cached_tokens, budget, grammar)
     else:
-        spec = Speculation(target, ids, config, drafting, cache, run.cached_tokens, sampler=seams.sampler)
+        spec = Speculation(target, ids, config, drafting, cache, run.cached_tokens, sampler=seams.sampler,
+                           grammar=grammar)  # fmt: skip
         steps = speculative_steps(spec, policy, config.k, budget)
-    return _drive(run, steps, _Pieces(target), target.eos_ids, config.seed, cancel, caches)
+    return _drive(run, steps, Pieces(target.tokenizer, target.eos_ids), target.eos_ids, config.seed, cancel, caches,
+                  grammar)  # fmt: skip
 
 
 def _drafter(
@@ -380,8 +390,8 @@ def _drafter(
 
 
 def _drive(
-    run: Run, steps: Iterator[Step], pieces: _Pieces, eos: frozenset[int], seed: int | None,
-    cancel: threading.Event | None, caches: PromptCaches,
+    run: Run, steps: Iterator[Step], pieces: Pieces, eos: frozenset[int], seed: int | None,
+    cancel: threading.Event | None, caches: PromptCaches, grammar: Matcher | None = None,
 ) -> Iterator[Event]:  # fmt: skip
     """The one loop that turns steps into a run: timing, text, EOS, cancel, and the final record."""
     if seed is not None:
@@ -415,24 +425,12 @@ def _drive(
         raise
     finally:
         steps.close()  # the step generator's own `finally` leaves the caches exact
-        _keep(caches, [*run.prompt_ids, *run.token_ids], failed)
+        caches.keep([*run.prompt_ids, *run.token_ids], failed)
         run.finish_reason = reason
+        run.grammar_ms = 0.0 if grammar is None else grammar.ms
         tail = pieces.flush()
         if tail and run.tokens:  # text held back by the detokenizer (an incomplete final character)
             run.tokens[-1] = replace(run.tokens[-1], text=run.tokens[-1].text + tail)
-
-
-def _keep(caches: PromptCaches, committed: list[int], failed: bool) -> None:
-    """Say what the target's cache holds after a run: every committed token but the newest. After a failure
-    (a pass that raised part way) neither cache's contents are known: both are dropped. So is a cache
-    mlx-lm cannot trim, which the next run could not cut back to what it shares with its prompt."""
-    cache = caches.target_cache
-    if failed:
-        caches.clear()
-    elif cache and can_trim_prompt_cache(cache) and cache[0].offset == len(committed) - 1:
-        caches.target_ids = committed[:-1]
-    else:
-        caches.target_cache, caches.target_ids, caches.target_model = None, [], None
 
 
 def generate(

@@ -72,6 +72,18 @@ class PromptCaches:
         self.target_cache, self.target_ids, self.target_model = None, [], None
         self.drafter_cache, self.drafter_ids, self.drafter_model = None, [], None
 
+    def keep(self, committed: list[int], failed: bool) -> None:
+        """Say what the target's cache holds after a run: every committed token but the newest. After a failure
+        (a pass that raised part way) neither cache's contents are known: both are dropped. So is a cache
+        mlx-lm cannot trim, which the next run could not cut back to what it shares with its prompt."""
+        cache = self.target_cache
+        if failed:
+            self.clear()
+        elif cache and can_trim_prompt_cache(cache) and cache[0].offset == len(committed) - 1:
+            self.target_ids = committed[:-1]
+        else:
+            self.target_cache, self.target_ids, self.target_model = None, [], None
+
 
 def reuse(cache: list | None, held: Sequence[int], ids: Sequence[int], make: Callable[[], list]) -> tuple[list, int]:
     """A cache to read `ids` into, and how many of them it holds already: `cache` (holding `held`) trimmed to

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from uag.core.config import LOOKUP
+from uag.core.config import GRAMMAR, LOOKUP
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import MODEL, Evidence, Prices, ema, expected_tokens
 from uag.core.lookup import BAND_FLOORS, match_band
@@ -366,10 +366,10 @@ class AdaptiveK:
                 evidence.lookup_bands[self.declined_lookup].age()
             self.declined_lookup = None
         self.prices.time_verify(cycle)
-        if cycle.k == 0 or cycle.source == LOOKUP:  # the model drafter reads these tokens later, as if parked
+        if cycle.k == 0 or cycle.source in (LOOKUP, GRAMMAR):  # the model drafter reads these tokens later
             self.parked_for += cycle.emitted
             self.unread += cycle.emitted
-            if cycle.k:
+            if cycle.k and cycle.source == LOOKUP:
                 self.prices.time_lookup(cycle)
                 evidence.lookup.add(len(cycle.proposed_ids), cycle.accepted)
                 if cycle.match:

@@ -23,6 +23,7 @@ the same numbers. Definitions (also in docs/how-it-works.md#metrics):
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,6 +125,7 @@ class Run:
     cached_tokens: int = 0  # leading prompt tokens the target's cache already held (0: the whole prompt was read)
     prompt_ms: float = 0.0  # the target reading the uncached prompt tokens (its prefill and the pass of the last)
     opening: int = 1  # tokens the prompt pass committed (more than 1 where it verified a first draft)
+    grammar_ms: float = 0.0  # the constraint's grammar (uag.core.grammar): masks, checks and forced tokens
     tokens: list[Token] = field(default_factory=list)
     cycles: list[Cycle] = field(default_factory=list)
     first_token_s: float | None = None  # perf_counter() when the first token was committed
@@ -258,6 +260,7 @@ class Run:
             "prompt_tps": self.prompt_tps,
             "prompt_ms": self.prompt_ms,
             "prompt_pass_tokens": self.opening,
+            "grammar_ms": self.grammar_ms,
             "generation_s": self.generation_s,
             "drafter_passes": self.drafter_passes,
             "stalls": self.stalls,
@@ -284,6 +287,28 @@ class Run:
             "stats": self.stats(),
             "cycles": [asdict(c) for c in self.cycles],
         }
+
+
+class Pieces:
+    """Streaming detokenizer: each committed target token gets its piece of the output text (a stop token none)."""
+
+    def __init__(self, tokenizer: Any, eos: Collection[int]):
+        self._detokenizer = tokenizer.detokenizer
+        self._eos = eos
+
+    def __call__(self, ids: Sequence[int], accepted: int) -> tuple[Token, ...]:
+        tokens = []
+        for i, token_id in enumerate(ids):
+            text = ""
+            if token_id not in self._eos:
+                self._detokenizer.add_token(token_id)
+                text = self._detokenizer.last_segment
+            tokens.append(Token(token_id, text, i < accepted))
+        return tuple(tokens)
+
+    def flush(self) -> str:
+        self._detokenizer.finalize()
+        return self._detokenizer.last_segment
 
 
 @dataclass(frozen=True, slots=True)

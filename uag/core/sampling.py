@@ -3,8 +3,9 @@ which read the tokens before the position), then mlx-lm's sampler (the temperatu
 
 Speculation stays lossless only if every position the target verifies is picked exactly as the target alone
 would pick it there: `TargetSampling.rows` gives each row of a verify pass its own token history (the committed
-tokens and the proposal before it) and `distribution` is what the sampler draws from, for rejection sampling.
-The history is always the whole committed sequence, prompt included, whatever a conversation's cache held.
+tokens and the proposal before it) and its own grammar mask (a `constraint`: uag.core.grammar), and
+`distribution` is what the sampler draws from, for rejection sampling. The history is always the whole committed
+sequence, prompt included, whatever a conversation's cache held.
 
 Example: TargetSampling.of(GenerationConfig(repetition_penalty=1.3)).choose(logits) -> the penalized argmax
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -26,6 +28,9 @@ from mlx_lm.sample_utils import (
 
 from uag.core.config import GenerationConfig
 from uag.core.passes import logprobs
+
+if TYPE_CHECKING:
+    from uag.core.grammar import Matcher
 
 PENALTY_CONTEXT = 20  # tokens the penalties look back over: mlx-lm's default (make_logits_processors)
 
@@ -67,6 +72,22 @@ def penalties(config: GenerationConfig) -> list[LogitsProcessor]:
     )
 
 
+_BITS = mx.arange(32, dtype=mx.uint32)
+
+
+@mx.compile
+def _masked(logits: mx.array, words: mx.array) -> mx.array:
+    """logits (n, V) with every token whose bit is clear in `words` (n, ⌈V/32⌉ uint32) set to -inf: plain mx ops,
+    so it runs on every backend (llguidance's own MLX helper is a Metal kernel)."""
+    bits = ((words[..., None] >> _BITS) & 1).reshape(words.shape[0], -1)[:, : logits.shape[-1]]
+    return mx.where(bits.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def masked(logits: mx.array, rows) -> mx.array:
+    """`logits` (n, V) under grammar mask `rows` (n, words) int32 from uag.core.grammar.Matcher.masks."""
+    return _masked(logits, mx.array(rows.view("uint32")))
+
+
 @dataclass(frozen=True)
 class TargetSampling:
     """The target's choice of token in one run: `processors` (penalties; [] when none), then `sampler` (on
@@ -76,10 +97,14 @@ class TargetSampling:
     processors: list[LogitsProcessor]
     sampler: Sampler
     cut: Callable[[mx.array], mx.array] | None = None  # top_p / min_p / top_k, as the sampler applies them
+    grammar: Matcher | None = None  # the run's constraint, following the committed tokens (None: no constraint)
 
     @classmethod
-    def of(cls, config: GenerationConfig, sampler: Sampler | None = None) -> TargetSampling:
-        """The config's sampling; `sampler` replaces the sampler (tests), the penalties still apply."""
+    def of(
+        cls, config: GenerationConfig, sampler: Sampler | None = None, grammar: Matcher | None = None
+    ) -> TargetSampling:
+        """The config's sampling; `sampler` replaces the sampler (tests), the penalties still apply; `grammar`: the
+        run's matcher for the config's constraint."""
         cut = truncation(config)
         if sampler is None:
             if cut is None:
@@ -87,7 +112,7 @@ class TargetSampling:
             else:
                 temperature = config.temperature
                 sampler = lambda x: categorical_sampling(cut(x), temperature)  # noqa: E731  make_sampler's last step
-        return cls(config.temperature, penalties(config), sampler, cut)
+        return cls(config.temperature, penalties(config), sampler, cut, grammar)
 
     def process(self, history: mx.array, logits: mx.array) -> mx.array:
         """One position's logits (1, V) after the penalties, given the tokens up to and including its input."""
@@ -101,13 +126,22 @@ class TargetSampling:
 
         Example: committed [.., 7], proposed [5, 6] -> rows after [.., 7], [.., 7, 5], [.., 7, 5, 6]
         """
-        if not self.processors:
-            return logits
-        tail = list(committed[-PENALTY_CONTEXT:])
-        window = mx.array([*tail, *proposed])
-        return mx.concatenate(
-            [self.process(window[: len(tail) + i], logits[i : i + 1]) for i in range(logits.shape[0])]
-        )
+        if self.processors:
+            tail = list(committed[-PENALTY_CONTEXT:])
+            window = mx.array([*tail, *proposed])
+            rows = [self.process(window[: len(tail) + i], logits[i : i + 1]) for i in range(logits.shape[0])]
+            logits = mx.concatenate(rows)
+        if self.grammar is not None:  # row i: what the grammar allows after proposed[:i]
+            logits = masked(logits, self.grammar.masks(proposed))
+        return logits
+
+    def step(self, history: mx.array | None, logits: mx.array) -> mx.array:
+        """One plain step's logits (1, V): the penalties over `history`, then the grammar's mask where it stands."""
+        if self.processors:
+            logits = self.process(history, logits)
+        if self.grammar is not None:
+            logits = masked(logits, self.grammar.masks(()))
+        return logits
 
     def choose(self, logits: mx.array) -> mx.array:
         """The target's token for each row of (already penalized) logits: argmax, or a draw."""
@@ -119,10 +153,29 @@ class TargetSampling:
         x = logits if self.cut is None else self.cut(logprobs(logits))
         return mx.softmax(x.astype(mx.float32) / self.temperature, axis=-1)
 
-    def with_prefix(self, prefix: Sequence[int]) -> list[LogitsProcessor]:
+    def with_prefix(self, prefix: Sequence[int], prompt: int) -> list[LogitsProcessor]:
         """The processors for mlx-lm's generate_step reading a prompt after a cache already held `prefix`:
-        generate_step shows them only what it read itself, so the prefix's tail is put back in front."""
-        if not prefix or not self.processors:
-            return self.processors
-        head = mx.array(list(prefix[-PENALTY_CONTEXT:]))
-        return [lambda tokens, logits, p=p: p(mx.concatenate([head, tokens]), logits) for p in self.processors]
+        generate_step shows them only what it read itself (`prompt` tokens, then each token it generated), so the
+        prefix's tail is put back in front; the grammar, last, follows the generated tokens."""
+        processors = self.processors
+        if prefix and processors:
+            head = mx.array(list(prefix[-PENALTY_CONTEXT:]))
+            processors = [lambda tokens, logits, p=p: p(mx.concatenate([head, tokens]), logits) for p in processors]
+        if self.grammar is not None:
+            processors = [*processors, _follow(self.grammar, prompt)]
+        return processors
+
+
+def _follow(grammar: Matcher, prompt: int) -> LogitsProcessor:
+    """generate_step's processor for a grammar: it consumes the tokens generated since its last call (the tokens
+    it is shown are the `prompt` tokens read, then every token generated), then masks the logits."""
+    consumed = 0
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        nonlocal consumed
+        generated = tokens[prompt + consumed :].tolist() if tokens.size > prompt + consumed else []
+        grammar.consume(generated)
+        consumed += len(generated)
+        return masked(logits, grammar.masks(()))
+
+    return process

@@ -121,6 +121,8 @@ def report(
             if speedup is None
             else f"an estimate: the target's {step.ms:.1f} ms per step on this machine ({step.basis}) × "
             f"{run.generated - run.opening} tokens ÷ this run's generation time",
+            # a constrained reply (response_format, a forced tool call): what its grammar took per token written
+            "grammar_ms_per_token": run.grammar_ms / run.generated if run.grammar_ms and run.generated else None,
         },
         "timings": {
             "cache_n": cached_tokens,
