@@ -1,4 +1,5 @@
-"""The server's pure parts: request checks, tool-call parsing, stop sequences, SSE framing, the cache LRU."""
+"""The server's pure parts: request checks, structured output's requests, tool-call parsing, stop sequences, SSE
+framing, the cache LRU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from uag.core.grammar import response_format_constraint, tool_constraint
 from uag.server.chat import ToolHold, fits, parse_tool_calls
 from uag.server.errors import APIError
 from uag.server.prompt_cache import ConversationCaches
@@ -145,16 +147,28 @@ def test_assistant_tool_calls_reach_the_template_as_objects():
 
 
 # --- tool calls ---------------------------------------------------------------------------------------------------
+OSLO = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+
+
+def _names(reply) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.calls]
+
+
 @pytest.mark.parametrize(
     "text",
     [
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        f"<tool_call>\n{OSLO}\n</tool_call>",
         '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}',  # unterminated at EOS
-        '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```',
-        '  {"name": "get_weather", "arguments": {"city": "Oslo"}}\n',
+        f"```json\n{OSLO}\n```",
+        f"```\n{OSLO}\n```",
+        f"  {OSLO}\n",
+        f"[{OSLO}]",
+        f"```json\n[{OSLO}]\n```",
+        f"<tool_call>\n{OSLO}\n</",  # the closing tag cut, the call whole
     ],
 )
-def test_tool_calls_are_found_in_both_shapes(text):
+def test_one_tool_call_is_found_in_every_shape(text):
     reply = parse_tool_calls(text, [WEATHER])
     assert reply is not None and reply.content is None
     (call,) = reply.calls
@@ -165,23 +179,76 @@ def test_tool_calls_are_found_in_both_shapes(text):
 @pytest.mark.parametrize(
     "text",
     [
+        f"<tool_call>\n{OSLO}\n</tool_call>\n<tool_call>\n{PARIS}\n</tool_call>",
+        f"<tool_call>\n{OSLO}\n{PARIS}\n</tool_call>",  # two calls in one tag
+        f"<tool_call>[{OSLO}, {PARIS}]</tool_call>",
+        f"```json\n{OSLO}\n```\n```json\n{PARIS}\n```",
+        f"```json\n{OSLO}\n{PARIS}\n```",
+        f"```json\n[{OSLO}, {PARIS}]\n```",
+        f"[{OSLO}, {PARIS}]",
+        f"{OSLO}\n{PARIS}\n",  # what a forced call's grammar writes without tags
+        f'{OSLO[:-1]}\n}}\n{{"name": "get_weather",\n "arguments": {{"city": "Paris", "unit": "C"}}}}',  # spread
+    ],
+)
+def test_several_calls_in_one_reply_are_all_found(text):
+    reply = parse_tool_calls(text, [WEATHER])
+    assert reply is not None and reply.content is None
+    assert _names(reply) == [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Paris", "unit": "C"})]
+    assert len({call["id"] for call in reply.calls}) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (f"Let me check.\n<tool_call>{OSLO}</tool_call>", "Let me check."),
+        (f"Both cities:\n<tool_call>{OSLO}</tool_call>\n<tool_call>{PARIS}</tool_call>\n", "Both cities:"),
+        (f"Checking.\n```json\n{OSLO}\n```\n```json\n{PARIS}\n```\nOne moment.", "Checking.\nOne moment."),
+        (f"<tool_call>{OSLO}</tool_call>\nThen I will answer.", "Then I will answer."),
+        (f"```python\nx = 1\n```\n```json\n{OSLO}\n```", "```python\nx = 1\n```"),  # code is content
+    ],
+)
+def test_the_text_outside_the_calls_is_the_content(text, content):
+    reply = parse_tool_calls(text, [WEATHER])
+    assert reply.content == content and reply.calls[0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
         '```json\n{"name": "get_time", "arguments": {}}\n```',  # not a declared tool
         '```json\n{"name": "get_weather", "arguments": {"town": "Oslo"}}\n```',  # does not fit the schema
+        '```json\n{"name": "get_weather", "arguments": {"city": ["Oslo", "Paris"]}}\n```',  # a list for a string
         '```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "K"}}\n```',  # not in the enum
-        'Here: {"name": "get_weather", "arguments": {"city": "Oslo"}}',  # not the whole reply
-        '```json\n[{"name": "get_weather", "arguments": {"city": "Oslo"}}]\n```',  # not one object
+        f'```json\n[{OSLO}, {{"name": "get_time", "arguments": {{}}}}]\n```',  # one of them no call
+        f"Here: {OSLO}",  # bare, and not the whole reply
+        f"{OSLO}\nDone.",
         "<tool_call>not json</tool_call>",
         "The weather is fine.",
+        "```json\n[1, 2]\n```",
+        "",
     ],
 )
 def test_other_text_stays_text(text):
     assert parse_tool_calls(text, [WEATHER]) is None
 
 
-def test_text_before_a_tagged_call_is_content():
-    reply = parse_tool_calls('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-                             "</tool_call>", [WEATHER])  # fmt: skip
-    assert reply.content == "Let me check." and len(reply.calls) == 1
+@pytest.mark.parametrize(
+    ("text", "calls", "content"),
+    [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', 0, None),
+        ('```json\n{"name": "get_weather", "arguments": {"city": "Os', 0, None),
+        ('{"name": "get_weather", "arguments": {"city": "Oslo"}}\n{"name": "get_w', 0, None),
+        (f'<tool_call>{OSLO}</tool_call>\n<tool_call>\n{{"name": "get_weather", "argu', 1,
+         '<tool_call>\n{"name": "get_weather", "argu'),
+    ],
+)  # fmt: skip
+def test_a_call_cut_off_is_no_call_and_its_text_stays(text, calls, content):
+    """max_tokens cut the reply inside a call: no call is made of it, and its text is content, every character."""
+    reply = parse_tool_calls(text, [WEATHER])
+    if not calls:
+        assert reply is None
+    else:
+        assert len(reply.calls) == calls and reply.content == content
 
 
 def test_no_tools_no_calls():
@@ -198,17 +265,153 @@ def test_schema_fit():
 def test_tool_hold_sends_text_but_holds_what_may_be_a_call():
     hold = ToolHold([WEATHER])
     assert hold.feed("Sure") == "Sure"
-    assert hold.feed(" <tool_") == " "
-    assert hold.feed('call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>') == ""
+    assert hold.feed(" <tool_") == ""  # the space may precede a call, the rest may open a tag
+    assert hold.feed(f"call>{OSLO}</tool_call>") == ""
     tail, calls = hold.finish()
-    assert tail == "" and calls[0]["function"]["name"] == "get_weather"
+    assert tail == "" and calls[0]["function"]["name"] == "get_weather" and hold.content == "Sure"
 
 
-def test_tool_hold_releases_json_that_is_no_call():
+def test_tool_hold_releases_json_that_is_no_call_once_it_is_whole():
     hold = ToolHold([WEATHER])
     assert hold.feed('{"a": ') == ""  # may be a bare call: held
-    assert hold.feed("1}") == ""
-    assert hold.finish() == ('{"a": 1}', None)
+    assert hold.feed("1}") == '{"a": 1}'  # a whole object that is no call
+    assert hold.finish() == ("", None) and hold.content == '{"a": 1}'
+
+
+def test_tool_hold_passes_code_blocks_on_as_they_come():
+    hold = ToolHold([WEATHER])
+    assert hold.feed("Try:\n```") == "Try:"
+    assert hold.feed("python\nprint(1)") == "\n```python\nprint(1)"
+    assert hold.feed("\n```\n```json\n{") == "\n```"  # a JSON block may be a call
+    assert hold.feed('"a": 1}\n```') == '\n```json\n{"a": 1}\n```'
+
+
+REPLIES = [
+    f"Sure, both:\n<tool_call>\n{OSLO}\n</tool_call>\n<tool_call>\n{PARIS}\n</tool_call>\n",
+    f"```json\n{OSLO}\n```",  # the issue's reply: content was its text with the last backtick missing
+    f"Checking.\n```json\n{OSLO}\n```\n```json\n{PARIS}\n```\nOne moment.",
+    f"{OSLO}\n{PARIS}",
+    f"[{OSLO}, {PARIS}]",
+    f'<tool_call>{OSLO}</tool_call>\n<tool_call>\n{{"name": "get_weather", "argu',
+    '{"name": "get_weather", "arguments": {"town": "Oslo"}}',
+    "Code:\n```python\nprint('<tool_call>')\n```\nand <b>tags</b> `x` ``y``\n``",
+    f"```python\nx = 1\n```\n```json\n{OSLO}\n```",  # a code block closes before the call's opens
+    "  Plain text with trailing space \n",
+    "<tool_call>not json</tool_call> after",
+]
+
+
+@pytest.mark.parametrize("text", REPLIES)
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_streamed_content_is_the_whole_replys_content(text, size):
+    """However a reply arrives, the hold sends exactly its content (the text outside the calls, or all of it where
+    it makes none), and the same calls."""
+    hold = ToolHold([WEATHER])
+    sent = "".join(hold.feed(text[i : i + size]) for i in range(0, len(text), size))
+    tail, calls = hold.finish()
+    whole = parse_tool_calls(text, [WEATHER])
+    assert sent + tail == (text if whole is None else whole.content or "")
+    assert hold.content == (text if whole is None else whole.content)
+    assert (calls is None) == (whole is None) and (whole is None or _names(whole) == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls])  # fmt: skip
+
+
+# --- structured output: response_format, tool_choice, parallel_tool_calls -------------------------------------------
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+       "a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}  # fmt: skip
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    ],
+)
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_response_format_is_the_configs_constraint(response_format, kind):
+    parse = parse_chat if kind == "chat" else parse_completion
+    body = {"model": "demo-target", "response_format": response_format}
+    config = parse({**body, **({"messages": HI} if kind == "chat" else {"prompt": "Ala"})}, DEFAULTS).config
+    assert config.constraint == response_format_constraint(response_format) and config.constraint
+
+
+def test_text_and_no_response_format_constrain_nothing():
+    assert chat(response_format={"type": "text"}).config.constraint is None
+    assert chat(response_format=None).config.constraint is None and chat().config.constraint is None
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_forcing_tool_choice_is_the_configs_constraint(parallel):
+    required = chat(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=parallel)
+    assert required.config.constraint == tool_constraint([WEATHER, ADD], None, parallel)
+    named = chat(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                 parallel_tool_calls=parallel)  # fmt: skip
+    assert named.config.constraint == tool_constraint([WEATHER, ADD], "get_weather", parallel)
+    assert named.parallel_tool_calls is parallel and named.tools
+
+
+def test_auto_and_none_constrain_nothing_and_none_hides_the_tools():
+    auto = chat(tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False)
+    assert auto.config.constraint is None and auto.tools and auto.parallel_tool_calls is False
+    assert chat(tools=[WEATHER]).parallel_tool_calls is True
+    none = chat(tools=[WEATHER], tool_choice="none")
+    assert none.config.constraint is None and none.tools == ()
+
+
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+NOPE = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}  # compiles to no grammar
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}, "strict": True}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format", "json_object"),
+        ({"response_format": "json"}, "response_format", "must be an object"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+        ({"response_format": BAD_SCHEMA}, "response_format", "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON, "strict": 1}}},
+         "response_format", "strict must be true or false"),
+        ({"tool_choice": "required"}, "tool_choice", "tools declares none"),
+        ({"tool_choice": NAMED}, "tool_choice", "tools declares none"),
+        ({"tool_choice": NAMED, "tools": [WEATHER]}, "tool_choice", '"get_time"'),
+        ({"tool_choice": {"type": "function"}}, "tool_choice", '"required" or {"type": "function"'),
+        ({"tool_choice": "any"}, "tool_choice", '"auto", "none", "required"'),
+        ({"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}},
+         "response_format", "drop response_format to have the tool called, or tool_choice"),
+        ({"tool_choice": "required", "tools": [WEATHER, NOPE]}, "tools[1].function.parameters",
+         "tools[1].function.parameters"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
+    ],
+)  # fmt: skip
+def test_bad_structured_output_is_one_clear_error(fields, param, words):
+    with pytest.raises(APIError) as caught:
+        chat(**fields)
+    err = caught.value
+    assert (err.status, err.param) == (400, param)
+    assert words in err.message and "\n" not in err.message and err.message.isprintable()
+    assert len(err.message) <= 320
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_a_grammar_is_refused_on_a_sharded_server(fields, param):
+    """The sharded ranks run the config they are sent without a grammar: a 400 naming --shard, not a reply that
+    ignores the schema."""
+    sharded = ServerDefaults(model="m", drafter="lookup", checks=False)
+    with pytest.raises(APIError, match="not available on a sharded server \\(--shard\\)") as err:
+        parse_chat({"model": "m", "messages": HI, **fields}, sharded)
+    assert (err.value.status, err.value.param) == (400, param)
+    assert parse_chat({"model": "m", "messages": HI, "tools": [WEATHER]}, sharded).config.constraint is None
 
 
 # --- stop sequences and framing ------------------------------------------------------------------------------------
@@ -399,6 +602,9 @@ ARGUMENTS = "messages[1].tool_calls[0].function.arguments"
         (_called({"function": {"name": "f", "arguments": {"x": [LONE]}}}), ARGUMENTS),
         (_called({"function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}), ARGUMENTS),  # the escape, in JSON text
         ({"tool_choice": LONE}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": LONE}}, "tools": [WEATHER]}, "tool_choice"),
+        ({"response_format": {"type": LONE}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": [LONE]}}}}, "response_format"),
         ({"tools": [{**TOOL, "function": {"name": LONE}}]}, "tools[0].function"),
         ({"tools": [{**TOOL, "function": {"name": "f", "description": LONE}}]}, "tools[0].function"),
         ({"stop": [LONE]}, "stop"),

@@ -72,14 +72,13 @@ def penalties(config: GenerationConfig) -> list[LogitsProcessor]:
     )
 
 
-_BITS = mx.arange(32, dtype=mx.uint32)
-
-
 @mx.compile
 def _masked(logits: mx.array, words: mx.array) -> mx.array:
     """logits (n, V) with every token whose bit is clear in `words` (n, ⌈V/32⌉ uint32) set to -inf: plain mx ops,
-    so it runs on every backend (llguidance's own MLX helper is a Metal kernel)."""
-    bits = ((words[..., None] >> _BITS) & 1).reshape(words.shape[0], -1)[:, : logits.shape[-1]]
+    so it runs on every backend (llguidance's own MLX helper is a Metal kernel). No module-level array: MLX arrays
+    belong to the thread that made them, and a server runs the engine on its worker thread."""
+    shifts = mx.arange(32, dtype=mx.uint32)
+    bits = ((words[..., None] >> shifts) & 1).reshape(words.shape[0], -1)[:, : logits.shape[-1]]
     return mx.where(bits.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 

@@ -6,17 +6,20 @@ its error object is in uag.server.errors, responses and chunks in uag.server.res
 
 Accepted, typed and bounded as the engine bounds them (null: absent): temperature, top_p, seed, presence_penalty,
 frequency_penalty, and the top_k, min_p, repetition_penalty that llama.cpp, vLLM and Open WebUI send; uag's
-`speculative` object. OpenAI fields uag does not implement (n, logprobs, logit_bias, …) pass only at their neutral
-value; unknown fields are refused by name. Every problem is one 4xx `APIError` naming its `param`, never a 500."""
+`speculative` object; `response_format` and a forcing `tool_choice` as the config's grammar (uag.core.grammar).
+OpenAI fields uag does not implement (n, logprobs, logit_bias, …) pass only at their neutral value; unknown fields
+are refused by name. Every problem is one 4xx `APIError` naming its `param`, never a 500."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from uag.core.config import DEFAULT_K, FIELD, MAX_K, MAX_WINDOW, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
+from uag.core.grammar import response_format_constraint, tool_constraint
 from uag.core.prompt_input import check_text
 from uag.errors import InputError
 from uag.server.errors import APIError, bad, show
@@ -24,6 +27,8 @@ from uag.server.errors import APIError, bad, show
 MAX_STOP = 4  # stop sequences, as OpenAI allows
 MAX_DEPTH = 32  # nesting of a tool's schema or a call's arguments (real ones are a few levels deep)
 ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": OpenAI's newer name for system
+TOOL_CHOICES = ("auto", "none", "required")  # or {"type": "function", "function": {"name": …}}
+MAX_MESSAGE = 300  # characters of a grammar engine's error a 400 repeats
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class ServerDefaults:
     window: int = 4
     max_tokens: int = 512
     drafters: tuple[str, ...] = ()  # drafters a request may pick (the default is always among them)
-    checks: bool = True  # whether a request may ask for `"check": true` (not under --shard)
+    checks: bool = True  # whether a request may ask for `"check": true` or a grammar (neither under --shard)
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -59,6 +64,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     tools: tuple[dict, ...] = ()
+    parallel_tool_calls: bool = True  # False: a reply's first tool call only
     check: bool = False  # also run the target alone and say whether the outputs agree (uag.runtime.divergence)
     extra: dict = field(default_factory=dict)
 
@@ -73,13 +79,12 @@ CHAT = COMMON | {
     "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
     "response_format", "service_tier", "reasoning_effort", "modalities", "prediction", "functions",
 }  # fmt: skip
-COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
+COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of", "response_format"}
 # Fields accepted only at a value that asks for nothing (what uag does anyway).
 NEUTRAL = {
     "logit_bias": ({}, None), "logprobs": (False, None), "top_logprobs": (None, 0), "echo": (False, None),
-    "suffix": (None, ""), "best_of": (1, None), "response_format": (None, {"type": "text"}),
-    "service_tier": (None, "auto", "default"), "reasoning_effort": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "functions": (None,),
+    "suffix": (None, ""), "best_of": (1, None), "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,), "modalities": (None, ["text"]), "prediction": (None,), "functions": (None,),
 }  # fmt: skip
 SPECULATIVE_KEYS = ("drafter", "k", "strategy", "window", "check")
 
@@ -310,15 +315,29 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> Request:
         raise bad("messages", 'give at least one message: a list of {"role": …, "content": …} objects')
     checked = tuple(_message(m, i) for i, m in enumerate(messages))
     tools = _tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise bad("tool_choice", f'uag supports "auto" and "none" (got {show(choice)})')
+    choice, name = _tool_choice(body.get("tool_choice"))
     if choice == "none":
         tools = ()
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", f"must be true or false (got {show(parallel)})")
-    return Request("chat", messages=checked, tools=tools, **common)
+    parallel = parallel is not False
+    constraint = _response_format(body)
+    forcing = choice in ("required", "function")
+    if forcing:
+        asked = f"tool_choice {show(name)}" if name else 'tool_choice "required"'
+        if not tools:
+            raise bad("tool_choice", f'{asked.removeprefix("tool_choice ")} asks for a tool call, but tools declares '
+                      'none: declare the functions in tools, or send tool_choice "auto"')  # fmt: skip
+        if constraint is not None:
+            raise bad("response_format", f"response_format and {asked} both set the reply's form: drop "
+                      "response_format to have the tool called, or tool_choice to have JSON written")  # fmt: skip
+        try:
+            constraint = tool_constraint(tools, name, parallel)
+        except InputError as err:
+            raise _refused(err, "tool_choice") from None
+    common = _constrained(common, constraint, defaults, "tool_choice" if forcing else "response_format")
+    return Request("chat", messages=checked, tools=tools, parallel_tool_calls=parallel, **common)
 
 
 def parse_completion(body: Any, defaults: ServerDefaults) -> Request:
@@ -333,7 +352,59 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> Request:
     prompt = _text(prompt, "prompt")
     if not prompt.strip():
         raise bad("prompt", "the prompt is empty")
+    common = _constrained(common, _response_format(body), defaults, "response_format")
     return Request("completion", prompt=prompt, **common)
+
+
+# --- structured output: response_format and a forcing tool_choice, as the config's grammar ----------------------
+def _response_format(body: Mapping) -> str | None:
+    """The request's `response_format` as a constraint (uag.core.grammar), None for none or {"type": "text"}."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("response_format", f'must be an object like {{"type": "json_object"}} (got {show(value)})')
+    _plain(value, "response_format")
+    try:
+        return response_format_constraint(value)
+    except InputError as err:
+        raise _refused(err, "response_format") from None
+
+
+def _tool_choice(value: Any) -> tuple[str, str | None]:
+    """(auto, none, required or function; the function's name) for the request's `tool_choice` (null: auto)."""
+    if value is None:
+        return "auto", None
+    if isinstance(value, str) and value in TOOL_CHOICES:
+        return value, None
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise bad("tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": '
+                  f'{{"name": …}}}} (got {show(value)})')  # fmt: skip
+    return "function", _text(name, "tool_choice")
+
+
+def _refused(err: InputError, param: str) -> APIError:
+    """The grammar's refusal as a 400 naming `param`, or the tool whose schema it names ("tools[1].function…")."""
+    message = " ".join(str(err).split())
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 1] + "…"
+    tool = re.match(r"tools\[\d+\][\w.]*", message)
+    if tool and param != "response_format":
+        param = tool.group(0)
+    return APIError(400, message if message.startswith(param) else f"{param}: {message}", param=param)
+
+
+def _constrained(common: dict[str, Any], constraint: str | None, defaults: ServerDefaults, param: str) -> dict:
+    """The request's fields with `constraint` in their config; a 400 naming `param` on a sharded server."""
+    if constraint is None:
+        return common
+    if not defaults.checks:
+        fix = 'send tool_choice "auto"' if param == "tool_choice" else "leave response_format out"
+        raise bad(param, f"structured output is not available on a sharded server (--shard): its ranks apply no "
+                  f"grammar; {fix}")  # fmt: skip
+    return {**common, "config": replace(common["config"], constraint=constraint)}
 
 
 def _message(message: Any, i: int) -> dict:

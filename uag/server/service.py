@@ -296,9 +296,13 @@ class Service:
         if run is None or run.finish_reason is None:
             raise RuntimeError("the engine's stream ended without a final record")
         tail, calls = text.finish()
-        finish = "tool_calls" if calls else "stop" if stopped else FINISH[run.finish_reason]
+        if calls and not request.parallel_tool_calls:
+            calls = calls[:1]  # tool_choice "auto" with parallel_tool_calls false (a forcing one's grammar writes one)
+        finish = "stop" if stopped else FINISH[run.finish_reason]
         if job.out_of_time:
             finish = "length"
+        if calls and finish != "length":  # cut short, a reply says so whatever calls came before the cut
+            finish = "tool_calls"
         step = self.step_time(target, choice, run, None if auto is None else auto.evidence)
         done_report = report(
             run,
@@ -312,8 +316,7 @@ class Service:
         elif request.check and request.drafter is not None:
             done_report["speculative"]["check"] = self.check(job, loaded, ids, config, run)
         self._record(request, run, done_report, step, choice, target)
-        content = text.text if calls is None else (text.text[: text.text.find("<tool_call>")].strip() or None)
-        yield Done(content or ("" if calls is None else None), finish, done_report, calls, tail)
+        yield Done(text.hold.content, finish, done_report, calls, tail)  # content: the text outside the calls
 
     def check(self, job: Job, loaded: Loaded, ids: list[int], config, run) -> dict:
         """The request's `"check": true` (uag.runtime.pair.check_against_target, as `uag generate --compare`): the
