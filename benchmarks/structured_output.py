@@ -163,7 +163,7 @@ def run_task(pair, name: str, args) -> dict:
     prompt, schema = TASKS[name]
     constraint = response_format_constraint({"type": "json_schema", "json_schema": {"name": name, "schema": schema,
                                                                                     "strict": True}})  # fmt: skip
-    common = dict(max_tokens=args.max_tokens, chat=True)
+    common = dict(max_tokens=args.max_tokens, chat=pair.target.tokenizer.has_chat_template)
     conditions = {
         "off": (None, GenerationConfig.parse(strategy="baseline", constraint=constraint, **common)),
         "auto": (pair.choice, GenerationConfig.parse(strategy="auto", k=args.k, constraint=constraint, **common)),
@@ -227,7 +227,7 @@ def main() -> None:
     step = sum(r["off ms/token"] for r in rows) / sum(r["free ms/token"] for r in rows)
     print(
         f"\nstructured output — {date.today()}, {pair.target.name} ({pair.target.dtype}) ← {pair.choice.name}, "
-        f"{device_name()} ({backend()}), MLX {mx.__version__}, BLAS {blas()}, load at start {load}, "
+        f"{device_name()} ({backend()}), MLX {mx.__version__}, BLAS {blas()}, {load} at the start, "
         f"{args.max_tokens} max tokens, k ≤ {args.k}, median of {args.repeats}\n"
         f"pooled tokens/s: off {pooled['off']:.2f}, auto {pooled['auto']:.2f}, free {pooled['free']:.2f}\n"
         f"auto / off (constrained, target >= 1.3): {pooled['auto'] / pooled['off']:.3f}\n"

@@ -238,8 +238,9 @@ def test_parallel_calls_follow_one_another_unless_one_is_asked_for(target):
     parallel = target.matcher(tool_constraint(TOOLS))
     assert parallel.valid(target.ids(two)) == len(target.ids(two))
     single = target.matcher(tool_constraint(TOOLS, parallel=False), one)
-    assert allowed(single.masks([])[0]) == set(target.eos_ids)  # the call is done: only a stop id
-    assert single.valid(target.ids("\n" + two[len(one) + 1 :])) == 0
+    assert set(target.eos_ids) < allowed(single.masks([])[0])  # the call is done: a stop id, or a line break
+    rest = target.ids("\n" + two[len(one) + 1 :])  # (a model may end its last call's line before it stops)
+    assert single.valid(rest) < len(rest)  # but never a second call
 
 
 def test_arguments_must_fit_the_tools_schema(target):

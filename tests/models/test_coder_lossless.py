@@ -84,3 +84,33 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(coder, store):
         assert run.token_ids[position : position + cycle.emitted] == sampled[: cycle.emitted]
         position += cycle.emitted
     assert position == run.generated == MAX_TOKENS
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                           "additionalProperties": False}}}]  # fmt: skip
+
+
+def test_a_forced_tool_call_is_well_formed_and_lossless_under_speculation(coder, store):
+    """tool_choice "required" on the coder target (its template renders the tools, its vocabulary has the
+    <tool_call> tags): every call fits the declared parameters (a string city, never a list), and auto over lookup
+    + SmolLM2 writes the constrained target alone's reply, the grammar's forced tokens proposed free."""
+    import json
+
+    from uag.core.grammar import GRAMMAR, tool_constraint
+    from uag.server.chat import parse_tool_calls, render
+
+    _, target, _ = coder
+    ask = [{"role": "user", "content": "What is the weather like in Kraków and in Gdańsk right now?"}]
+    ids = render(target.tokenizer, ask, WEATHER)
+    settings = dict(constraint=tool_constraint(WEATHER), max_tokens=64)
+    alone = generate(target, None, ids, GenerationConfig.parse(strategy="baseline", **settings))
+    choice = DrafterChoice(lookup=True, model=store.get("demo-drafter"))
+    spec = generate(target, choice, ids, GenerationConfig.parse(strategy="auto", k=16, **settings))
+    assert spec.token_ids == alone.token_ids and alone.finish_reason == "eos"
+    reply = parse_tool_calls(alone.text, WEATHER)
+    assert reply is not None and reply.calls, alone.text
+    for call in reply.calls:
+        assert call["function"]["name"] == "get_weather"
+        assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    assert spec.sources().get(GRAMMAR, 0) > 0

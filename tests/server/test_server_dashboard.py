@@ -20,8 +20,8 @@ from uag.server.dashboard import (
     server_view,
 )
 from uag.server.protocol import ServerDefaults
-from uag.server.responses import StepTime
-from uag.server.service import Served, saved_seconds
+from uag.server.responses import StepTime, saved_seconds
+from uag.server.service import Served
 
 HYBRID = "lookup+demo-drafter"
 R_HYBRID = 0.5  # the demo drafter's bytes / the target's, about

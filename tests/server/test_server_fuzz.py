@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from uag.core.config import MAX_TOKENS, SPECULATIVE
 from uag.server.errors import APIError
-from uag.server.protocol import ROLES, Request, ServerDefaults, parse_chat, parse_completion
+from uag.server.messages import ROLES
+from uag.server.protocol import Request, ServerDefaults, parse_chat, parse_completion
 
 DEFAULTS = ServerDefaults(model="demo-target", drafter="lookup+demo-drafter", k=8, drafters=("lookup",))
 FUZZ = settings(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])

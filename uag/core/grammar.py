@@ -194,7 +194,9 @@ def _tool_grammar(spec: Mapping[str, Any], tags: tuple[int, int] | None) -> str:
     body = f"%json {json.dumps(call, ensure_ascii=False)}"
     if tags is not None:  # named by id: llguidance takes every added token as special, so a quoted tag is refused
         body = f'<[{tags[0]}]> "\\n" {body} "\\n" <[{tags[1]}]>'
-    start = 'call ("\\n" call)*' if spec["parallel"] else "call"
+    # a line break may end the calls as well as part them: the model that writes one after its last call then ends
+    # its reply, where a grammar that read every line break as "another call follows" would force one more
+    start = 'call ("\\n" call)* "\\n"?' if spec["parallel"] else 'call "\\n"?'
     return llguidance.LLMatcher.grammar_from_lark(f"start: {start}\ncall: {body}\n")
 
 

@@ -12,7 +12,6 @@ are refused by name. Every problem is one 4xx `APIError` naming its `param`, nev
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,13 +19,11 @@ from typing import Any
 
 from uag.core.config import DEFAULT_K, FIELD, MAX_K, MAX_WINDOW, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
 from uag.core.grammar import response_format_constraint, tool_constraint
-from uag.core.prompt_input import check_text
 from uag.errors import InputError
 from uag.server.errors import APIError, bad, show
+from uag.server.messages import parse_message, parse_tools, plain, text_of
 
 MAX_STOP = 4  # stop sequences, as OpenAI allows
-MAX_DEPTH = 32  # nesting of a tool's schema or a call's arguments (real ones are a few levels deep)
-ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": OpenAI's newer name for system
 TOOL_CHOICES = ("auto", "none", "required")  # or {"type": "function", "function": {"name": …}}
 MAX_MESSAGE = 300  # characters of a grammar engine's error a 400 repeats
 
@@ -151,32 +148,6 @@ def _flag(body: Mapping, name: str, param: str | None = None) -> bool:
     return value
 
 
-def _text(value: Any, param: str) -> str:
-    if not isinstance(value, str):
-        raise bad(param, f"must be a string (got {show(value)})")
-    try:
-        return check_text(value, param)
-    except InputError as err:
-        raise bad(param, str(err).removeprefix(f"{param} ")) from None
-
-
-def _plain(value: Any, param: str, depth: int = 0) -> Any:
-    """`value` (JSON) unchanged, or 400 when a string in it (a key too) is not valid text or it nests deeper than
-    MAX_DEPTH: what reaches the chat template and the tokenizer. Example: _plain({"a": ["\\ud800"]}, "p") -> 400"""
-    if depth > MAX_DEPTH:
-        raise bad(param, f"is nested more than {MAX_DEPTH} levels deep")
-    if isinstance(value, str):
-        _text(value, param)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _text(key, param)
-            _plain(item, param, depth + 1)
-    elif isinstance(value, list):
-        for item in value:
-            _plain(item, param, depth + 1)
-    return value
-
-
 def _stop(body: Mapping) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
@@ -184,7 +155,7 @@ def _stop(body: Mapping) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP:
         raise bad("stop", f"must be a string or a list of 1 to {MAX_STOP} strings (got {show(value)})")
-    out = tuple(_text(s, "stop") for s in stops)
+    out = tuple(text_of(s, "stop") for s in stops)
     if not all(out):
         raise bad("stop", "a stop sequence cannot be empty")
     return out
@@ -313,8 +284,8 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> Request:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", 'give at least one message: a list of {"role": …, "content": …} objects')
-    checked = tuple(_message(m, i) for i, m in enumerate(messages))
-    tools = _tools(body.get("tools"))
+    checked = tuple(parse_message(m, i) for i, m in enumerate(messages))
+    tools = parse_tools(body.get("tools"))
     choice, name = _tool_choice(body.get("tool_choice"))
     if choice == "none":
         tools = ()
@@ -349,7 +320,7 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> Request:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad("prompt", f"must be one string (got {show(prompt)})")
-    prompt = _text(prompt, "prompt")
+    prompt = text_of(prompt, "prompt")
     if not prompt.strip():
         raise bad("prompt", "the prompt is empty")
     common = _constrained(common, _response_format(body), defaults, "response_format")
@@ -364,7 +335,7 @@ def _response_format(body: Mapping) -> str | None:
         return None
     if not isinstance(value, dict):
         raise bad("response_format", f'must be an object like {{"type": "json_object"}} (got {show(value)})')
-    _plain(value, "response_format")
+    plain(value, "response_format")
     try:
         return response_format_constraint(value)
     except InputError as err:
@@ -382,7 +353,7 @@ def _tool_choice(value: Any) -> tuple[str, str | None]:
     if not isinstance(name, str) or not name:
         raise bad("tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": '
                   f'{{"name": …}}}} (got {show(value)})')  # fmt: skip
-    return "function", _text(name, "tool_choice")
+    return "function", text_of(name, "tool_choice")
 
 
 def _refused(err: InputError, param: str) -> APIError:
@@ -405,116 +376,3 @@ def _constrained(common: dict[str, Any], constraint: str | None, defaults: Serve
         raise bad(param, f"structured output is not available on a sharded server (--shard): its ranks apply no "
                   f"grammar; {fix}")  # fmt: skip
     return {**common, "config": replace(common["config"], constraint=constraint)}
-
-
-def _message(message: Any, i: int) -> dict:
-    """One message as the chat template takes it: role, content text, and an assistant's tool calls."""
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise bad(where, f"must be an object with role and content (got {show(message)})")
-    role = message.get("role")
-    if not isinstance(role, str) or role not in ROLES:
-        raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {show(role)})")
-    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
-    content = message.get("content")
-    calls = message.get("tool_calls")
-    if content is None and not (role == "assistant" and calls):
-        raise bad(f"{where}.content", "required (null only for an assistant message with tool_calls)")
-    out["content"] = "" if content is None else _content(content, f"{where}.content")
-    if calls is not None:
-        if role != "assistant":
-            raise bad(f"{where}.tool_calls", "only assistant messages carry tool calls")
-        out["tool_calls"] = _calls(calls, f"{where}.tool_calls")
-    if role == "tool" and message.get("tool_call_id") is not None:
-        out["tool_call_id"] = _text(message["tool_call_id"], f"{where}.tool_call_id")
-    if message.get("name") is not None:
-        out["name"] = _text(message["name"], f"{where}.name")
-    return out
-
-
-def _content(content: Any, param: str) -> str:
-    """A message's text: a string, or a list of text parts (joined)."""
-    if isinstance(content, str):
-        return _text(content, param)
-    if not isinstance(content, list):
-        raise bad(param, f"must be a string or a list of text parts (got {show(content)})")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise bad(param, f"uag reads text only: parts must be {{\"type\": \"text\", \"text\": …}} "
-                      f"(got a part of type {show(kind)})")  # fmt: skip
-        texts.append(_text(part["text"], param))
-    return "".join(texts)
-
-
-def _calls(calls: Any, param: str) -> list[dict]:
-    """An assistant's tool calls as the template takes them: id, name, and the arguments as an object."""
-    if not isinstance(calls, list):
-        raise bad(param, f"must be a list of tool calls (got {show(calls)})")
-    out = []
-    for j, call in enumerate(calls):
-        where = f"{param}[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad(where, 'each tool call needs {"function": {"name": …, "arguments": …}}')
-        name = _text(function["name"], f"{where}.function.name")
-        call_id = None if call.get("id") is None else _text(call["id"], f"{where}.id")
-        arguments = function.get("arguments")
-        if arguments is None:
-            arguments = {}
-        if isinstance(arguments, str):
-            text = _text(arguments, f"{where}.function.arguments")
-            try:
-                arguments = json.loads(text) if text.strip() else {}
-            except (ValueError, RecursionError):
-                raise bad(f"{where}.function.arguments", f"the arguments of {show(name)} are not JSON") from None
-        if not isinstance(arguments, dict):
-            raise bad(f"{where}.function.arguments", f"must be a JSON object, or a string holding one "
-                      f"(got {show(arguments)})")  # fmt: skip
-        _plain(arguments, f"{where}.function.arguments")
-        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
-    return out
-
-
-def _tools(tools: Any) -> tuple[dict, ...]:
-    if tools is None:
-        return ()
-    if not isinstance(tools, list):
-        raise bad("tools", 'must be a list of {"type": "function", "function": {…}} objects')
-    out = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": …, "parameters": {…}}}')
-        _plain(function, f"tools[{i}].function")  # its name, description and schema reach the template as text
-        parameters = function.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise bad(f"tools[{i}].function.parameters", "must be a JSON Schema object")
-        _schema(parameters, f"tools[{i}].function.parameters")
-        out.append({"type": "function", "function": {**function, "parameters": parameters}})
-    return tuple(out)
-
-
-def _schema(schema: dict, param: str) -> None:
-    """400 unless the keywords uag.server.chat.fits reads (type, enum, required, properties, items) have the
-    shapes JSON Schema gives them, here and in every nested schema. Example: {"required": "city"} -> 400"""
-    kinds, properties = schema.get("type"), schema.get("properties")
-    if kinds is not None and not _strings(kinds, alone=True):
-        raise bad(param, f"type must be a string or a list of strings (got {show(kinds)})")
-    if "enum" in schema and not isinstance(schema["enum"], list):
-        raise bad(param, f"enum must be a list (got {show(schema['enum'])})")
-    if "required" in schema and not _strings(schema["required"]):
-        raise bad(param, f"required must be a list of strings (got {show(schema['required'])})")
-    if properties is not None and not isinstance(properties, dict):
-        raise bad(param, f"properties must be an object (got {show(properties)})")
-    for sub in [*(properties or {}).values(), schema.get("items")]:
-        if isinstance(sub, dict):
-            _schema(sub, param)
-
-
-def _strings(value: Any, alone: bool = False) -> bool:
-    """Whether `value` is a list of strings (`alone`: or one string)."""
-    return (alone and isinstance(value, str)) or isinstance(value, list) and all(isinstance(v, str) for v in value)

@@ -79,6 +79,23 @@ def estimated_speedup(run: Any, step: StepTime | None) -> float | None:
     return after * step.ms / 1000 / seconds
 
 
+def saved_seconds(run: Any, step: StepTime | None) -> float:
+    """The seconds speculation saved on a run against the target alone (negative: lost), estimated: the
+    target's step time × the tokens after the prompt pass − the run's generation time. A run that never drafted
+    (auto parked throughout) ran as the target alone, so that estimate would be only the step time's error:
+    what it paid for speculation is its drafter's rehearsals, measured.
+
+    Example: 41 tokens after the prompt pass in 2.0 s, step 100 ms -> 4.1 − 2.0 = 2.1;
+             never drafted, one 30 ms rehearsal -> −0.03
+    """
+    if not any(c.source for c in run.cycles):
+        return -sum(c.draft_ms for c in run.cycles) / 1000
+    after = run.generated - run.opening
+    if step is None or not run.generation_s or after <= 0:  # as `estimated_speedup`: nothing to estimate
+        return 0.0
+    return after * step.ms / 1000 - run.generation_s
+
+
 def reported_strategy(run: Any) -> str:
     """The strategy a reply names for a speculative run: the translation it used ("identity" for a shared
     vocabulary, "lookup" without a model), with adaptive k named as uag.core.config names it.

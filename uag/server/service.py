@@ -37,7 +37,7 @@ from uag.server.costs import CostKeeper, Wanted, every
 from uag.server.errors import APIError, bad
 from uag.server.prompt_cache import ConversationCaches
 from uag.server.protocol import Request, ServerDefaults
-from uag.server.responses import StepTime, report
+from uag.server.responses import StepTime, report, saved_seconds
 from uag.server.streaming import ReplyText
 
 log = logging.getLogger(__name__)
@@ -109,23 +109,6 @@ class Served:
         if self.r is None or not drafting:
             return None
         return self.r * self.sources.get("model", 0) / drafting
-
-
-def saved_seconds(run: Any, step: StepTime | None) -> float:
-    """The seconds speculation saved on a run against the target alone (negative: lost), estimated: the
-    target's step time × the tokens after the prompt pass − the run's generation time. A run that never drafted
-    (auto parked throughout) ran as the target alone, so that estimate would be only the step time's error:
-    what it paid for speculation is its drafter's rehearsals, measured.
-
-    Example: 41 tokens after the prompt pass in 2.0 s, step 100 ms -> 4.1 − 2.0 = 2.1;
-             never drafted, one 30 ms rehearsal -> −0.03
-    """
-    if not any(c.source for c in run.cycles):
-        return -sum(c.draft_ms for c in run.cycles) / 1000
-    after = run.generated - run.opening
-    if step is None or not run.generation_s or after <= 0:  # as `estimated_speedup`: nothing to estimate
-        return 0.0
-    return after * step.ms / 1000 - run.generation_s
 
 
 class Service:
