@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from uag.core.highlight import DRAFT, TARGET
+from uag.core.records import DRAFT, TARGET
 
 PROMPTS = ("Stolica Polski to", "Ile nóg ma pająk?")
 MAX_TOKENS = 8  # the endpoint's default is 64; kept short so that the tests stay quick on a CPU

@@ -195,7 +195,7 @@ def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt
 def _print_run(args: argparse.Namespace, run, ran: dict | None = None) -> int:
     """The text with accepted drafts in green and a stats line, or one JSON object with what ran (nothing for
     None)."""
-    from uag.core.highlight import ansi
+    from uag.core.records import ansi
 
     if run is None:
         return 0

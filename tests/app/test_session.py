@@ -19,8 +19,7 @@ from uag.app.history import C_FITTED, C_STUDY, HISTORY_COLUMNS, history_frame, h
 from uag.app.session import Session
 from uag.app.settings import Settings, check_prompt
 from uag.core.config import MAX_TOKENS, SPECULATIVE
-from uag.core.highlight import DRAFT, TARGET
-from uag.core.records import Cycle, Run, Token
+from uag.core.records import DRAFT, TARGET, Cycle, Run, Token
 from uag.errors import InputError
 from uag.runtime.access import Access, check_drafter, check_model, client_of, is_remote, names_for_remote
 from uag.runtime.worker import MLXWorker

@@ -97,7 +97,8 @@ def test_a_forced_tool_call_is_well_formed_and_lossless_under_speculation(coder,
     + SmolLM2 writes the constrained target alone's reply, the grammar's forced tokens proposed free."""
     import json
 
-    from uag.core.grammar import GRAMMAR, tool_constraint
+    from uag.core.config import GRAMMAR
+    from uag.core.grammar import tool_constraint
     from uag.server.chat import parse_tool_calls, render
 
     _, target, _ = coder

@@ -16,8 +16,7 @@ from typing import Any
 from uag.app.history import history_row, speedup_of
 from uag.app.settings import Settings
 from uag.core.costmodel import break_even
-from uag.core.highlight import TARGET, spans
-from uag.core.records import Cycle, Run, Token
+from uag.core.records import TARGET, Cycle, Run, Token, spans
 from uag.runtime.divergence import IDENTICAL, NEAR_TIE, Divergence
 from uag.runtime.jobs import OutOfTime, Status, Tick, Waiting
 from uag.study.plots import STUDY_C, cycle_ribbon, position_acceptance
@@ -86,7 +85,7 @@ class Update:
 
 
 def labelled_spans(tokens: Sequence[Token]) -> list[tuple[str, str]]:
-    """`highlight.spans` with the target's own text labelled too, so the legend names both origins.
+    """`records.spans` with the target's own text labelled too, so the legend names both origins.
 
     Example: tokens "Ala"(draft) " ma"(target) -> [("Ala", "accepted draft"), (" ma", "target")]
     """

@@ -23,7 +23,7 @@ from uag.app.handlers import DECODING, KEEP, Handlers, Shown, table
 from uag.app.history import C_FITTED, C_STUDY, K_CHOICES
 from uag.app.session import Session
 from uag.core.config import FIELDS, SPECULATIVE
-from uag.core.highlight import DRAFT, TARGET
+from uag.core.records import DRAFT, TARGET
 from uag.errors import UserError
 from uag.models.dtypes import AS_STORED, DTYPES
 from uag.study.datasets import examples

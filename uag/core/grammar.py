@@ -29,7 +29,6 @@ from uag.errors import InputError
 
 log = logging.getLogger(__name__)
 
-GRAMMAR = "grammar"  # the source name of a draft made of the tokens the grammar forces (records, highlighting)
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # Qwen2.5 / Hermes tags, where the vocabulary has them
 # Replies and tool calls are written as json.dumps writes them (no line breaks or indents, ", " and ": "), so that
