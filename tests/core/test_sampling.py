@@ -339,3 +339,29 @@ def test_the_prompt_time_of_a_run_parked_from_the_start_is_the_target_reading_th
     run = generate(target, slow, PROMPTS[1], config, seams=Seams(policy=Alternating(3)))
     assert run.cycles[0].k == 0 and run.opening == 1
     assert (run.first_token_s - start) * 1000 >= 600 > run.prompt_ms > 0  # the drafter's start is not in it
+
+
+class FixedMask:
+    """A grammar stand-in whose every row allows the same tokens (uag.core.grammar.Matcher's `masks` shape)."""
+
+    def __init__(self, allowed: list[int], width: int):
+        self.row = np.zeros((width + 31) // 32, dtype=np.int32)
+        for t in allowed:
+            self.row.view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
+
+    def masks(self, proposed):
+        return np.stack([self.row] * (len(proposed) + 1))
+
+
+def test_under_a_grammar_the_distribution_is_the_targets_renormalised_over_what_it_allows():
+    """What rejection sampling draws from (and greedy picks) under a constraint: the target's softmax over the
+    allowed tokens only, renormalised; every verified row masked."""
+    logits = mx.array([[0.5, 2.0, 1.0, -1.0, 3.0, 0.0], [3.0, 0.1, 0.2, 0.3, 0.4, 0.5]])
+    sampling = TargetSampling.of(GenerationConfig(temperature=1.0), grammar=FixedMask([1, 3, 5], 6))
+    rows = sampling.rows([7], [1], logits)
+    p = np.array(sampling.distribution(rows))
+    for row, raw in zip(p, np.array(logits)):
+        expected = np.zeros(6)
+        expected[[1, 3, 5]] = np.exp(raw[[1, 3, 5]]) / np.exp(raw[[1, 3, 5]]).sum()
+        assert np.allclose(row, expected, atol=1e-6)
+    assert TargetSampling.of(GenerationConfig(), grammar=FixedMask([1, 3, 5], 6)).choose(rows).tolist() == [1, 5]
