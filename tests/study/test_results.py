@@ -108,7 +108,7 @@ SPEC_CHANGES = [dict(target="t2"), dict(drafter="d2"), dict(drafter="lookup+d"),
 CONFIG_CHANGES = [dict(translation="naive"), dict(k_policy="adaptive"), dict(k=4), dict(window=8), dict(max_tokens=64),
                   dict(temperature=0.7), dict(seed=1), dict(chat=True), dict(top_p=0.9), dict(top_k=40),
                   dict(min_p=0.1), dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
-                  dict(frequency_penalty=0.5)]  # fmt: skip
+                  dict(frequency_penalty=0.5), dict(constraint='{"kind":"json_object"}')]  # fmt: skip
 
 
 @pytest.mark.parametrize("change", SPEC_CHANGES + CONFIG_CHANGES)

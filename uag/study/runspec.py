@@ -92,6 +92,8 @@ class RunSpec:
             identity |= {"dtypes": [self.target_dtype, self.drafter_dtype if self.drafter else None]}
         if sampling := self.sampling():  # runs with the neutral samplers keep their old key too
             identity |= {"sampling": sampling}
+        if self.config.constraint is not None:  # a constrained run writes other text: another key
+            identity |= {"constraint": self.config.constraint}
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
 
