@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
     p.add_argument("--auto-off", action="append", default=[], choices=MECHANISMS, metavar="MECHANISM",
                    help="switch off one part of auto for an ablation (repeatable; "
-                   f"{', '.join(MECHANISMS)}): auto then neither reads nor saves the pair's saved evidence "
+                   f"{', '.join(MECHANISMS)}): auto then opens from the pair's saved evidence but saves none back "
                    "(docs/how-it-works.md#what-each-part-earns)")  # fmt: skip
     add_http_options(p)
     from uag.distributed.options import add_shard_options
