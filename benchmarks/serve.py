@@ -797,9 +797,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="the rows, one JSON object per line (default serve-<date-time>.jsonl)")
     parser.add_argument("--summarize", metavar="ROWS", help="print the summary of a rows file and exit")
+    parser.add_argument("--concurrency", type=int, nargs="+", metavar="C", help="the concurrency benchmark "
+                        "(benchmarks/serve_many.py): C requests at once, each C a level, e.g. 1 2 4 8")  # fmt: skip
+    parser.add_argument("--plot", metavar="PATH", help="with --concurrency: aggregate tokens/s against it, as PNG")
     args = parser.parse_args(argv)
     if args.summarize:
         rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
+        if any(r.get("kind") == "request" for r in rows):  # rows of --concurrency
+            import serve_many  # here, not above: it imports this module
+
+            return serve_many.summarize(rows, args.plot)
         print(summary(rows))
         return 0
     coder = args.target == "coder-target"
@@ -817,6 +824,10 @@ def main(argv: list[str] | None = None) -> int:
     bad += [f"--num-draft-tokens {n}: mlx_lm.server drafts 1 or more" for n in args.num_draft_tokens if n < 1]
     if bad:
         parser.error("; ".join(bad))
+    if args.concurrency:
+        import serve_many
+
+        return serve_many.main(args)
     if args.ids:
         known = {c.id: c for c in load_conversations("edit")}
         unknown = [i for i in args.ids if i not in known]

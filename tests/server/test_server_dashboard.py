@@ -1,27 +1,38 @@
 """The Server tab's data (`uag.server.dashboard`) and the `Served` records behind it, without a model or a server:
 each request's r is what drafted it, a request that never drafted is shown as the target alone, the empty plot
-says how to fill it, and the table is narrow enough for a 1280 px window."""
+says how to fill it, the table is narrow enough for a 1280 px window and shows the batch each request ran in, and
+the load figure's tokens/s and requests running come from the requests' spans and the worker's batch."""
 
 from __future__ import annotations
 
+import random
+import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
-from uag.core.records import Cycle, Run
+from uag.core.config import GenerationConfig
+from uag.core.records import Cycle, Run, Token
 from uag.server.dashboard import (
     COLUMNS,
     WIDTHS,
+    bucket_seconds,
+    load_figure,
+    load_view,
     nothing_plotted,
     plot_rows,
     request_row,
     requests_frame,
+    running,
     server_view,
+    since,
+    throughput,
 )
-from uag.server.protocol import ServerDefaults
-from uag.server.responses import StepTime, saved_seconds
-from uag.server.service import Served
+from uag.server.protocol import Request, ServerDefaults
+from uag.server.responses import StepTime, report, saved_seconds
+from uag.server.service import Served, Service
 
 HYBRID = "lookup+demo-drafter"
 R_HYBRID = 0.5  # the demo drafter's bytes / the target's, about
@@ -51,6 +62,7 @@ class FakeService:
     saved_s: float = 0.0
     target_name: str = "demo-target"
     defaults: ServerDefaults = DEFAULTS
+    runner: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(worker=SimpleNamespace(batch=None)))
 
     def snapshot(self) -> tuple[list[Served], float]:
         return list(self.recent), self.saved_s
@@ -167,7 +179,9 @@ def test_without_the_targets_step_time_the_plot_says_where_to_get_it():
 # --- the table -----------------------------------------------------------------------------------------------
 def test_the_table_keeps_what_a_request_did_in_compact_columns():
     rows = [
-        served({"lookup": 9, "model": 3, "plain": 30}, alpha=0.7551020408, speedup=2.345678, check="identical"),
+        served(
+            {"lookup": 9, "model": 3, "plain": 30}, alpha=0.7551020408, speedup=2.345678, check="identical", batch=2.4
+        ),  # fmt: skip
         served({}, drafter=None, strategy="baseline", k=0, alpha=None, speedup=None, r=None, saved_s=0.0),
         served(
             {"model": 5},
@@ -181,11 +195,11 @@ def test_the_table_keeps_what_a_request_did_in_compact_columns():
     newest, baseline, oldest = (frame.iloc[i].to_dict() for i in range(3))
     assert newest["drafter"] == "Qwen2.5-0.5B-Instruct-4bit context k=4" and newest["check"] == "near-tie (rounding)"
     assert baseline["drafter"] == "off" and baseline["sources"] == "" and pd.isna(baseline["speedup"])
-    assert pd.isna(baseline["saved s"]) and pd.isna(baseline["α"])
+    assert pd.isna(baseline["saved s"]) and pd.isna(baseline["α"]) and pd.isna(baseline["batch"])  # unbatched
     assert oldest == {
         "time": "10:21:23", "model": "demo-target", "drafter": "lookup+demo-drafter auto k≤8", "tokens": 48,
-        "prompt (cached)": "875 (874)", "tok/s": 11.6, "α": 0.76, "sources": "lookup 9, model 3, plain 30",
-        "speedup": 2.35, "saved s": 1.2, "check": "identical",
+        "prompt (cached)": "875 (874)", "tok/s": 11.6, "batch": 2.4, "α": 0.76,
+        "sources": "lookup 9, model 3, plain 30", "speedup": 2.35, "saved s": 1.2, "check": "identical",
     }  # fmt: skip
 
 
@@ -193,3 +207,101 @@ def test_the_column_widths_fill_the_table_without_overflowing_it():
     assert len(WIDTHS) == len(COLUMNS)
     percents = [float(w.rstrip("%")) for w in WIDTHS]
     assert all(w.endswith("%") for w in WIDTHS) and 95 <= sum(percents) <= 100
+
+
+# --- the load over time --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("span_s, width", [(0, 1), (60, 1), (61, 2), (90, 2), (3 * 3600, 300), (100 * 3600, 7200)])
+def test_buckets_are_round_and_at_most_sixty(span_s, width):
+    assert bucket_seconds(span_s) == width
+
+
+@pytest.mark.parametrize(
+    "spans, width, expected",
+    [
+        ([(0, 4, 40), (2, 4, 20)], 2, [(0, 10.0), (2, 20.0)]),  # overlapping requests add up
+        ([(0, 1, 10), (5, 6, 10)], 2, [(0, 5.0), (2, 0.0), (4, 5.0)]),  # an idle bucket between them is 0
+        ([(3, 3, 6)], 2, [(2, 3.0)]),  # a span of no length: all its tokens in its bucket
+        ([(1, 4, 30)], 2, [(0, 5.0), (2, 10.0)]),  # spread by the share of its span in each bucket
+        ([], 5, []),
+    ],
+)
+def test_throughput_spreads_each_requests_tokens_over_its_span(spans, width, expected):
+    rates = throughput(spans, width)
+    assert [t for t, _ in rates] == [t for t, _ in expected]
+    assert [rate for _, rate in rates] == pytest.approx([rate for _, rate in expected])
+
+
+def test_throughput_keeps_every_token():
+    rng = random.Random(7)
+    now = 1.7e9
+    spans = []
+    for _ in range(50):
+        start = now + rng.uniform(0, 600)
+        spans.append((start, start + rng.choice([0.0, rng.uniform(0, 90)]), rng.randint(1, 500)))
+    width = bucket_seconds(max(e for _, e, _ in spans) - min(s for s, _, _ in spans))
+    rates = throughput(spans, width)
+    assert sum(rate * width for _, rate in rates) == pytest.approx(sum(n for _, _, n in spans))
+    assert all(rate >= 0 for _, rate in rates) and [t for t, _ in rates] == sorted(t for t, _ in rates)
+    with pytest.raises(ValueError, match="longer than 0 s"):
+        throughput(spans, 0)
+
+
+def test_requests_running_step_at_each_start_and_end():
+    assert running([(0, 4, 40), (2, 3, 9)]) == [(0, 1), (2, 2), (3, 1), (4, 0)]
+    assert running([(0, 2, 1), (2, 4, 1)]) == [(0, 1), (4, 0)]  # one ends as the next starts: still 1
+    assert since([(0, 1), (5, 2), (9, 0)], 6) == [(6, 2), (9, 0)]
+    assert since([(5, 2), (9, 0)], 1) == [(5, 2), (9, 0)] and since([(5, 2)], 9) == [(9, 2)]
+
+
+def _timed(started: float, finished: float, tokens: int) -> Served:
+    return served({"lookup": 3}, started=started, finished=finished, completion_tokens=tokens)
+
+
+def test_the_load_figure_counts_running_from_the_batch_where_the_worker_batches():
+    t0 = 1.7e9
+    requests = [_timed(t0, t0 + 20, 200), _timed(t0 + 5, t0 + 10, 100)]
+    history = [(t0 - 50, 1), (t0 - 40, 0), (t0 + 1, 1), (t0 + 5, 2), (t0 + 10, 1), (t0 + 20, 0)]
+    bars, line = load_figure(requests, history, now=t0 + 3600).data
+    assert list(line.y) == [0, 1, 2, 1, 0] and line.yaxis == "y2"  # from the first request's start on
+    assert sum(bars.y) * bars.width / 1000 == pytest.approx(300) and max(bars.y) == pytest.approx(30)
+    # without a batch's history, running is the requests' own spans
+    _, line = load_figure(requests, [], now=t0 + 3600).data
+    assert list(line.y) == [1, 2, 1, 0]
+
+
+def test_the_load_figure_runs_on_to_now_while_requests_run():
+    t0 = 1.7e9
+    _, line = load_figure([_timed(t0, t0 + 20, 200)], [(t0, 1), (t0 + 15, 2), (t0 + 20, 1)], now=t0 + 30).data
+    assert list(line.y) == [1, 2, 1, 1] and line.x[-1].timestamp() == pytest.approx(t0 + 30)
+
+
+def test_the_load_figure_says_why_it_is_empty():
+    figure = load_view(FakeService([served({}, drafter=None, strategy="baseline", k=0)]))  # no times: not served
+    assert not figure.data and "No request served yet" in figure.layout.annotations[0].text
+    batch = SimpleNamespace(history=[(1.7e9, 1), (1.7e9 + 4, 0)])
+    service = FakeService([_timed(1.7e9, 1.7e9 + 4, 40)], runner=SimpleNamespace(worker=SimpleNamespace(batch=batch)))
+    assert list(load_view(service).data[1].y) == [1, 0]
+
+
+def test_a_served_request_records_its_batch_and_its_span():
+    from uag.models.store import ModelStore
+    from uag.runtime.jobs import JobRunner
+    from uag.runtime.worker import MLXWorker
+
+    runner = JobRunner(MLXWorker())
+    service = Service(ModelStore(), runner, DEFAULTS, target="demo-target", cache_bytes=0)
+    run = Run(strategy="baseline", target="demo-target", prompt_ids=[1, 2, 3], prompt_ms=500.0)
+    run.tokens = [Token(7, "a", False)] * 5
+    run.first_token_s, run.last_token_s = time.perf_counter() - 2.0, time.perf_counter() - 0.5
+    request = Request(kind="completion", model="demo-target", config=GenerationConfig("baseline"), drafter=None)
+    done = report(run, completion_tokens=5, cached_tokens=0, drafter=None, step=None)
+    try:
+        service._record(request, run, done, None, None, SimpleNamespace(weight_bytes=1))
+        done["speculative"]["batch"] = {"mean": 2.5, "largest": 3}
+        service._record(request, run, done, None, None, SimpleNamespace(weight_bytes=1))
+    finally:
+        runner.worker.close()
+    alone, batched = service.snapshot()[0]
+    assert alone.batch is None and batched.batch == 2.5
+    assert batched.finished - batched.started == pytest.approx(2.0, abs=0.05)  # the prompt's 0.5 s counts
+    assert batched.finished == pytest.approx(time.time() - 0.5, abs=1.0)

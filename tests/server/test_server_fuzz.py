@@ -223,6 +223,7 @@ class Replying:
 
         self.defaults = DEFAULTS
         self.runner = JobRunner(MLXWorker(name="uag-fuzz"), heartbeat_s=0.05)
+        self.batched = False  # one request at a time, as on a server started with --max-batch 1
 
     def job(self, job, request: Request):
         from uag.server.service import Accepted, Delta, Done

@@ -47,6 +47,7 @@ class FakeService:
 
     def __init__(self, runner: JobRunner):
         self.runner, self.defaults = runner, ServerDefaults(model=MODEL, drafter=None)
+        self.batched = runner.worker.max_batch > 1
         self.release, self.started, self.cancelled = threading.Event(), threading.Event(), threading.Event()
         self.release.set()
         self.forever = False

@@ -19,7 +19,7 @@ from typing import Any
 from uag.core.config import LOOKUP
 from uag.core.costmodel import LOOKUP_MS, CostProfile
 from uag.core.lookup import MATCH_BANDS
-from uag.core.records import Cycle, Rehearsal
+from uag.core.records import Cycle, Rehearsal, sharing
 
 MODEL = "model"
 
@@ -267,7 +267,12 @@ class Prices:
         to request, and passes over a long context cost more than the profile's); then extrapolation.
 
         Example: profile 450 / 500 ms for 1 / 2 tokens, this run's 2-token passes 700 ms -> w = 1: 630 ms
+
+        Batched with other requests (a server's), a pass computes every sequence padded to the widest: w is
+        priced as the whole pass's tokens (`Sharing.rows`), so drafting pays only where the pass has room left.
         """
+        if (shared := sharing()) is not None:
+            w = shared.rows(w)
         timed = self.evidence.verify_ms
         if w in timed:
             return timed[w]
@@ -335,9 +340,11 @@ class Prices:
     # --- learning from the run's own timings ------------------------------------------------------------
     def time_verify(self, cycle: Cycle) -> None:
         """The run's own target timings, and how they compare with the profile's (`Evidence.scale`)."""
-        evidence, w = self.evidence, len(cycle.proposed_ids) + 1
+        evidence, w, ms = self.evidence, len(cycle.proposed_ids) + 1, cycle.verify_ms
+        if (shared := sharing()) is not None and shared.size > 1 and shared.pass_ms is not None:
+            w, ms = shared.rows(w), shared.pass_ms  # the batch's pass, not the wait for the other requests
         if self.learn or not (self.profile and w in self.profile.target_ms):
-            evidence.verify_ms[w] = ema(evidence.verify_ms.get(w), cycle.verify_ms)
+            evidence.verify_ms[w] = ema(evidence.verify_ms.get(w), ms)
         if self.learn and self.profile is not None:
             evidence.scale = statistics.median(ms / self.profile.target_at(v) for v, ms in evidence.verify_ms.items())
 

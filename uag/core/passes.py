@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from uag.core.translate import longest_common_prefix
 
@@ -115,3 +116,92 @@ def settle_allocator() -> None:
     limit triggers the merge here instead; total time is unchanged.
     """
     bytearray(4096)
+
+
+# --- passes shared by several requests (continuous batching: uag.runtime.batching) -------------------------------
+
+
+def mergeable(cache: list) -> bool:
+    """Whether mlx-lm can merge this kind of cache into a batch (its KV caches, plain and rotating, can)."""
+    return bool(cache) and all(hasattr(c, "merge") and hasattr(c, "update_and_fetch") for c in cache)
+
+
+def batched_pass(model, inputs: Sequence[mx.array], caches: Sequence[list]) -> list[mx.array]:
+    """One forward pass over several sequences, each with its own cache: the logits each would get alone.
+
+    Each sequence's cache is merged with the others' (left padded, mlx-lm's `BatchKVCache`); its new tokens
+    are right padded to the longest (padding after a row's tokens cannot reach them: the mask is causal). The
+    keys and values the pass computes for each row's own tokens are appended to that row's cache, so that every
+    cache ends as a pass of its own would leave it; the padding's are dropped with the merged cache.
+
+    Example: inputs of widths [1, 5, 3] -> one pass over 3 × 5 tokens; logits of shapes (1, 1, V), (1, 5, V),
+             (1, 3, V)
+    """
+    widths = [int(x.shape[-1]) for x in inputs]
+    width = max(widths)
+    rows = [mx.pad(x.reshape(1, -1).astype(mx.int32), [(0, 0), (0, width - w)]) for x, w in zip(inputs, widths)]
+    merged, fresh = [], []
+    for layer in zip(*caches):
+        batch = _merge(list(layer), room=width)
+        computed: list = []
+        batch.update_and_fetch = _recorded(batch.update_and_fetch, computed)
+        merged.append(batch)
+        fresh.append(computed)
+    logits = model(mx.concatenate(rows), cache=merged)
+    for row, (cache, w) in enumerate(zip(caches, widths)):
+        for layer, computed in zip(cache, fresh):
+            keys, values = computed[0]
+            layer.update_and_fetch(keys[row : row + 1, :, :w], values[row : row + 1, :, :w])
+    return [logits[row : row + 1, :w] for row, w in enumerate(widths)]
+
+
+def _recorded(update: Callable, into: list) -> Callable:
+    """A merged cache's `update_and_fetch` that also keeps the new keys and values it is handed."""
+
+    def update_and_fetch(keys: mx.array, values: mx.array):
+        into.append((keys, values))
+        return update(keys, values)
+
+    return update_and_fetch
+
+
+def _merge(layer: list, room: int):
+    """One layer's caches merged into a batch cache, with room for `room` more tokens when they are plain KV
+    caches (mlx-lm's own merge leaves none: the pass would copy the whole cache again to grow it)."""
+    if not all(type(c) is KVCache for c in layer):
+        return layer[0].merge(layer)
+    lengths = [c.offset if c.keys is not None else 0 for c in layer]
+    longest = max(lengths)
+    filled = next((c for c in layer if c.keys is not None), None)
+    batch = BatchKVCache([longest - n for n in lengths])
+    if filled is None:
+        return batch
+    _, heads, _, k_dim = filled.keys.shape
+    v_dim = filled.values.shape[3]
+    keys = mx.zeros((len(layer), heads, longest + room, k_dim), dtype=filled.keys.dtype)
+    values = mx.zeros((len(layer), heads, longest + room, v_dim), dtype=filled.values.dtype)
+    for row, (c, n) in enumerate(zip(layer, lengths)):
+        if n:
+            keys[row : row + 1, :, longest - n : longest] = c.keys[..., :n, :]
+            values[row : row + 1, :, longest - n : longest] = c.values[..., :n, :]
+    batch.keys, batch.values, batch._idx = keys, values, longest
+    batch.offset = mx.array(lengths)
+    return batch
+
+
+def kv_bytes(model, tokens: int) -> int:
+    """Bytes a sequence of `tokens` takes in the model's KV caches (a sliding-window layer holds its window at
+    most), from the model's shapes: what a request's caches will need, before it runs.
+
+    Example: 28 layers, 2 KV heads of 128, float32, 1,000 tokens -> 28 · 2 · 2 · 128 · 4 · 1,000 = 57.3 MB
+    """
+    args = model.args
+    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    weights = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    itemsize = next(weights).itemsize
+    total = 0
+    for layer in make_prompt_cache(model):
+        held = min(tokens, layer.max_size) if getattr(layer, "max_size", None) else tokens
+        total += 2 * heads * head_dim * itemsize * held
+    return total

@@ -24,6 +24,7 @@ the same numbers. Definitions (also in docs/how-it-works.md#metrics):
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -357,3 +358,47 @@ def ansi(tokens: Iterable[Token], *, colour: bool = True) -> str:
     if not colour:
         return "".join(t.text for t in tokens)
     return "".join(f"\x1b[32m{text}\x1b[0m" if label else text for text, label in spans(tokens))
+
+
+# --- a request's passes shared with others' (continuous batching: uag.runtime.batching) --------------------------
+
+
+@dataclass
+class Sharing:
+    """How one request's target passes were shared with other requests' (a server batching them), for `auto`
+    (uag.core.evidence.Prices prices a pass by the width of the whole batch) and for the request's report."""
+
+    size: int = 1  # sequences in the last target pass shared with this request
+    widest: int = 0  # the most tokens another sequence put in it (each sequence is padded to the widest)
+    pass_ms: float | None = None  # how long that pass took (all sequences together)
+    passes: int = 0  # target passes this request made
+    summed: int = 0  # the sizes of the batches they ran in, summed
+    largest: int = 1
+
+    def shared(self, size: int, widest: int, ms: float | None) -> None:
+        """A target pass ran over `size` sequences, the widest of the others `widest` tokens, in `ms`."""
+        self.size, self.widest, self.pass_ms = size, widest, ms
+        self.passes += 1
+        self.summed += size
+        self.largest = max(self.largest, size)
+
+    def rows(self, w: int) -> int:
+        """Tokens a target pass computes when this request puts w in it beside the same others as last time: every
+        sequence padded to the widest (1 request: w).
+
+        Example: 4 sequences, the widest other 9 -> w = 1: 36;  w = 17: 68
+        """
+        return w if self.size <= 1 else self.size * max(w, self.widest)
+
+    @property
+    def mean_size(self) -> float:
+        """The batch size this request ran at, averaged over its target passes (1 when it ran alone)."""
+        return self.summed / self.passes if self.passes else 1.0
+
+
+SHARING: ContextVar[Sharing | None] = ContextVar("uag_sharing", default=None)  # set in each batched request
+
+
+def sharing() -> Sharing | None:
+    """The running request's `Sharing` when a server batches it with others; None for a request run alone."""
+    return SHARING.get()

@@ -124,16 +124,18 @@ class JobRunner:
         client: str | None = None,
         owner: str | None = None,
         wait: bool = False,
+        shared: bool = False,
     ) -> Iterator[Any]:
         """Queue `fn(job, *args)` and yield `Waiting` until it starts, then its items and a `Tick` whenever
         none came for a heartbeat; then raise what it raised. When `client` has its share queued or running:
         Busy, or with `wait` held back (yielding `Waiting`) until one of its jobs ends.
 
+        `shared`: the job may run together with other shared jobs (uag.runtime.worker.MLXWorker).
         `owner` (a browser tab) lets `stop(owner)` cancel it from another request. Closing this generator
         cancels the job (a queued or held job never starts; a running one stops at its next check).
         """
         started = time.monotonic()
-        submit = partial(self.worker.submit, fn, *args, label=label)
+        submit = partial(self.worker.submit, fn, *args, label=label, shared=shared)
         job, ticket = self._enter(client, wait, submit)
         if job is None:
             try:

@@ -3,8 +3,10 @@
 MLX streams are bound to the thread that created them, while a web server steps a handler's generator
 on whichever thread is free. So the app never touches a model outside this worker: a handler submits a
 generator function, the worker runs it on its own thread, and the handler reads what it yields through a
-`queue.Queue`. Jobs run strictly one at a time, in submission order, so users are served in turn and
-no run's timing is disturbed by another's.
+`queue.Queue`. Jobs run one at a time, in submission order, so users are served in turn and no run's
+timing is disturbed by another's; except jobs submitted `shared` (a server's requests), which run together,
+up to `max_batch` at once, each in a greenlet of this thread, their passes batched (uag.runtime.batching).
+A job that is not shared waits for the running shared ones to end, and none joins them meanwhile.
 
     worker = MLXWorker()
     job = worker.submit(count, 3)        # def count(job, n): yield from range(n)
@@ -19,10 +21,13 @@ consumer. A consumer that stops reading (breaks out, or is closed by the web ser
 from __future__ import annotations
 
 import inspect
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _DONE = object()  # end of a job's items
 TICK = object()  # yielded by `Job.items(heartbeat)` when nothing came for `heartbeat` seconds
@@ -31,8 +36,9 @@ TICK = object()  # yielded by `Job.items(heartbeat)` when nothing came for `hear
 class Job:
     """A unit of work for the worker, and the consumer's view of what it yields."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, label: str):
+    def __init__(self, fn: Callable[..., Any], args: tuple, label: str, shared: bool = False):
         self.label = label
+        self.shared = shared  # may run together with other shared jobs (uag.runtime.batching)
         self.cancelled = threading.Event()  # set by cancel(); the job function polls it
         self.started = threading.Event()  # the worker has picked the job up
         self.done = threading.Event()  # the job function has returned (or raised, or was skipped)
@@ -98,6 +104,13 @@ class Job:
                 self.cancel()
 
     # --- on the worker thread ------------------------------------------------------------------
+    def abandon(self, err: BaseException) -> None:
+        """End a job that can run no further (the batch it ran in failed): its consumer gets `err`."""
+        if not self.done.is_set():
+            self._error = err
+            self._items.put(_DONE)
+            self.done.set()
+
     def _run(self) -> None:
         self.started.set()
         try:
@@ -111,7 +124,8 @@ class Job:
                 finally:
                     items.close()  # on this thread, so MLX state is released where it was made
         except BaseException as err:  # handed to the consumer, who decides what the user sees
-            self._error = err
+            if not self.done.is_set():
+                self._error = err
         finally:
             if self._timer is not None:
                 self._timer.cancel()
@@ -120,19 +134,26 @@ class Job:
 
 
 class MLXWorker:
-    """A daemon thread that runs submitted jobs one at a time, first in, first out."""
+    """A daemon thread that runs submitted jobs first in, first out: one at a time, or, where they are `shared`,
+    up to `max_batch` together."""
 
-    def __init__(self, name: str = "uag-mlx"):
+    def __init__(self, name: str = "uag-mlx", *, max_batch: int = 1):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
+        self.max_batch = max_batch
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._current: Job | None = None
+        self._running: list[Job] = []  # the shared jobs running together now
+        self.batch = None  # the uag.runtime.batching.Batch while shared jobs run
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None) -> Job:
-        """Queue ``fn(job, *args)``; iterate the returned `Job` for what it yields."""
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None, shared: bool = False) -> Job:
+        """Queue ``fn(job, *args)``; iterate the returned `Job` for what it yields. A `shared` job may run
+        together with other shared ones, its model passes batched with theirs (`uag.runtime.batching.share`)."""
         if not self._thread.is_alive():
             raise RuntimeError("the MLX worker has been closed")
-        job = Job(fn, args, label or getattr(fn, "__name__", "job"))
+        job = Job(fn, args, label or getattr(fn, "__name__", "job"), shared)
         self._jobs.put(job)
         return job
 
@@ -147,8 +168,14 @@ class MLXWorker:
 
     @property
     def current(self) -> Job | None:
-        """The job running now, if any."""
-        return self._current
+        """The job running now, if any (the longest running one, where several run together)."""
+        running = self._running
+        return self._current or (running[0] if running else None)
+
+    @property
+    def running(self) -> int:
+        """Jobs running now (more than one only while shared jobs run together)."""
+        return len(self._running) or int(self._current is not None)
 
     @property
     def backlog(self) -> int:
@@ -171,9 +198,44 @@ class MLXWorker:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self._current = job
-            try:
-                job._run()
-            finally:
-                self._current = None
+        from uag.runtime.batching import Batch
+
+        batch = self.batch = Batch(self.max_batch)
+        solo, closing = None, False
+        while not (closing and solo is None and not batch):
+            while solo is None and not closing and not batch.full:  # admit what may run now
+                try:
+                    job = self._jobs.get(block=not batch)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                elif job.shared:
+                    self._running.append(job)
+                    batch = self._batched(batch, batch.join, job)
+                else:
+                    solo = job  # runs once the shared jobs running now are done; none joins them meanwhile
+            if batch:
+                batch = self._batched(batch, batch.round)
+            elif solo is not None:
+                self._current = solo
+                try:
+                    solo._run()
+                finally:
+                    self._current, solo = None, None
+            self._running = [job for job in self._running if not job.done.is_set()]
+
+    def _batched(self, batch, step: Callable[..., None], *args: Any):
+        """Run one step of the batch; where batching itself fails (a bug), its requests fail and a new batch starts."""
+        from uag.runtime.batching import Batch
+
+        try:
+            step(*args)
+            return batch
+        except Exception as err:
+            log.error("the batch of %d requests failed", len(batch), exc_info=err)
+            batch.fail(err)
+            for job in self._running:  # any that did not end when told
+                job.abandon(err)
+            self.batch = Batch(self.max_batch)
+            return self.batch

@@ -1,16 +1,21 @@
-"""The app's **Server** tab: what `uag serve` served — the recent requests, the time speculation saved, and the
-speedup-vs-α plane with the break-even curves, fed by real requests.
+"""The app's **Server** tab: what `uag serve` served — the recent requests, the time speculation saved, the
+speedup-vs-α plane with the break-even curves, fed by real requests, and the load: tokens/s of all requests
+together and requests running, over time.
 
-`server_view` is plain data (a caption, a table, a plotly figure), tested without a browser; `add_server_tab`
-puts it into the app's page beside its own tabs (`uag.app.ui.build` is not edited).
+`server_view` and `load_view` are plain data (a caption, a table, plotly figures), tested without a browser;
+`add_server_tab` puts them into the app's page beside its own tabs (`uag.app.ui.build` is not edited).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import pandas as pd
+import plotly.graph_objects as go
 
 from uag.app.history import group_of, plot_view
 from uag.core.config import DrafterSpec, adaptive_k, short_name
@@ -18,14 +23,18 @@ from uag.server.protocol import ServerDefaults
 from uag.server.service import Served, Service
 
 COLUMNS = (
-    "time", "model", "drafter", "tokens", "prompt (cached)", "tok/s", "α", "sources", "speedup", "saved s", "check",
+    "time", "model", "drafter", "tokens", "prompt (cached)", "tok/s", "batch", "α", "sources", "speedup", "saved s",
+    "check",
 )  # fmt: skip
-NUMBERS = ("tok/s", "α", "speedup", "saved s")  # may be blank
+NUMBERS = ("tok/s", "batch", "α", "speedup", "saved s")  # may be blank
 # Percent of the table's width, so that it fits a 1280 px window (long names wrap in their cell).
-WIDTHS = ("7%", "10%", "17%", "6%", "10%", "5%", "5%", "16%", "6.5%", "6%", "9.5%")
+WIDTHS = ("7%", "9%", "15%", "6%", "10%", "5%", "5%", "5%", "15%", "6.5%", "6%", "9.5%")
 CHECKED = {"identical": "identical", "diverged_near_tie": "near-tie (rounding)", "diverged": "MISMATCH (bug)"}
 API = "`/v1/chat/completions`"  # on this server's port, beside the app at /ui
 R_FROM = "the latest request's drafter/target bytes, weighted by what drafted (prompt lookup: 0)"
+Span = tuple[float, float, int]  # one request: (started, finished) in epoch seconds, and the tokens it generated
+BUCKETS = 60  # the most tokens/s bars the load figure draws
+BUCKET_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)  # round widths for them
 
 
 def _rounded(x: float | None, digits: int) -> float | None:
@@ -62,6 +71,7 @@ def request_row(s: Served) -> dict[str, Any]:
         "tokens": s.completion_tokens,
         "prompt (cached)": f"{s.prompt_tokens} ({s.cached_tokens})",
         "tok/s": _rounded(s.tokens_per_second, 1),
+        "batch": _rounded(s.batch, 1),  # blank on an unbatched server
         "α": _rounded(s.alpha, 2),
         "sources": sources_label(s),
         "speedup": _rounded(s.speedup, 2) if s.drafted else None,
@@ -138,6 +148,108 @@ def nothing_plotted(served: Sequence[Served], defaults: ServerDefaults) -> str:
     return "This server runs the target alone (no drafter allowed): restart `uag serve` with `--drafter` to plot."
 
 
+# --- the load over time ----------------------------------------------------------------------------------------
+def bucket_seconds(span_s: float) -> int:
+    """A round bucket width that cuts `span_s` seconds into at most `BUCKETS` buckets.
+
+    Example: 50 s -> 1; 90 s -> 2; 3 hours -> 300
+    """
+    hours = BUCKET_S[-1]
+    return next((w for w in BUCKET_S if span_s <= w * BUCKETS), hours * math.ceil(span_s / (hours * BUCKETS)))
+
+
+def throughput(spans: Sequence[Span], width: float) -> list[tuple[float, float]]:
+    """Tokens/s of all requests together per bucket of `width` seconds (buckets start at multiples of it), each
+    request's tokens spread evenly over its span (one of no length puts them in its bucket): (bucket start,
+    tokens/s) from the first span's bucket to the last's, idle buckets at 0.
+
+    Example: [(0, 4, 40), (2, 4, 20)], width 2 -> [(0, 10.0), (2, 20.0)]
+    """
+    if width <= 0:
+        raise ValueError(f"a bucket must last longer than 0 s (got {width})")
+    if not spans:
+        return []
+    first = math.floor(min(start for start, _, _ in spans) / width)
+    last = max(math.ceil(end / width) - 1 if end > start else math.floor(start / width) for start, end, _ in spans)
+    tokens = [0.0] * (last - first + 1)
+    for start, end, n in spans:
+        if end <= start:
+            tokens[math.floor(start / width) - first] += n
+            continue
+        for i in range(math.floor(start / width), math.ceil(end / width)):
+            tokens[i - first] += n * (min(end, (i + 1) * width) - max(start, i * width)) / (end - start)
+    return [((first + i) * width, n / width) for i, n in enumerate(tokens)]
+
+
+def running(spans: Sequence[Span]) -> list[tuple[float, int]]:
+    """Requests running over time, from their spans: (time, running from then on) at each start and end.
+
+    Example: [(0, 4, 40), (2, 3, 9)] -> [(0, 1), (2, 2), (3, 1), (4, 0)]
+    """
+    changes: dict[float, int] = {}
+    for start, end, _ in spans:
+        changes[start] = changes.get(start, 0) + 1
+        changes[end] = changes.get(end, 0) - 1
+    points: list[tuple[float, int]] = []
+    for t in sorted(changes):
+        if changes[t] or not points:
+            points.append((t, (points[-1][1] if points else 0) + changes[t]))
+    return points
+
+
+def since(points: Sequence[tuple[float, int]], start: float) -> list[tuple[float, int]]:
+    """A step line from `start` on: the value it held at `start`, then its later changes.
+
+    Example: [(0, 1), (5, 2), (9, 0)] since 6 -> [(6, 2), (9, 0)]
+    """
+    held = [(start, n) for t, n in points if t <= start][-1:]
+    return held + [(t, n) for t, n in points if t > start]
+
+
+def load_figure(served: Sequence[Served], history: Sequence[tuple[float, int]], now: float) -> go.Figure:
+    """Tokens/s of the requests together (bars) and requests running (a step line, right axis) since the oldest
+    request listed: running as the worker's batch counted them (`history`: [(epoch seconds, members)]) where it
+    batches, else from the requests' own spans; up to `now` while some still run."""
+    spans = [(s.started, s.finished, s.completion_tokens) for s in served if None not in (s.started, s.finished)]
+    fig = go.Figure()
+    if spans:
+        start = min(begun for begun, _, _ in spans)
+        steps = since(history, start) if history else running(spans)
+        end = now if steps and steps[-1][1] else max(finished for _, finished, _ in spans)
+        if steps and steps[-1][1]:  # still running: the line goes on to now
+            steps.append((now, steps[-1][1]))
+        width = bucket_seconds(end - start)
+        rates = throughput(spans, width)
+        fig.add_bar(x=[datetime.fromtimestamp(t + width / 2) for t, _ in rates], y=[r for _, r in rates],
+                    width=width * 1000, name=f"tokens/s (all requests, per {width} s)", marker_color="#93c5fd",
+                    hovertemplate="%{x|%H:%M:%S}: %{y:.1f} tokens/s<extra></extra>")  # fmt: skip
+        fig.add_scatter(x=[datetime.fromtimestamp(t) for t, _ in steps], y=[n for _, n in steps], yaxis="y2",
+                        mode="lines", line=dict(shape="hv", color="#b45309", width=2), name="requests running",
+                        hovertemplate="%{x|%H:%M:%S}: %{y} running<extra></extra>")  # fmt: skip
+    else:
+        fig.add_annotation(text="No request served yet: the load shows once one has finished.", showarrow=False,
+                           xref="paper", yref="paper", x=0.5, y=0.5, font=dict(color="#475569"))  # fmt: skip
+    fig.update_layout(
+        title="Load: tokens/s of all requests together, and requests running",
+        yaxis=dict(title="tokens/s", rangemode="tozero"),
+        yaxis2=dict(title="running", overlaying="y", side="right", rangemode="tozero", tickformat="d", showgrid=False),
+        template="plotly_white",
+        height=300,
+        bargap=0,
+        legend=dict(orientation="h", y=-0.25),
+        margin=dict(l=60, r=60, t=50, b=40),
+    )
+    return fig
+
+
+def load_view(service: Service) -> go.Figure:
+    """The Server tab's load figure: the recent requests and the worker's batch sizes (none where it keeps none:
+    an unbatched server's worker never batches)."""
+    served, _ = service.snapshot()
+    batch = getattr(service.runner.worker, "batch", None)  # None until the worker's loop has started
+    return load_figure(served, [] if batch is None else list(batch.history), time.time())
+
+
 def server_view(service: Service, ks: Sequence[int] = (2, 4, 8)) -> tuple[str, pd.DataFrame, Any]:
     """(caption, recent requests, speedup-vs-α figure) for the Server tab."""
     served, saved = service.snapshot()
@@ -181,14 +293,16 @@ def add_server_tab(demo: Any, service: Service) -> None:
             with gr.Tab("Server") as tab:
                 gr.Markdown(
                     "Requests to this server's OpenAI-compatible API (`/v1/chat/completions`, `/v1/completions`): "
-                    "what each one generated, its acceptance α and sources, and the estimated speedup. The "
-                    "curves are S(α, k) with their break-even α* (amber: prompt lookup, r = 0); each request's r "
-                    "counts the drafter's model only for the cycles it drafted."
+                    "what each one generated, the mean batch it ran in (`--max-batch`), its acceptance α and "
+                    "sources, and the estimated speedup. The curves are S(α, k) with their break-even α* (amber: "
+                    "prompt lookup, r = 0); each request's r counts the drafter's model only for the cycles it "
+                    "drafted. Below: the tokens/s of all requests together and how many ran at once."
                 )
                 refresh = gr.Button("Refresh", size="sm")
                 caption = gr.Markdown()
                 table = gr.Dataframe(interactive=False, wrap=True, column_widths=list(WIDTHS))
                 plot = gr.Plot()
-        outputs = [caption, table, plot]
-        tab.select(lambda: server_view(service), outputs=outputs, queue=False)
-        refresh.click(lambda: server_view(service), outputs=outputs, queue=False)
+                load = gr.Plot()
+        outputs = [caption, table, plot, load]
+        tab.select(lambda: (*server_view(service), load_view(service)), outputs=outputs, queue=False)
+        refresh.click(lambda: (*server_view(service), load_view(service)), outputs=outputs, queue=False)

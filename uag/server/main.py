@@ -36,6 +36,7 @@ DEFAULT_PORT = 8000
 DEFAULT_K_AUTO = 16
 SERVE_MAX_TOKENS = 512  # per request unless it asks (uag generate's default, 64, is short for a chat reply)
 DEFAULT_MAX_MODELS = 4
+DEFAULT_MAX_BATCH = 4  # requests generated together (uag.runtime.batching)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-gb", type=float, default=DEFAULT_CACHE_GB, help="KV caches of recent conversations "
                    f"kept for their next turn, in GB (default {DEFAULT_CACHE_GB:g}; 0: off)")  # fmt: skip
     p.add_argument("--max-queue", type=whole, default=8, help="requests queued or running at once; then 429")
-    p.add_argument("--per-client", type=whole, default=DEFAULT_PER_CLIENT, help="requests one client may have "
-                   f"queued or running (default {DEFAULT_PER_CLIENT})")  # fmt: skip
+    p.add_argument("--max-batch", type=whole, help="requests generated together, their "
+                   "passes batched; more wait in the queue (default "
+                   f"{DEFAULT_MAX_BATCH}; 1: one after another)")  # fmt: skip
+    p.add_argument("--per-client", type=whole, help="requests one client may have queued or running (default: "
+                   f"--max-batch, at least {DEFAULT_PER_CLIENT})")  # fmt: skip
     p.add_argument("--time-budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
                    help=f"worker time per request, loading and reading included (default {DEFAULT_BUDGET_S:g}), "
                    "then finish_reason length")  # fmt: skip
@@ -126,8 +130,12 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
             drafters.append(str(DrafterSpec.parse(text)))
         except InputError as err:
             problems.append(f"--drafters: {err}")
+    if args.max_batch is None and not getattr(args, "shard", None):
+        args.max_batch = DEFAULT_MAX_BATCH
+    if args.per_client is None:
+        args.per_client = max(DEFAULT_PER_CLIENT, args.max_batch or 1)
     for flag, value, lo in (("--max-queue", args.max_queue, 1), ("--per-client", args.per_client, 1),
-                            ("--max-models", args.max_models, 2)):  # fmt: skip
+                            ("--max-models", args.max_models, 2), ("--max-batch", args.max_batch or 1, 1)):  # fmt: skip
         if value < lo:
             problems.append(f"{flag} must be at least {lo} (got {value})")
     for flag, value in (("--time-budget", args.time_budget), ("--max-body-mb", args.max_body_mb)):
@@ -192,7 +200,7 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
     from uag.server.service import Service
 
     store = store or ModelStore(max_models=args.max_models)
-    worker = worker or MLXWorker()
+    worker = worker or MLXWorker(max_batch=args.max_batch or 1)
     config = opts["config"]
     defaults = ServerDefaults(
         model=args.target, drafter=opts["drafter"], strategy=config.strategy, k=config.k, window=config.window,
@@ -304,6 +312,8 @@ def _shard_problems(args: argparse.Namespace, drafters: list[str]) -> list[str]:
         problems.append("--shard: the target cannot draft for itself (rank 0 holds only its shard)")
     if getattr(args, "auto_off", None):
         problems.append("--auto-off is for a single process: drop it with --shard")
+    if args.max_batch is not None and args.max_batch > 1:
+        problems.append("--max-batch: a sharded server runs one request at a time: drop it with --shard")
     return problems
 
 

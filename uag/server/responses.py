@@ -153,3 +153,45 @@ def report(
             "draft_n_accepted": run.accepted,
         },
     }
+
+
+@dataclass(frozen=True)
+class Served:
+    """One finished request, as the Server tab lists it."""
+
+    time: str
+    model: str
+    drafter: str | None
+    strategy: str
+    k: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    tokens_per_second: float | None
+    alpha: float | None
+    sources: dict
+    speedup: float | None  # estimated, against the target alone
+    saved_s: float  # estimated seconds saved (negative: lost)
+    r: float | None  # the drafter's drafter/target bytes (0 for prompt lookup; a hybrid's: its model's)
+    check: str | None = None  # with "check": identical, diverged_near_tie, diverged (uag.runtime.divergence)
+    batch: float | None = None  # the mean batch size it ran at (`speculative.batch`); None: an unbatched server
+    started: float | None = None  # epoch seconds: when the target began reading its prompt
+    finished: float | None = None  # epoch seconds: its last token
+
+    @property
+    def drafted(self) -> bool:
+        """Whether any cycle drafted; one that never did (auto parked throughout) ran as the target alone."""
+        return any(n for source, n in self.sources.items() if source != "plain")
+
+    @property
+    def drafting_r(self) -> float | None:
+        """r for what actually drafted: the drafter's r weighted by the share of drafting cycles its model
+        drafted, since prompt lookup drafts for free (None when nothing drafted).
+
+        Example: a hybrid with r = 0.5, sources {"lookup": 9, "model": 3, "plain": 30} -> 0.5 · 3/12 = 0.125;
+                 the same hybrid with sources {"lookup": 12, "plain": 30} -> 0.0
+        """
+        drafting = sum(n for source, n in self.sources.items() if source != "plain")
+        if self.r is None or not drafting:
+            return None
+        return self.r * self.sources.get("model", 0) / drafting

@@ -226,7 +226,8 @@ def _client(request: Request) -> str:
 def _guarded(service: Service, parsed, client: str) -> Iterator[Any]:
     """The job's items; the errors a user can fix as 400/429, anything else logged and answered with a 500.
     Beyond its client's share the job waits its turn (it was admitted by the gate)."""
-    items = service.runner.run(service.job, parsed, label=f"an API request ({parsed.kind})", client=client, wait=True)
+    items = service.runner.run(service.job, parsed, label=f"an API request ({parsed.kind})", client=client, wait=True,
+                               shared=service.batched)  # fmt: skip
     try:
         yield from items
     except (APIError, GeneratorExit):

@@ -22,6 +22,7 @@ from uag.core.config import DrafterSpec
 from uag.costs.pair import open_auto
 from uag.errors import InputError
 from uag.models.store import ModelStore
+from uag.runtime.batching import room_for, share
 from uag.runtime.jobs import JobRunner
 from uag.runtime.pair import (
     Loaded,
@@ -37,7 +38,7 @@ from uag.server.costs import CostKeeper, Wanted, every
 from uag.server.errors import APIError, bad
 from uag.server.prompt_cache import ConversationCaches
 from uag.server.protocol import Request, ServerDefaults
-from uag.server.responses import StepTime, report, saved_seconds
+from uag.server.responses import Served, StepTime, report, saved_seconds
 from uag.server.streaming import ReplyText
 
 log = logging.getLogger(__name__)
@@ -72,45 +73,6 @@ class Done:
     tail: str = ""  # content not yet sent as a Delta
 
 
-@dataclass(frozen=True)
-class Served:
-    """One finished request, as the Server tab lists it."""
-
-    time: str
-    model: str
-    drafter: str | None
-    strategy: str
-    k: int
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    tokens_per_second: float | None
-    alpha: float | None
-    sources: dict
-    speedup: float | None  # estimated, against the target alone
-    saved_s: float  # estimated seconds saved (negative: lost)
-    r: float | None  # the drafter's drafter/target bytes (0 for prompt lookup; a hybrid's: its model's)
-    check: str | None = None  # with "check": identical, diverged_near_tie, diverged (uag.runtime.divergence)
-
-    @property
-    def drafted(self) -> bool:
-        """Whether any cycle drafted; one that never did (auto parked throughout) ran as the target alone."""
-        return any(n for source, n in self.sources.items() if source != "plain")
-
-    @property
-    def drafting_r(self) -> float | None:
-        """r for what actually drafted: the drafter's r weighted by the share of drafting cycles its model
-        drafted, since prompt lookup drafts for free (None when nothing drafted).
-
-        Example: a hybrid with r = 0.5, sources {"lookup": 9, "model": 3, "plain": 30} -> 0.5 · 3/12 = 0.125;
-                 the same hybrid with sources {"lookup": 12, "plain": 30} -> 0.0
-        """
-        drafting = sum(n for source, n in self.sources.items() if source != "plain")
-        if self.r is None or not drafting:
-            return None
-        return self.r * self.sources.get("model", 0) / drafting
-
-
 class Service:
     """The server's state: one model store, the conversation caches, each pair's `auto` evidence, the log of
     requests, the `CostKeeper`. `stream` is the engine's (`uag.core.engine.stream`) and `measure` a pair's quick
@@ -139,6 +101,7 @@ class Service:
         self.stream = stream or engine_stream
         self.measure = measure
         self.auto = auto  # AutoSettings with parts of auto switched off (`--auto-off`, an ablation); None: as shipped
+        self.batched = runner.worker.max_batch > 1  # requests run together (`--max-batch`)
         self.costs = CostKeeper(runner.worker, self._measure, lambda wanted: self.holds(wanted.drafter))
         self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs share
         self.recent: deque[Served] = deque(maxlen=RECENT)
@@ -184,6 +147,10 @@ class Service:
                            drafter_dtype=self.drafter_dtype, progress=progress or (lambda text: tell(job, text)),
                            between=go_on)  # fmt: skip
         go_on()
+        if self.batched:  # requests running together share the models' passes (uag.runtime.batching)
+            share(loaded.target, "target")
+            if loaded.choice is not None and loaded.choice.model is not None:
+                share(loaded.choice.model, "drafter")
         return loaded
 
     def holds(self, drafter: str | None) -> bool:
@@ -243,6 +210,8 @@ class Service:
         target, choice = loaded.target, loaded.choice
         ids = self.prompt(loaded, request)
         self._go_on(job, "reading the prompt")
+        if self.batched:
+            room_for(target, len(ids) + request.config.max_tokens, self.runner.worker.batch)
         config = request.config
         auto = None
         if config.k_policy == "adaptive":  # costs missing or off are measured later, while the worker is idle
@@ -294,6 +263,10 @@ class Service:
             drafter=request.drafter,
             step=step,
         )
+        from uag.core.records import sharing
+
+        if (shared := sharing()) is not None:
+            done_report["speculative"]["batch"] = {"mean": round(shared.mean_size, 2), "largest": shared.largest}
         if job.out_of_time:
             done_report["speculative"]["note"] = f"stopped by the server's time budget of {self.runner.budget_s:g} s"
         elif request.check and request.drafter is not None:
@@ -414,6 +387,9 @@ class Service:
         r = None
         if choice is not None:
             r = 0.0 if choice.model is None else choice.model.weight_bytes / target.weight_bytes
+        epoch = time.time() - time.perf_counter()  # the run's timestamps are perf_counter's
+        finished = (run.last_token_s or time.perf_counter()) + epoch
+        started = finished if run.first_token_s is None else run.first_token_s - run.prompt_ms / 1000 + epoch
         served = Served(
             time=datetime.now().strftime("%H:%M:%S"),
             model=request.model,
@@ -430,6 +406,9 @@ class Service:
             saved_s=saved,
             r=r,
             check=(done_report["speculative"].get("check") or {}).get("kind"),
+            batch=(done_report["speculative"].get("batch") or {}).get("mean"),
+            started=started,
+            finished=finished,
         )
         with self._lock:
             self.recent.append(served)

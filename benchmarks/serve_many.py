@@ -1,0 +1,449 @@
+"""Concurrent requests to `uag serve` and `mlx_lm.server` (issue 37): `benchmarks/serve.py --concurrency 1 2 4 8`.
+
+At each concurrency C, each condition's server is started afresh and one client's threads send C requests at once:
+`edit` (C conversations: their turn 1s together, then, once all are answered, their turns 2-3 together, each
+conversation's turn 3 after its own turn 2) and open chat (C prompts), in waves over the first `--conversations` and
+`--chat-prompts` (items left over from the last full wave are not sent at that C). Conditions, servers and requests
+come from serve.py. The summary: per condition, workload and C, aggregate tokens/s (a wave's completion tokens ÷
+the time from its first request sent to its last reply done; edit: turns 2-3), p50/p95 time to first token and end
+to end; then the issue's targets and losslessness. Smoke run on the demo pair:
+    python benchmarks/serve.py --concurrency 1 2 --conversations 2 --chat-prompts 1 --max-tokens 8 --plot c.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+import openai
+import serve  # benchmarks/serve.py, which runs this module (its folder is on sys.path)
+from serve import REQUEST_S, WARM_UP, WARM_UP_TOKENS, Condition, Reply, Server, ask, fmt, say
+
+from uag.study.datasets import Conversation, load_conversations
+
+T = TypeVar("T")
+AT = 4  # the concurrency the issue's targets are set at
+GOALS = {"edit_peer": 3.0, "edit_serial": 2.0, "chat_peer": 1.0, "off_peer": 0.95, "alone": 0.97, "ttft": 0.5}
+EDIT, CHAT = "edit t2-3", "chat"  # the summary's workloads: edit's turns 2-3, open chat
+
+
+# --- conditions ----------------------------------------------------------------------------------------------------
+def conditions(args: argparse.Namespace) -> list[Condition]:
+    """serve.py's conditions with uag batched up to the largest concurrency, each uag drafter also as
+    `uag:<drafter>:serial` (`--max-batch 1`: one request after another); `--only` picks and orders them."""
+    most = max(args.concurrency)
+    out = []
+    for c in serve.conditions(argparse.Namespace(**{**vars(args), "only": None, "ablate": []})):
+        if c.server != "uag":
+            out.append(c)
+            continue
+        queue = ("--per-client", str(most), "--max-queue", str(max(8, most)))  # all C admitted, none refused
+        out.append(replace(c, argv=(*c.argv, "--max-batch", str(most), *queue)))
+        if c.name != "uag:off":
+            out.append(replace(c, name=f"{c.name}:serial", argv=(*c.argv, "--max-batch", "1", *queue)))
+    if args.only:
+        unknown = sorted(set(args.only) - {c.name for c in out})
+        if unknown:
+            raise SystemExit(f"--only: no condition {', '.join(unknown)} (there are {', '.join(c.name for c in out)})")
+        out = sorted((c for c in out if c.name in args.only), key=lambda c: args.only.index(c.name))
+    return out
+
+
+# --- requests at once ----------------------------------------------------------------------------------------------
+def waves(items: Sequence[T], size: int) -> list[list[T]]:
+    """`items` in full waves of `size`; what is left over is not sent.
+
+    Example: waves("abcde", 2) -> [["a", "b"], ["c", "d"]]
+    """
+    return [list(items[i : i + size]) for i in range(0, len(items) - size + 1, size)]
+
+
+def at_once(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Each call on its own thread, all released together; their results in order (a call's error is raised)."""
+    gate = threading.Barrier(len(calls))
+
+    def run(call: Callable[[], T]) -> T:
+        gate.wait()
+        return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(run, call) for call in calls]
+        return [f.result() for f in futures]
+
+
+@dataclass
+class Sent:
+    """One request of a wave: its reply and when it was sent, in seconds from the wave's start."""
+
+    workload: str
+    item: str
+    turn: int
+    reply: Reply
+    at_s: float
+
+
+def request_row(condition: Condition, repeat: int, concurrency: int, wave: int, sent: Sent) -> dict:
+    """serve.py's row of one reply, with the wave it ran in and its times from the wave's start."""
+    reply = sent.reply
+    return {
+        **serve.row(condition, repeat, sent.workload, sent.item, sent.turn, reply),
+        "kind": "request",
+        "concurrency": concurrency,
+        "wave": wave,
+        "started_s": sent.at_s,
+        "first_token_s": None if reply.ttft_s is None else sent.at_s + reply.ttft_s,
+        "done_s": sent.at_s + reply.e2e_s,
+        "speculative": reply.speculative,
+    }
+
+
+class Client:
+    """One OpenAI client for a server, shared by the threads of every wave."""
+
+    def __init__(self, condition: Condition, url: str, max_tokens: int):
+        self.condition, self.max_tokens = condition, max_tokens
+        self.openai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_S)
+
+    def send(self, start: float, workload: str, item: str, turn: int, messages: list[dict]) -> Sent:
+        at = time.perf_counter() - start
+        return Sent(workload, item, turn, ask(self.openai, self.condition, messages, self.max_tokens), at)
+
+    def edit(self, conversations: list[Conversation]) -> list[Sent]:
+        """Turn 1 of every conversation at once; then, all answered, the later turns of each in order."""
+        start = time.perf_counter()
+        first = at_once([lambda c=c: self.send(start, "edit", c.id, 1, c.messages([])) for c in conversations])
+        replies = {s.item: [s.reply.text] for s in first}
+
+        def later(c: Conversation, start: float) -> list[Sent]:
+            out = []
+            for turn in range(2, len(c.turns) + 1):
+                out.append(self.send(start, "edit", c.id, turn, c.messages(replies[c.id])))
+                replies[c.id].append(out[-1].reply.text)
+            return out
+
+        start = time.perf_counter()  # turns 2-3 are a wave of their own
+        return first + [s for sents in at_once([lambda c=c: later(c, start) for c in conversations]) for s in sents]
+
+    def chat(self, prompts: list[tuple[str, str]]) -> list[Sent]:
+        start = time.perf_counter()
+        return at_once([lambda i=i, t=t: self.send(start, "chat", i, 1, [{"role": "user", "content": t}])
+                        for i, t in prompts])  # fmt: skip
+
+
+def level(
+    condition: Condition,
+    concurrency: int,
+    repeat: int,
+    work: tuple[list[Conversation], list[tuple[str, str]]],
+    args: argparse.Namespace,
+    logs: Path,
+    write: Callable[[dict], None],
+) -> None:
+    """One concurrency on a freshly started server: a warm-up, then every wave of edit and of chat."""
+    log = logs / f"{condition.name.replace(':', '-')}-c{concurrency}-r{repeat + 1}.log"
+    edit, chat = work
+    with Server(condition, log) as server:
+        client = Client(condition, server.url, args.max_tokens)
+        ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
+        warm = ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)
+        write({"kind": "warmup", "condition": condition.name, "repeat": repeat, "concurrency": concurrency,
+               "startup_s": server.startup_s, "openblas_mapped": server.openblas, "tokens": warm.completion_tokens,
+               "generation_tps": warm.generation_tps})  # fmt: skip
+        say(f"{condition.name} C={concurrency}: up in {server.startup_s:.0f} s, OpenBLAS mapped: {server.openblas}")
+        jobs = [(client.edit, wave, group) for wave, group in enumerate(waves(edit, concurrency))]
+        jobs += [(client.chat, wave, group) for wave, group in enumerate(waves(chat, concurrency))]
+        for run, wave, group in jobs:
+            try:
+                sents = run(group)
+            except openai.APIError as err:
+                raise SystemExit(f"{condition.name} C={concurrency}: {err}\n{server.tail()}") from err
+            rows = [request_row(condition, repeat, concurrency, wave, s) for s in sents]
+            for r in rows:
+                write(r)
+            for name in dict.fromkeys(filter(None, map(workload_of, rows))):
+                s = Stats.of(r for r in rows if workload_of(r) == name)
+                say(f"  {name} wave {wave + 1}: {s.tokens} tokens in {s.wall_s:.1f} s, {fmt(s.tps, '.2f')} tokens/s")
+
+
+# --- the summary (from rows alone) ---------------------------------------------------------------------------------
+def percentile(values: Iterable[float | None], q: float) -> float | None:
+    """The q-th percentile, linear between the closest ranks (numpy's default); None for no values.
+
+    Example: percentile([1, 2, 3, 4], 50) -> 2.5;  percentile([1, 2, 3, 4], 95) -> 3.85
+    """
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def workload_of(r: dict) -> str | None:
+    """A request row's workload in the summary: EDIT (edit's turns 2-3) or CHAT; None for edit's turn 1."""
+    return CHAT if r["workload"] == "chat" else EDIT if r["workload"] == "edit" and r["turn"] >= 2 else None
+
+
+@dataclass
+class Stats:
+    """One condition × workload × concurrency, pooled over its waves (and repeats)."""
+
+    tokens: int = 0
+    wall_s: float = 0.0  # Σ over waves of (last reply done - first request sent)
+    ttft_s: list[float | None] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    batch: list[float] = field(default_factory=list)  # uag's mean batch size per request
+
+    @classmethod
+    def of(cls, rows: Iterable[dict]) -> Stats:
+        """Example: two requests of one wave sent at 0 and 0.1 s, done at 2 and 4 s, 10 tokens each -> 20 / 4 s"""
+        out, spans = cls(), defaultdict(list)
+        for r in rows:
+            spans[(r["repeat"], r["wave"])].append(r)
+            out.tokens += r["completion_tokens"] or 0
+            out.ttft_s.append(r["ttft_s"])
+            out.e2e_s.append(r["e2e_s"])
+            out.drafted += r["drafted"] or 0
+            out.accepted += r["accepted"] or 0
+            if (r.get("speculative") or {}).get("batch"):
+                out.batch.append(r["speculative"]["batch"]["mean"])
+        out.wall_s = sum(max(r["done_s"] for r in w) - min(r["started_s"] for r in w) for w in spans.values())
+        return out
+
+    @property
+    def tps(self) -> float | None:
+        return self.tokens / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+Level = tuple[str, str, int]  # (condition, workload, concurrency)
+
+
+def levels(rows: Iterable[dict]) -> dict[Level, Stats]:
+    """Every condition × workload × concurrency of the request rows, in the rows' order."""
+    groups: dict[Level, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r.get("kind") == "request" and workload_of(r):
+            groups[(r["condition"], workload_of(r), r["concurrency"])].append(r)
+    return {key: Stats.of(part) for key, part in groups.items()}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def targets(stats: dict[Level, Stats]) -> list[tuple[str, float | None, str, bool | None]]:
+    """(what, measured, goal, met) for the issue's targets, per uag drafter condition (batched)."""
+    out = []
+
+    def compare(what: str, part: str, c: int, name: str, peer: str, key: str, at_most: bool = False) -> None:
+        """`what` (tokens/s or p95 TTFT) of `name` ÷ that of `peer`, on `part` at concurrency `c`."""
+        values = [stats.get((n, part, c)) for n in (name, peer)]
+        a, b = [None if s is None else s.tps if what == "tokens/s" else percentile(s.ttft_s, 95) for s in values]
+        value, bound = ratio(a, b), GOALS[key]
+        met = None if value is None else (value <= bound if at_most else value >= bound)
+        out.append((f"C={c} {part} {what}, {name} / {peer}", value, f"{'<=' if at_most else '>='} {bound:g}x", met))
+
+    names = list(dict.fromkeys(name for name, _, _ in stats))
+    for name in [n for n in names if n.startswith("uag:") and n != "uag:off" and not n.endswith(":serial")]:
+        serial = f"{name}:serial"
+        compare("tokens/s", EDIT, AT, name, "mlx_lm", "edit_peer")
+        compare("tokens/s", EDIT, AT, name, serial, "edit_serial")
+        compare("tokens/s", CHAT, AT, name, "mlx_lm", "chat_peer")
+        for part in (EDIT, CHAT):
+            compare("tokens/s", part, 1, name, serial, "alone")
+            compare("p95 TTFT", part, AT, name, serial, "ttft", at_most=True)
+    compare("tokens/s", CHAT, AT, "uag:off", "mlx_lm", "off_peer")
+    return out
+
+
+def lossless(rows: Iterable[dict]) -> list[tuple[str, int, int]]:
+    """(condition, requests whose text equals uag:off's, requests compared) per uag speculative condition: the same
+    request is the same repeat, concurrency, workload, item and turn."""
+    texts: dict[str, dict[tuple, str]] = defaultdict(dict)
+    for r in rows:
+        if r.get("kind") == "request":
+            texts[r["condition"]][(r["repeat"], r["concurrency"], r["workload"], r["item"], r["turn"])] = r["text"]
+    off = texts.get("uag:off")
+    if off is None:
+        return []
+    out = []
+    for name, mine in texts.items():
+        if name.startswith("uag:") and name != "uag:off":
+            both = mine.keys() & off.keys()
+            out.append((name, sum(mine[k] == off[k] for k in both), len(both)))
+    return out
+
+
+COLUMNS = (("condition", 30), ("workload", 11), ("C", 4), ("requests", 9), ("tokens", 8), ("wall s", 9),
+           ("tokens/s", 10), ("TTFT p50", 10), ("TTFT p95", 10), ("e2e p50", 9), ("e2e p95", 9), ("α", 6),
+           ("batch", 7))  # fmt: skip
+
+
+def summary(rows: list[dict]) -> str:
+    meta = next((r for r in rows if r.get("kind") == "meta"), {})
+    lines = [
+        f"uag serve vs mlx_lm.server, concurrent requests — {meta.get('date', '?')}, {meta.get('machine', '?')}, "
+        f"target {meta.get('target', '?')}, {meta.get('max_tokens', '?')} max tokens, "
+        f"repeats {meta.get('repeats', '?')}"
+    ]
+    header = "".join(n.ljust(w) if i < 2 else n.rjust(w) for i, (n, w) in enumerate(COLUMNS))
+    lines += ["", header, "-" * len(header)]
+    stats = levels(rows)
+    order = list(stats)
+    for (name, part, c), s in sorted(stats.items(), key=lambda kv: (kv[0][1] != EDIT, order.index(kv[0]))):
+        cells = (name, part, str(c), str(len(s.e2e_s)), str(s.tokens), fmt(s.wall_s, ".1f"), fmt(s.tps, ".2f"),
+                 fmt(percentile(s.ttft_s, 50), ".2f"), fmt(percentile(s.ttft_s, 95), ".2f"),
+                 fmt(percentile(s.e2e_s, 50), ".1f"), fmt(percentile(s.e2e_s, 95), ".1f"), fmt(s.alpha, ".2f"),
+                 fmt(sum(s.batch) / len(s.batch) if s.batch else None, ".2f"))  # fmt: skip
+        lines.append("".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, (_, w)) in enumerate(zip(cells, COLUMNS))))
+    lines += [
+        "",
+        "tokens/s: all completion tokens ÷ Σ over waves (first request sent → last reply done); TTFT, e2e in s "
+        "(percentiles over requests); batch: uag's mean batch size per request, averaged",
+        "",
+    ]
+    for what, value, goal, met in targets(stats):
+        verdict = "not measured" if met is None else "met" if met else "NOT met"
+        lines.append(f"{what:<72}{fmt(value, '.2f') + 'x' if value is not None else '-':>9}  {goal:<9} {verdict}")
+    for name, same, total in lossless(rows):
+        verdict = "met" if same == total and total else "NOT met"
+        lines.append(f"{f'lossless: {name} text == uag:off text':<72}{f'{same}/{total}':>9}  {'all':<9} {verdict}")
+    return "\n".join(lines)
+
+
+# --- the plot ------------------------------------------------------------------------------------------------------
+def family(name: str) -> str:
+    """The condition a serial or drafting variant belongs to: its line takes that one's colour.
+
+    Example: "uag:lookup:serial" -> "uag:lookup";  "mlx_lm:draft3" -> "mlx_lm";  "uag:off" -> "uag:off"
+    """
+    return name.removesuffix(":serial").split(":draft")[0]
+
+
+def figure(stats: dict[Level, Stats], title: str = ""):
+    """Aggregate tokens/s against concurrency: one panel per workload, one line per condition (serial and
+    same-vocabulary drafting dashed, in their condition's colour)."""
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
+
+    panels = [w for w in (EDIT, CHAT) if any(k[1] == w for k in stats)]
+    names = list(dict.fromkeys(name for name, _, _ in stats))
+    families = list(dict.fromkeys(family(n) for n in names))
+    levels_c = sorted({c for _, _, c in stats})
+    fig = make_subplots(rows=1, cols=max(1, len(panels)), subplot_titles=panels, shared_yaxes=False)
+    for name in names:
+        colour = qualitative.Plotly[families.index(family(name)) % len(qualitative.Plotly)]
+        for col, part in enumerate(panels, start=1):
+            points = sorted((c, s.tps) for (n, w, c), s in stats.items() if n == name and w == part and s.tps)
+            fig.add_trace(
+                go.Scatter(x=[c for c, _ in points], y=[t for _, t in points], name=name, legendgroup=name,
+                           showlegend=col == 1, mode="lines+markers",
+                           line={"color": colour, "dash": "dash" if name != family(name) else "solid"}),
+                row=1, col=col,
+            )  # fmt: skip
+    fig.update_xaxes(type="log", tickvals=levels_c, ticktext=[str(c) for c in levels_c], title="concurrent requests")
+    fig.update_yaxes(title="aggregate tokens/s", rangemode="tozero", col=1)
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_layout(title=title, template="plotly_white", width=1000, height=460,
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.22})  # fmt: skip
+    return fig
+
+
+def save_plot(fig, path: Path) -> Path:
+    """PNG (or what the suffix says) through kaleido; HTML beside it where kaleido cannot render."""
+    if path.suffix == ".html":
+        fig.write_html(path)
+        return path
+    try:
+        fig.write_image(path, scale=2)
+        return path
+    except (ImportError, ValueError, RuntimeError) as err:
+        html = path.with_suffix(".html")
+        fig.write_html(html)
+        say(f"no {path.suffix} ({err}): the plot is in {html}")
+        return html
+
+
+def summarize(rows: list[dict], plot: str | None) -> int:
+    """Print the summary of concurrency rows and, with `plot`, draw their figure."""
+    print(summary(rows))
+    if plot:
+        meta = next((r for r in rows if r.get("kind") == "meta"), {})
+        title = f"{meta.get('target', '?')} · {meta.get('machine', '?')} · {meta.get('date', '?')[:10]}"
+        say(f"plot in {save_plot(figure(levels(rows), title), Path(plot))}")
+    return 0
+
+
+# --- main ----------------------------------------------------------------------------------------------------------
+def pools(args: argparse.Namespace) -> tuple[list[Conversation], list[tuple[str, str]]]:
+    """The edit conversations and chat prompts waves are drawn from; each enough for the largest concurrency."""
+    most = max(args.concurrency)
+    every = load_conversations("edit")
+    known = {c.id: c for c in every}
+    edit = [known[i] for i in args.ids if i in known] if args.ids else every[: args.conversations]
+    chat = serve.chat_prompts(args.chat_prompts)
+    problems = [f"--concurrency {c}: at least 1" for c in args.concurrency if c < 1]
+    problems += [f"--ids: no conversation {i!r} in the edit set" for i in args.ids or () if i not in known]
+    if edit and len(edit) < most:
+        problems.append(f"--conversations {len(edit)}: concurrency {most} needs {most} (the edit set has {len(every)})")
+    if chat and len(chat) < most:
+        problems.append(f"--chat-prompts {args.chat_prompts} gives {len(chat)} prompts (Polish and English): "
+                        f"concurrency {most} needs --chat-prompts {math.ceil(most / 2)}")  # fmt: skip
+    problems += [f"{flag}: not with --concurrency" for flag, on in (("--together", args.together),
+                                                                    ("--ablate", args.ablate)) if on]  # fmt: skip
+    if problems:
+        raise SystemExit("; ".join(problems))
+    return edit, chat
+
+
+def main(args: argparse.Namespace) -> int:
+    """The run `serve.py --concurrency` hands over: every condition at every concurrency, rows to `--out`."""
+    work = pools(args)
+    conds = conditions(args)
+    if any(c.server == "uag" for c in conds):  # every uag server opens from the same profiles and evidence
+        snapshot = serve.cache_snapshot()
+        conds = [replace(c, cache=snapshot) if c.server == "uag" else c for c in conds]
+    out = Path(args.out or f"serve-many-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
+    logs = out.with_suffix(".logs")
+    from uag.machine import backend, blas, device_name
+
+    meta = {"kind": "meta", "date": datetime.now().isoformat(timespec="seconds"), "machine": device_name(),
+            "backend": backend(), "blas": blas(), "cpus": os.cpu_count(), "target": args.target,
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "concurrency": args.concurrency,
+            "conversations": [c.id for c in work[0]], "chat": [i for i, _ in work[1]],
+            "conditions": [{"name": c.name, "argv": list(c.argv), "extra_body": c.extra_body} for c in conds],
+            "versions": {p: serve.version(p) for p in ("mlx", "mlx-lm", "openai", "uag")}}  # fmt: skip
+    rows = [meta]
+    with out.open("w") as f:
+
+        def write(r: dict) -> None:
+            rows.append(r)
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.flush()
+
+        f.write(json.dumps(meta, ensure_ascii=False) + "\n")
+        for repeat in range(args.repeats):
+            shift = repeat % len(conds)
+            for condition in conds[shift:] + conds[:shift]:
+                for concurrency in args.concurrency:
+                    level(condition, concurrency, repeat, work, args, logs, write)
+    say(f"rows in {out}, server logs in {logs}/")
+    return summarize(rows, args.plot)

@@ -1,0 +1,425 @@
+"""Continuous batching without a model: the `Batch` scheduler and `MLXWorker(max_batch=N)` on fake models that
+record each call as (width, cache) and fake caches without `merge` (so a round's passes run one by one), or with it
+and `batched_pass` patched to record the groups. The batch runs in the test's own thread where it can (`Batch`
+alone), on the worker's thread where the worker is under test."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from types import SimpleNamespace
+
+import greenlet
+import mlx.core as mx
+import pytest
+
+from uag.core.records import Sharing, sharing
+from uag.runtime.batching import READ, Batch, NoRoom, SharedModel, room_for, share
+from uag.runtime.jobs import Busy
+from uag.runtime.worker import Job, MLXWorker
+
+
+class Cache(list):
+    """A sequence's KV cache as the batch sees it (a one-layer list): a name, no `merge`."""
+
+    def __init__(self, name: str):
+        super().__init__([SimpleNamespace(name=name, state=[])])
+        self.name = name
+
+
+class MergeableCache(Cache):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self[0].merge = self[0].update_and_fetch = None  # what `mergeable` looks for
+
+
+class Model:
+    """A fake model: each call recorded as (width, cache name); logits of shape (1, width, 2). It raises for the
+    cache named `fail_for`, and sleeps `pause_s` (a worker that spins on it leaves the CPU to the others)."""
+
+    def __init__(self, fail_for: str | None = None, pause_s: float = 0.0):
+        self.calls: list[tuple[int, str]] = []
+        self.fail_for, self.pause_s = fail_for, pause_s
+
+    def __call__(self, inputs, cache=None):
+        self.calls.append((int(inputs.shape[-1]), cache.name))
+        if cache.name == self.fail_for:
+            raise RuntimeError(f"the pass over {cache.name} failed")
+        time.sleep(self.pause_s)
+        return mx.zeros((inputs.shape[0], inputs.shape[-1], 2))
+
+
+def ids(width: int, rows: int = 1) -> mx.array:
+    return mx.zeros((rows, width), dtype=mx.int32)
+
+
+def passes(job, name: str, plan, log: list, cache=Cache):
+    """A member's work: `plan` is (shared model, width) per pass, each with its own cache per model; every result's
+    width goes to `log` and out as an item."""
+    caches: dict[int, Cache] = {}
+    log.append((name, "start"))
+    for model, width in plan:
+        logits = model(ids(width), cache=caches.setdefault(id(model), cache(f"{name}/{model.role}")))
+        log.append((name, int(logits.shape[1])))
+        yield logits.shape[1]
+
+
+def joined(batch: Batch, *members: tuple[str, list], log: list, cache=Cache) -> dict[str, Job]:
+    jobs = {name: Job(passes, (name, plan, log, cache), name, shared=True) for name, plan in members}
+    for job in jobs.values():
+        batch.join(job)
+    return jobs
+
+
+def drained(batch: Batch) -> int:
+    rounds = 0
+    while batch:
+        batch.round()
+        rounds += 1
+    return rounds
+
+
+def member(batch: Batch, job: Job):
+    return next(m for m in batch.waiting if m.job is job)
+
+
+@pytest.fixture
+def models():
+    return SharedModel(Model(), "target"), SharedModel(Model(), "drafter")
+
+
+def test_a_member_runs_up_to_its_first_pass_then_waits(models):
+    target, _ = models
+    batch, log = Batch(max_size=4), []
+    jobs = joined(batch, ("a", [(target, 1)]), ("b", [(target, 3)]), ("none", []), log=log)
+    assert log == [("a", "start"), ("b", "start"), ("none", "start")] and target.inner.calls == []
+    assert len(batch) == 2 and [p.width for p in batch.waiting.values()] == [1, 3]
+    assert jobs["none"].done.is_set() and list(jobs["none"]) == []  # no shared pass: it ran to its end at join
+    assert drained(batch) == 1 and [list(jobs[n]) for n in "ab"] == [[1], [3]]
+
+
+def test_one_round_serves_every_waiting_member_once_per_model(models):
+    """One pass per member per round, grouped by model; the target's passes tell each member how they were shared
+    (size, the widest other, the whole pass's time), the drafter's tell nothing."""
+    target, drafter = models
+    batch, log = Batch(max_size=4, clock=itertools.count().__next__), []
+    plans = [("a", [(target, 1), (target, 1)]), ("b", [(drafter, 3), (target, 2)]), ("c", [(target, 4)])]
+    jobs = joined(batch, *plans, log=log)
+    a, b, c = (member(batch, jobs[n]) for n in "abc")
+    batch.round()
+    assert target.inner.calls == [(1, "a/target"), (4, "c/target")] and drafter.inner.calls == [(3, "b/drafter")]
+    assert (a.sharing.size, a.sharing.widest, a.sharing.pass_ms) == (2, 4, 1000.0)  # the clock ticks 1 s a call
+    assert (c.sharing.size, c.sharing.widest) == (2, 1) and b.sharing.passes == 0
+    assert jobs["c"].done.is_set() and len(batch) == 2
+    batch.round()
+    assert target.inner.calls[2:] == [(1, "a/target"), (2, "b/target")] and not batch
+    assert (a.sharing.passes, a.sharing.largest, b.sharing.passes, b.sharing.widest) == (2, 2, 1, 1)
+    assert [list(jobs[n]) for n in "abc"] == [[1, 1], [3, 2], [4]]
+
+
+def test_mergeable_caches_make_one_batched_pass(models, monkeypatch):
+    import uag.core.passes
+
+    target, _ = models
+    groups = []
+
+    def recorded(model, inputs, caches):
+        groups.append(([int(x.shape[-1]) for x in inputs], [c.name for c in caches]))
+        return [model(x, cache=c) for x, c in zip(inputs, caches)]
+
+    monkeypatch.setattr(uag.core.passes, "batched_pass", recorded)
+    batch, log = Batch(max_size=4), []
+    jobs = joined(batch, ("a", [(target, 1), (target, 2)]), ("b", [(target, 5)]), log=log, cache=MergeableCache)
+    drained(batch)
+    assert groups == [([1, 5], ["a/target", "b/target"])]  # alone, a's second pass is a pass of its own
+    assert [list(jobs[n]) for n in "ab"] == [[1, 2], [5]]
+
+
+def test_each_member_reads_its_own_sharing(models):
+    target, _ = models
+    seen = {}
+
+    def reads(job, name):
+        seen[name] = sharing()
+        target(ids(1), cache=Cache(name))
+        yield name
+
+    batch = Batch(max_size=2)
+    jobs = [Job(reads, (n,), n, shared=True) for n in "ab"]
+    for job in jobs:
+        batch.join(job)
+    members = {m.job.label: m.sharing for m in batch.waiting}
+    drained(batch)
+    assert all(seen[n] is members[n] for n in "ab") and seen["a"] is not seen["b"] and sharing() is None
+
+
+def test_a_read_runs_whole_when_nobody_else_waits(models):
+    target, _ = models
+    batch, log = Batch(max_size=2, read_chunk=16), []
+    jobs = joined(batch, ("r", [(target, 100), (target, 1)]), log=log)
+    drained(batch)
+    assert target.inner.calls == [(100, "r/target"), (1, "r/target")] and list(jobs["r"]) == [100, 1]
+
+
+def test_a_read_runs_in_chunks_while_others_decode_one_chunk_a_round(models):
+    target, _ = models
+    batch, log = Batch(max_size=2, read_chunk=40), []
+    jobs = joined(batch, ("d", [(target, 1)] * 4), ("r", [(target, 100), (target, 1)]), log=log)
+    assert drained(batch) == 4
+    d, r = (1, "d/target"), lambda width: (width, "r/target")
+    assert target.inner.calls == [d, r(40), d, r(40), d, r(20), d, r(1)]
+    assert list(jobs["r"]) == [100, 1]  # the chunks' logits, joined: what one pass over the prompt gives
+    r_log = [entry for entry in log if entry[0] == "r"]
+    assert r_log == [("r", "start"), ("r", 100), ("r", 1)]
+
+
+@pytest.mark.parametrize("width, calls", [(READ, [READ]), (READ + 1, [16, 16, 1])])
+def test_a_pass_wider_than_read_is_a_read(models, width, calls):
+    target, _ = models
+    batch, log = Batch(max_size=2, read_chunk=16), []
+    joined(batch, ("d", [(target, 1)] * 3), ("x", [(target, width)]), log=log)
+    drained(batch)
+    assert [w for w, name in target.inner.calls if name == "x/target"] == calls
+
+
+def test_a_failed_pass_reaches_its_members_job_and_the_others_go_on():
+    """A read that fails and a pass on another model that fails: each member's consumer raises the error; a member
+    whose own function raises ends with it; the members beside them run to their end."""
+    target = SharedModel(Model(fail_for="bad-read/target"), "target")
+    drafter = SharedModel(Model(fail_for="bad/drafter"), "drafter")
+    batch, log = Batch(max_size=4, read_chunk=16), []
+
+    def raises(job):
+        target(ids(1), cache=Cache("raises/target"))
+        raise ValueError("the member's own failure")
+        yield
+
+    plans = [("good", [(target, 1)] * 3), ("bad-read", [(target, 50)]), ("bad", [(drafter, 1), (target, 1)])]
+    jobs = joined(batch, *plans, log=log)
+    jobs["raises"] = Job(raises, (), "raises", shared=True)
+    batch.join(jobs["raises"])
+    drained(batch)
+    assert list(jobs["good"]) == [1, 1, 1]
+    for name, error, message in [("bad-read", RuntimeError, "bad-read"), ("bad", RuntimeError, "bad/drafter"),
+                                 ("raises", ValueError, "own failure")]:  # fmt: skip
+        with pytest.raises(error, match=message):
+            list(jobs[name])
+
+
+def test_a_failed_pass_among_passes_run_one_by_one_fails_only_its_member():
+    target = SharedModel(Model(fail_for="bad/target"), "target")
+    batch, log = Batch(max_size=4), []
+    jobs = joined(batch, ("good", [(target, 1)] * 2), ("bad", [(target, 1)]), log=log)
+    drained(batch)
+    with pytest.raises(RuntimeError, match="bad/target"):
+        list(jobs["bad"])
+    assert list(jobs["good"]) == [1, 1]
+
+
+def test_a_shared_model_called_outside_a_member_is_the_model(models):
+    target, _ = models
+    target.inner.vocab_size = 7
+    assert target.vocab_size == 7  # every attribute is the model's
+    assert target(ids(3), cache=Cache("alone")).shape == (1, 3, 2) and target.inner.calls == [(3, "alone")]
+    loaded = SimpleNamespace(model=target.inner)
+    share(loaded, "target")
+    share(loaded, "target")
+    assert isinstance(loaded.model, SharedModel) and loaded.model.inner is target.inner  # wrapped once
+
+    def direct(job):  # in a member, a pass the batch cannot share (two rows) is the model's own call, now
+        target(ids(2, rows=2), cache=Cache("two-rows"))
+        yield "after"
+
+    batch = Batch(max_size=2)
+    job = Job(direct, (), "direct", shared=True)
+    batch.join(job)
+    assert job.done.is_set() and list(job) == ["after"] and target.inner.calls[-1] == (2, "two-rows")
+
+
+def test_sharing_prices_a_pass_by_the_whole_batch():
+    alone = Sharing()
+    assert (alone.rows(5), alone.mean_size, alone.largest) == (5, 1.0, 1)
+    four = Sharing()
+    four.shared(4, 9, 12.0)
+    assert (four.rows(1), four.rows(17)) == (36, 68)
+    four.shared(2, 0, None)
+    assert (four.mean_size, four.largest, four.passes, four.size, four.pass_ms) == (3.0, 4, 2, 2, None)
+
+
+# --- the worker: shared jobs together, up to max_batch; the rest in turn ----------------------------------------------
+def until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s  # a bound on the wait, not a claim about speed
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("the worker did not get there")
+        time.sleep(0.005)
+
+
+def spinning(job, model: SharedModel, name: str, stop: threading.Event, log: list):
+    """A shared job that makes one-token passes until `stop` is set or it is cancelled."""
+    log.append(("start", name))
+    cache = Cache(name)
+    while not stop.is_set() and not job.cancelled.is_set():
+        model(ids(1), cache=cache)
+        yield name
+    log.append(("end", name))
+
+
+@pytest.fixture
+def spin():
+    workers, stops = [], []
+    model = SharedModel(Model(pause_s=0.002), "target")
+
+    def start(max_batch: int):
+        worker = MLXWorker(name="test-batching", max_batch=max_batch)
+        workers.append(worker)
+        return worker
+
+    def submit(worker: MLXWorker, name: str, log: list) -> tuple[Job, threading.Event]:
+        stop = threading.Event()
+        stops.append(stop)
+        return worker.submit(spinning, model, name, stop, log, label=name, shared=True), stop
+
+    yield SimpleNamespace(start=start, submit=submit, model=model)
+    for stop in stops:
+        stop.set()
+    for worker in workers:
+        worker.close(timeout=10)
+
+
+def passes_by(model: SharedModel, name: str) -> int:
+    return sum(1 for _, cache in list(model.inner.calls) if cache == name)
+
+
+def test_a_job_not_shared_waits_for_the_shared_ones_and_none_joins_meanwhile(spin):
+    worker, log = spin.start(4), []
+    a, stop_a = spin.submit(worker, "a", log)
+    until(lambda: passes_by(spin.model, "a") > 0)
+
+    def solo(job):
+        log.append(("solo", "runs"))
+        yield "solo"
+
+    alone = worker.submit(solo, label="solo")
+    b, _ = spin.submit(worker, "b", log)
+    until(lambda: worker.backlog == 1)  # the worker took the solo job: it holds b back until a is done
+    seen = passes_by(spin.model, "a")
+    until(lambda: passes_by(spin.model, "a") > seen + 10)
+    assert not alone.started.is_set() and not b.started.is_set() and worker.running == 1 and worker.current is a
+    stop_a.set()
+    assert list(alone) == ["solo"]
+    until(lambda: passes_by(spin.model, "b") > 0)
+    assert log == [("start", "a"), ("end", "a"), ("solo", "runs"), ("start", "b")]
+
+
+def test_max_batch_bounds_the_members_and_the_rest_stay_queued(spin):
+    worker, log = spin.start(2), []
+    (a, stop_a), (b, _), (c, _) = (spin.submit(worker, n, log) for n in "abc")
+    until(lambda: passes_by(spin.model, "b") > 10)
+    assert worker.running == 2 and len(worker.batch) == 2 and worker.backlog == 1 and not c.started.is_set()
+    stop_a.set()
+    until(lambda: passes_by(spin.model, "c") > 0)
+    assert a.done.is_set() and worker.running == 2 and ("start", "c") in log
+
+
+def test_a_cancelled_job_leaves_and_a_queued_one_never_joins(spin):
+    worker, log = spin.start(2), []
+    (a, _), (b, _), (c, _) = (spin.submit(worker, n, log) for n in "abc")
+    items = iter(a)
+    assert next(items) == "a"
+    c.cancel()  # queued behind the full batch
+    items.close()  # the consumer leaves: the job is cancelled, and stops at its next check
+    until(a.done.is_set)
+    until(c.done.is_set)
+    seen = passes_by(spin.model, "b")
+    until(lambda: passes_by(spin.model, "b") > seen + 10)
+    assert worker.running == 1 and len(worker.batch) == 1 and ("start", "c") not in log
+    b.cancel()
+    assert list(b)[-1] == "b" and worker.call(lambda: "the worker is free") == "the worker is free"
+
+
+def test_a_broken_batch_fails_its_jobs_and_the_worker_goes_on(spin):
+    """A member that switches out with anything but a pass is a bug in batching: every job of the batch fails with
+    it, and the worker starts a new batch."""
+    worker, log = spin.start(4), []
+    a, _ = spin.submit(worker, "a", log)
+    until(lambda: passes_by(spin.model, "a") > 0)
+
+    def broken(job):
+        greenlet.getcurrent().parent.switch("not a pass")
+        yield
+
+    bad = worker.submit(broken, label="broken", shared=True)
+    for job in (bad, a):
+        with pytest.raises(RuntimeError, match="switched out with 'not a pass'"):
+            list(job)
+    b, stop_b = spin.submit(worker, "b", log)
+    until(lambda: passes_by(spin.model, "b") > 0)
+    stop_b.set()
+    assert list(b)[-1] == "b" and worker.running == 0
+
+
+def test_a_broken_batch_leaves_no_member_behind(spin):
+    import gc
+
+    from uag.runtime.batching import Member
+
+    worker, log = spin.start(4), []
+    a, _ = spin.submit(worker, "a", log)
+    until(lambda: passes_by(spin.model, "a") > 0)
+
+    def broken(job):
+        greenlet.getcurrent().parent.switch("not a pass")
+        yield
+
+    bad = worker.submit(broken, label="broken", shared=True)
+    until(a.done.is_set)
+
+    def members() -> list[str]:
+        gc.collect()
+        return [m.job.label for m in gc.get_objects() if isinstance(m, Member) and m.job in (a, bad) and not m.dead]
+
+    assert worker.call(members) == []
+
+
+def test_a_batch_and_a_worker_hold_at_least_one():
+    with pytest.raises(ValueError, match="at least one request"):
+        Batch(max_size=0)
+    with pytest.raises(ValueError, match="max_batch must be at least 1"):
+        MLXWorker(max_batch=0)
+
+
+# --- memory: is there room for a request beside the batch's ----------------------------------------------------------
+def fake_target():
+    """A model of 2 layers, 2 KV heads of 8 dims in float32, the second layer a 16-token window: 128 bytes a token
+    in the first layer, at most 2,048 in the second."""
+    args = SimpleNamespace(num_key_value_heads=2, num_attention_heads=4, head_dim=8, hidden_size=32)
+    model = SimpleNamespace(
+        args=args,
+        parameters=lambda: {"w": mx.zeros((2,), dtype=mx.float32)},
+        make_cache=lambda: [SimpleNamespace(), SimpleNamespace(max_size=16)],
+    )
+    return SimpleNamespace(model=model)
+
+
+def test_room_for_refuses_a_request_that_would_not_fit_and_lets_a_first_one_in(models):
+    target = fake_target()
+    need = 2 * (128 * 100 + 128 * 16)  # 100 tokens: the caches, and their copy in a batched pass
+    room_for(target, 100, None, available=0)  # nobody running: a first request is let in
+    batch = Batch(max_size=4)
+    room_for(target, 100, batch, available=0)
+    joined(batch, ("a", [(models[0], 1)]), log=[])
+    room_for(target, 100, batch, available=need)
+    with pytest.raises(NoRoom, match=r"would not fit .* beside the 1 request running now: retry") as refused:
+        room_for(target, 100, batch, available=need - 1)
+    assert isinstance(refused.value, Busy) and "\n" not in str(refused.value)
+
+
+def test_room_for_a_model_that_makes_no_caches_of_its_own(models):
+    target = fake_target()
+    del target.model.make_cache
+    target.model.layers = [None, None]  # mlx-lm gives such a model one plain KV cache a layer
+    batch = Batch(max_size=4)
+    joined(batch, ("a", [(models[0], 1)]), log=[])
+    room_for(target, 100, batch, available=2 * 2 * 128 * 100)

@@ -1,0 +1,294 @@
+"""benchmarks/serve_many.py (`serve.py --concurrency`) without a server: waves, rows, the summary's maths, the
+issue's targets, losslessness, the plot, and the edit conversations' turns in order under a fake client."""
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import serve  # noqa: E402  (benchmarks/serve.py)
+import serve_many as sm  # noqa: E402
+from serve import Condition, Reply  # noqa: E402
+
+from uag.study.datasets import Conversation  # noqa: E402
+
+UAG = Condition("uag:lookup", "uag", ("uag", "serve"), "demo-target")
+
+
+def request(condition, workload, concurrency, *, item="a", turn=2, wave=0, repeat=0, started=0.0, done=1.0,
+            tokens=10, ttft=0.5, text="x", drafted=None, accepted=None, batch=None) -> dict:  # fmt: skip
+    """A request row as serve_many writes it, with only the fields the summary reads."""
+    return {
+        "kind": "request", "condition": condition, "workload": workload, "concurrency": concurrency, "item": item,
+        "turn": turn, "wave": wave, "repeat": repeat, "started_s": started, "done_s": done, "e2e_s": done - started,
+        "completion_tokens": tokens, "ttft_s": ttft, "text": text, "drafted": drafted, "accepted": accepted,
+        "speculative": None if batch is None else {"batch": {"mean": batch, "largest": 4}},
+    }  # fmt: skip
+
+
+def at(condition, workload, concurrency, tps, *, ttft=0.5, turn=2) -> list[dict]:
+    """One wave of one request whose aggregate tokens/s is `tps` (100 tokens)."""
+    return [request(condition, workload, concurrency, done=100 / tps, tokens=100, ttft=ttft, turn=turn)]
+
+
+# --- pure helpers ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [([1, 2, 3, 4], 50, 2.5), ([1, 2, 3, 4], 95, 3.85), ([4, 1, 3, 2], 0, 1), ([7.0], 95, 7.0), ([2, None, 4], 50, 3)],
+)
+def test_percentile_is_linear_between_ranks(values, q, expected):
+    assert sm.percentile(values, q) == pytest.approx(expected)
+
+
+def test_percentile_of_nothing_is_none():
+    assert sm.percentile([], 50) is None
+    assert sm.percentile([None], 95) is None
+
+
+@pytest.mark.parametrize(
+    ("items", "size", "expected"),
+    [("abcde", 2, [["a", "b"], ["c", "d"]]), ("abcd", 4, [list("abcd")]), ("abc", 1, [["a"], ["b"], ["c"]]),
+     ("ab", 4, [])],
+)  # fmt: skip
+def test_waves_are_full_and_drop_the_rest(items, size, expected):
+    assert sm.waves(items, size) == expected
+
+
+def test_at_once_releases_every_call_together_and_keeps_order():
+    inside, arrived = threading.Event(), []
+
+    def call(i):
+        def run():
+            arrived.append(i)
+            if len(arrived) == 3:
+                inside.set()
+            assert inside.wait(5), "a call ran before the others had started"  # all three run at the same time
+            return i * 10
+
+        return run
+
+    assert sm.at_once([call(i) for i in range(3)]) == [0, 10, 20]
+
+
+def test_at_once_raises_a_calls_error():
+    def boom():
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        sm.at_once([lambda: 1, boom])
+
+
+def test_request_row_times_are_from_the_wave_start():
+    reply = Reply("hi", ttft_s=0.25, generation_s=1.0, e2e_s=1.5, usage={"completion_tokens": 3, "prompt_tokens": 9},
+                  speculative={"acceptance_rate": 0.5, "batch": {"mean": 2.0, "largest": 2}})  # fmt: skip
+    r = sm.request_row(UAG, 1, 4, 2, sm.Sent("edit", "edit-001", 3, reply, 0.5))
+    assert (r["kind"], r["condition"], r["concurrency"], r["wave"], r["repeat"]) == ("request", "uag:lookup", 4, 2, 1)
+    assert (r["workload"], r["item"], r["turn"], r["completion_tokens"]) == ("edit", "edit-001", 3, 3)
+    assert (r["started_s"], r["first_token_s"], r["done_s"]) == (0.5, 0.75, 2.0)
+    assert r["speculative"]["batch"] == {"mean": 2.0, "largest": 2} and r["acceptance"] == 0.5
+
+
+def test_request_row_without_a_first_token():
+    r = sm.request_row(UAG, 0, 1, 0, sm.Sent("chat", "p", 1, Reply("", None, None, 3.0), 0.0))
+    assert r["first_token_s"] is None and r["done_s"] == 3.0
+
+
+# --- the summary's maths -----------------------------------------------------------------------------------------
+def test_stats_pool_waves_from_first_sent_to_last_done():
+    rows = [
+        request("uag:lookup", "chat", 2, wave=0, started=0.0, done=2.0, tokens=10, drafted=8, accepted=6, batch=2),
+        request("uag:lookup", "chat", 2, wave=0, started=0.1, done=4.0, tokens=10, drafted=2, accepted=0, batch=1.5),
+        request("uag:lookup", "chat", 2, wave=1, started=0.0, done=1.0, tokens=5),
+    ]
+    s = sm.Stats.of(rows)
+    assert (s.tokens, s.wall_s) == (25, 5.0)
+    assert s.tps == 5.0 and s.alpha == 0.6 and s.batch == [2, 1.5]
+    assert s.e2e_s == [2.0, 3.9, 1.0]
+
+
+def test_stats_of_a_wave_that_took_no_time_has_no_rate():
+    assert sm.Stats.of([request("mlx_lm", "chat", 1, done=0.0)]).tps is None
+
+
+def test_levels_report_edit_turns_2_3_and_chat_per_condition_and_concurrency():
+    rows = [
+        {"kind": "meta"},
+        request("mlx_lm", "edit", 1, turn=1, tokens=1000),
+        request("mlx_lm", "edit", 1, turn=2, tokens=10),
+        request("mlx_lm", "edit", 1, turn=3, tokens=20),
+        request("mlx_lm", "chat", 1, turn=1, tokens=7),
+        request("mlx_lm", "chat", 2, turn=1, tokens=9),
+        {"kind": "warmup", "condition": "mlx_lm"},
+    ]
+    stats = sm.levels(rows)
+    assert list(stats) == [("mlx_lm", sm.EDIT, 1), ("mlx_lm", sm.CHAT, 1), ("mlx_lm", sm.CHAT, 2)]
+    assert stats[("mlx_lm", sm.EDIT, 1)].tokens == 30  # turn 1 is in the rows only
+
+
+def test_targets_compare_batched_uag_with_mlx_lm_and_its_serial_self():
+    rows = [
+        *at("uag:lookup", "edit", 4, 30.0, ttft=1.0),
+        *at("uag:lookup:serial", "edit", 4, 20.0, ttft=4.0),
+        *at("mlx_lm", "edit", 4, 10.0),
+        *at("uag:lookup", "chat", 4, 9.0, turn=1),
+        *at("mlx_lm", "chat", 4, 10.0, turn=1),
+        *at("uag:off", "chat", 4, 9.6, turn=1),
+        *at("uag:lookup", "chat", 1, 9.8, turn=1),
+        *at("uag:lookup:serial", "chat", 1, 10.0, turn=1),
+    ]
+    found = {what: (value, goal, met) for what, value, goal, met in sm.targets(sm.levels(rows))}
+    assert found["C=4 edit t2-3 tokens/s, uag:lookup / mlx_lm"] == (pytest.approx(3.0), ">= 3x", True)
+    assert found["C=4 edit t2-3 tokens/s, uag:lookup / uag:lookup:serial"] == (pytest.approx(1.5), ">= 2x", False)
+    assert found["C=4 chat tokens/s, uag:lookup / mlx_lm"] == (pytest.approx(0.9), ">= 1x", False)
+    assert found["C=4 chat tokens/s, uag:off / mlx_lm"] == (pytest.approx(0.96), ">= 0.95x", True)
+    assert found["C=1 chat tokens/s, uag:lookup / uag:lookup:serial"] == (pytest.approx(0.98), ">= 0.97x", True)
+    assert found["C=4 edit t2-3 p95 TTFT, uag:lookup / uag:lookup:serial"] == (0.25, "<= 0.5x", True)
+    assert found["C=1 edit t2-3 tokens/s, uag:lookup / uag:lookup:serial"] == (None, ">= 0.97x", None)
+    assert not any("uag:lookup:serial /" in what or "uag:off / uag" in what for what in found)
+
+
+def test_lossless_compares_the_same_request_with_uag_off():
+    rows = [
+        request("uag:off", "edit", 2, item="e1", text="same"),
+        request("uag:off", "edit", 2, item="e2", text="off"),
+        request("uag:lookup", "edit", 2, item="e1", text="same"),
+        request("uag:lookup", "edit", 2, item="e2", text="differs"),
+        request("uag:lookup", "edit", 4, item="e1", text="not served by uag:off"),
+        request("uag:lookup:serial", "edit", 2, item="e1", text="same"),
+        request("mlx_lm", "edit", 2, item="e1", text="its own template"),
+    ]
+    assert sm.lossless(rows) == [("uag:lookup", 1, 2), ("uag:lookup:serial", 1, 1)]
+    assert sm.lossless([r for r in rows if r["condition"] != "uag:off"]) == []
+
+
+def test_summary_prints_a_line_per_level_and_each_verdict():
+    rows = [
+        {"kind": "meta", "date": "2026-11-27T10:00:00", "machine": "cpu", "target": "demo-target", "max_tokens": 8},
+        *at("uag:lookup", "edit", 4, 30.0),
+        *at("mlx_lm", "edit", 4, 20.0),
+        request("uag:off", "edit", 4, text="x"),
+    ]
+    text = sm.summary(rows)
+    assert "demo-target" in text and "2026-11-27" in text
+    lines = text.splitlines()
+    assert sum(line.startswith(("uag:lookup ", "mlx_lm ", "uag:off ")) for line in lines) == 3
+    assert any("uag:lookup / mlx_lm" in line and "1.50x" in line and "NOT met" in line for line in lines)
+    assert any("uag:lookup / uag:lookup:serial" in line and "not measured" in line for line in lines)
+    assert any(line.startswith("lossless: uag:lookup") and "1/1" in line and line.endswith(" met") for line in lines)
+
+
+# --- the plot ------------------------------------------------------------------------------------------------------
+def test_figure_has_a_line_per_condition_in_each_workload_panel():
+    rows = [r for c in (1, 2, 4) for r in at("uag:lookup", "edit", c, 10.0 * c)]
+    rows += [r for c in (1, 2, 4) for r in at("uag:lookup:serial", "edit", c, 10.0)]
+    rows += [r for c in (1, 4) for r in at("mlx_lm", "chat", c, 5.0 * c, turn=1)]
+    fig = sm.figure(sm.levels(rows), "demo-target")
+    traces = {(t.name, t.xaxis): t for t in fig.data}
+    lookup = traces[("uag:lookup", "x")]
+    assert list(lookup.x) == [1, 2, 4] and list(lookup.y) == pytest.approx([10, 20, 40])
+    assert lookup.line.dash == "solid" and traces[("uag:lookup:serial", "x")].line.dash == "dash"
+    assert lookup.line.color == traces[("uag:lookup:serial", "x")].line.color
+    assert list(traces[("mlx_lm", "x2")].y) == pytest.approx([5, 20]) and list(traces[("mlx_lm", "x")].x) == []
+    assert [t.showlegend for t in fig.data if t.name == "mlx_lm"] == [True, False]
+    assert [a.text for a in fig.layout.annotations] == [sm.EDIT, sm.CHAT]
+
+
+def test_family_names_the_condition_a_variant_belongs_to():
+    assert sm.family("uag:lookup+demo-drafter:serial") == "uag:lookup+demo-drafter"
+    assert (sm.family("mlx_lm:draft3"), sm.family("uag:off")) == ("mlx_lm", "uag:off")
+
+
+def test_save_plot_falls_back_to_html_when_no_png_can_be_written(tmp_path):
+    fig = sm.figure(sm.levels(at("mlx_lm", "chat", 1, 5.0, turn=1)))
+
+    def no_png(*_args, **_kwargs):
+        raise ValueError("kaleido is not installed")
+
+    fig.write_image = no_png
+    assert sm.save_plot(fig, tmp_path / "c.png") == tmp_path / "c.html"
+    assert "plotly" in (tmp_path / "c.html").read_text()
+
+
+def test_serve_summarize_hands_concurrency_rows_over(tmp_path, capsys):
+    rows = [{"kind": "meta", "target": "demo-target"}, *at("mlx_lm", "chat", 2, 4.0, turn=1)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert serve.main(["--summarize", str(path), "--plot", str(tmp_path / "c.html")]) == 0
+    assert "concurrent requests" in capsys.readouterr().out
+    assert (tmp_path / "c.html").exists()
+
+
+# --- conditions and pools ------------------------------------------------------------------------------------------
+def options(**changes) -> argparse.Namespace:
+    base = {"target": "/models/t", "drafters": ["lookup"], "max_tokens": 8, "peer_draft": None,
+            "num_draft_tokens": [2], "only": None, "ablate": [], "concurrency": [1, 4], "ids": None,
+            "conversations": 4, "chat_prompts": 2, "together": False}  # fmt: skip
+    return argparse.Namespace(**{**base, **changes})
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_conditions_batch_uag_and_add_its_serial_self():
+    conds = {c.name: c for c in sm.conditions(options())}
+    assert list(conds) == ["uag:lookup", "uag:lookup:serial", "uag:off", "mlx_lm"]
+    assert flag(conds["uag:lookup"].argv, "--max-batch") == "4" and flag(conds["uag:off"].argv, "--max-batch") == "4"
+    assert flag(conds["uag:lookup:serial"].argv, "--max-batch") == "1"
+    assert all(flag(conds[n].argv, "--per-client") == "4" for n in ("uag:lookup", "uag:lookup:serial", "uag:off"))
+    assert "--max-batch" not in conds["mlx_lm"].argv and "--decode-concurrency" not in conds["mlx_lm"].argv
+    assert conds["uag:off"].extra_body == {"speculative": False}
+
+
+def test_conditions_only_picks_and_orders():
+    names = [c.name for c in sm.conditions(options(only=["mlx_lm", "uag:lookup:serial"]))]
+    assert names == ["mlx_lm", "uag:lookup:serial"]
+    with pytest.raises(SystemExit, match="no condition uag:nope"):
+        sm.conditions(options(only=["uag:nope"]))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"conversations": 2}, "--conversations 2: concurrency 4 needs 4"),
+        ({"chat_prompts": 1}, "--chat-prompts 1 gives 2 prompts .* needs --chat-prompts 2"),
+        ({"concurrency": [0, 1]}, "--concurrency 0: at least 1"),
+        ({"ids": ["edit-001", "edit-999"]}, "--ids: no conversation 'edit-999'"),
+        ({"together": True}, "--together: not with --concurrency"),
+    ],
+)
+def test_pools_refuse_what_cannot_run(changes, message):
+    with pytest.raises(SystemExit, match=message):
+        sm.pools(options(**changes))
+
+
+def test_pools_may_leave_a_workload_out():
+    edit, chat = sm.pools(options(conversations=0, chat_prompts=2))
+    assert edit == [] and [i for i, _ in chat][:2] == [i for i, _ in serve.chat_prompts(1)]
+
+
+# --- the client's waves, with a fake server ----------------------------------------------------------------------
+def test_edit_sends_each_conversations_turns_in_order_after_every_turn_1(monkeypatch):
+    conversations = [Conversation(f"edit-{i}", "edit", ("one", "two", "three")) for i in "ab"]
+    seen, lock = [], threading.Lock()
+
+    def fake_ask(_client, _condition, messages, _max_tokens):
+        with lock:
+            seen.append(messages)
+        answered = sum(m["role"] == "assistant" for m in messages)
+        return Reply(f"reply {answered + 1}", 0.01, 0.01, 0.02, usage={"completion_tokens": 2})
+
+    monkeypatch.setattr(sm, "ask", fake_ask)
+    sents = sm.Client(UAG, "http://127.0.0.1:9", 8).edit(conversations)
+    assert [(s.item, s.turn) for s in sents] == [
+        ("edit-a", 1), ("edit-b", 1), ("edit-a", 2), ("edit-a", 3), ("edit-b", 2), ("edit-b", 3)
+    ]  # fmt: skip
+    assert all(len(m) == 1 for m in seen[:2])  # both turn 1s before any turn 2
+    third = [m for m in seen if len(m) == 5]
+    assert len(third) == 2 and all([t["content"] for t in m[1::2]] == ["reply 1", "reply 2"] for m in third)
+    assert all(s.at_s < 1 for s in sents)

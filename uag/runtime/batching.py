@@ -1,0 +1,241 @@
+"""Continuous batching on the one MLX worker: a request that arrives while others run joins them at their next
+pass, and leaves when it is done.
+
+Each shared job runs in a greenlet of its own on the worker's thread (MLX arrays and streams stay on the thread
+that made them), and its engine runs unchanged: where it calls a model the batch shares (`SharedModel`), the call
+hands its pass to the `Batch` and waits. The batch lets every member run up to its next pass (drafting, checking,
+detokenising: what each does on its own), then runs one pass per model for all of them
+(`uag.core.passes.batched_pass`: ragged widths, every cache its own) and hands each member its rows. A pass over
+more than `READ` tokens (a prompt being read) runs alone, in chunks of `read_chunk` tokens while others decode,
+one chunk per round, so that a long prompt does not freeze the other streams. A member that runs alone makes
+exactly the calls it would make outside a batch.
+
+    batch = Batch(max_size=4)
+    batch.join(job)          # a Job whose function calls models wrapped in SharedModel
+    while batch: batch.round()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import greenlet
+
+from uag.runtime.jobs import Busy
+
+log = logging.getLogger(__name__)
+
+READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): it runs alone, in chunks
+READ_CHUNK = 128  # tokens of a read per round while other members decode
+
+
+class SharedModel:
+    """A model that requests running in a `Batch` share: their calls to it become the batch's passes. Called from
+    anywhere else (the app, calibration, a request run alone) it is the model itself; every attribute is the
+    model's. `role` "target" passes are the ones a request's `Sharing` (and so `auto`) hears about."""
+
+    def __init__(self, model: Any, role: str):
+        self.inner, self.role = model, role
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        member = greenlet.getcurrent()
+        if not isinstance(member, Member) or cache is None or kwargs or inputs.shape[0] != 1:
+            return self.inner(inputs, cache=cache, **kwargs)
+        return member.parent.switch(Pass(self, inputs, cache))
+
+
+def share(loaded: Any, role: str) -> None:
+    """Make a loaded model's `model` a `SharedModel` (once; in place: every holder of the model shares it)."""
+    if not isinstance(loaded.model, SharedModel):
+        loaded.model = SharedModel(loaded.model, role)
+
+
+@dataclass(eq=False)
+class Pass:
+    """One member's call of a shared model, waiting for the batch to run it."""
+
+    model: SharedModel
+    inputs: Any  # (1, w) token ids
+    cache: list
+    read: int = 0  # tokens of a read run so far
+    logits: list = field(default_factory=list)  # a read's chunks' logits
+
+    @property
+    def width(self) -> int:
+        return int(self.inputs.shape[-1])
+
+
+class Member(greenlet.greenlet):
+    """A job running in the batch: its greenlet, and how its target passes were shared (`Sharing`)."""
+
+    def __init__(self, job: Any, parent: greenlet.greenlet):
+        from uag.core.records import Sharing
+
+        super().__init__(self._main, parent)
+        self.job, self.sharing, self.joined = job, Sharing(), time.monotonic()
+
+    def _main(self, *_start) -> None:
+        from uag.core.records import SHARING
+
+        SHARING.set(self.sharing)  # this greenlet's own context: the engine's `auto` reads it
+        self.job._run()
+
+
+class Batch:
+    """The members running now and the passes they wait on; `round()` runs one pass per shared model."""
+
+    def __init__(
+        self, max_size: int = 4, *, read_chunk: int = READ_CHUNK, clock: Callable[[], float] = time.perf_counter
+    ):
+        if max_size < 1:
+            raise ValueError(f"a batch holds at least one request (got {max_size})")
+        self.max_size, self.read_chunk, self.clock = max_size, read_chunk, clock
+        self.waiting: dict[Member, Pass] = {}  # every live member, at the pass it waits on
+        self.members: list[Member] = []  # every member not yet ended
+        self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def full(self) -> bool:
+        return len(self.waiting) >= self.max_size
+
+    def join(self, job: Any) -> None:
+        """Start a job as a member: it runs up to its first shared pass (or to its end)."""
+        member = Member(job, greenlet.getcurrent())
+        self.members.append(member)
+        self._resume(member, None)
+        self._noted()
+
+    def round(self) -> None:
+        """One pass per shared model for the members waiting on it (reads: one chunk of one), then every member
+        served runs on to its next pass."""
+        by_model: dict[int, list[Member]] = {}
+        for member, waiting in self.waiting.items():
+            by_model.setdefault(id(waiting.model), []).append(member)
+        served: list[tuple[Member, Any, BaseException | None]] = []
+        for members in by_model.values():
+            decoding = [m for m in members if self.waiting[m].width <= READ]
+            reading = [m for m in members if self.waiting[m].width > READ]
+            if decoding:
+                served += self._decode(decoding)
+            if reading:
+                served += self._read(reading[0], alone=not decoding and len(by_model) == 1)
+        for member, logits, error in served:
+            self._resume(member, logits, error)
+        if served:
+            self._noted()
+
+    def _decode(self, members: list[Member]) -> list[tuple[Member, Any, BaseException | None]]:
+        """The members' narrow passes: one batched pass where their caches merge, else one pass each. A failed
+        pass fails the members it served (their engines clean up); the others go on."""
+        from uag.core.passes import batched_pass, mergeable
+
+        passes = [self.waiting[m] for m in members]
+        model = passes[0].model
+        tic = self.clock()
+        if len(passes) > 1 and all(mergeable(p.cache) for p in passes):
+            try:
+                out: list = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
+                _evaluated(out, passes)
+            except Exception as err:
+                log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
+                return [(m, None, err) for m in members]
+        else:
+            out = []
+            for p in passes:
+                try:
+                    out.append(model.inner(p.inputs, cache=p.cache))
+                    if len(passes) > 1:
+                        _evaluated(out[-1:], [p])
+                except Exception as err:
+                    out.append(err)
+        ms = (self.clock() - tic) * 1000 if len(passes) > 1 else None
+        if model.role == "target":
+            for m in members:
+                widest = max((p.width for other, p in zip(members, passes) if other is not m), default=0)
+                m.sharing.shared(len(passes), widest, ms)
+        return [(m, None, x) if isinstance(x, Exception) else (m, x, None) for m, x in zip(members, out)]
+
+    def _read(self, member: Member, alone: bool) -> list[tuple[Member, Any, BaseException | None]]:
+        """One chunk of a member's read (all of it when nobody else waits); its logits once it is read."""
+        import mlx.core as mx
+
+        waiting = self.waiting[member]
+        end = waiting.width if alone else min(waiting.width, waiting.read + self.read_chunk)
+        try:
+            chunk = waiting.inputs[:, waiting.read : end]
+            waiting.logits.append(waiting.model.inner(chunk, cache=waiting.cache))
+            mx.eval([c.state for c in waiting.cache])
+        except Exception as err:
+            return [(member, None, err)]
+        waiting.read = end
+        if end < waiting.width:
+            return []
+        logits = waiting.logits[0] if len(waiting.logits) == 1 else mx.concatenate(waiting.logits, axis=1)
+        if waiting.model.role == "target":
+            member.sharing.shared(1, 0, None)
+        return [(member, logits, None)]
+
+    def fail(self, err: BaseException) -> None:
+        """End every member with `err` (batching itself failed): each engine's `finally` runs, and its job ends."""
+        for member in self.members:
+            if not member.dead:
+                try:
+                    member.throw(err)
+                except Exception:  # it raised out of its job (a bug of its own): nothing more to end
+                    log.debug("a member raised while it was ended", exc_info=True)
+        self.members, self.waiting = [], {}
+
+    def _resume(self, member: Member, value: Any, error: BaseException | None = None) -> None:
+        """Let a member run on to its next shared pass (or its end)."""
+        self.waiting.pop(member, None)
+        waiting = member.throw(error) if error is not None else member.switch(value)
+        if member.dead:
+            self.members.remove(member)
+        else:
+            if not isinstance(waiting, Pass):
+                raise RuntimeError(f"a batched job switched out with {waiting!r} instead of a pass")
+            self.waiting[member] = waiting
+
+    def _noted(self) -> None:
+        if not self.history or self.history[-1][1] != len(self.waiting):
+            self.history.append((time.time(), len(self.waiting)))
+            del self.history[:-1000]
+
+
+class NoRoom(Busy):
+    """The request's KV caches would not fit in memory beside those of the requests running now."""
+
+
+def room_for(target: Any, tokens: int, batch: Batch | None, *, available: int | None = None) -> None:
+    """NoRoom unless a request of up to `tokens` tokens fits in memory beside the batch's members: its caches,
+    and their copy in each batched pass (`available` replaces what this machine has free: tests)."""
+    from uag.core.passes import kv_bytes
+    from uag.models.memory import available_bytes
+
+    if batch is None or not batch:
+        return
+    free = available_bytes() if available is None else available
+    need = 2 * kv_bytes(target.model, tokens)
+    if free is not None and need > free:
+        raise NoRoom(
+            f"this request's KV caches ({need / 1e9:.1f} GB with their batched copy) would not fit in the "
+            f"{free / 1e9:.1f} GB free beside the {len(batch)} request{'s' * (len(batch) != 1)} running now: "
+            "retry when one has finished, or ask for fewer max_tokens"
+        )
+
+
+def _evaluated(out: list, passes: list[Pass]) -> None:
+    """Run a shared pass now, while the batch waits on it, rather than in whichever member reads its rows first."""
+    import mlx.core as mx
+
+    mx.eval(out, [c.state for p in passes for c in p.cache])
