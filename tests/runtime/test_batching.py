@@ -423,3 +423,36 @@ def test_room_for_a_model_that_makes_no_caches_of_its_own(models):
     batch = Batch(max_size=4)
     joined(batch, ("a", [(models[0], 1)]), log=[])
     room_for(target, 100, batch, available=2 * 2 * 128 * 100)
+
+
+@pytest.mark.parametrize(
+    ("widths", "fixed", "expected"),
+    [
+        ([17, 1, 1, 1], 16, [[0], [1, 2, 3]]),  # padding the three plain steps to 17 costs more than a pass
+        ([9, 8, 9, 1], 16, [[0, 1, 2, 3]]),
+        ([1, 17, 1], 1000, [[0, 1, 2]]),  # a pass worth 1000 tokens (a GPU): never split
+        ([17, 1], 0.5, [[0], [1]]),
+        ([3], 16, [[0]]),
+        ([], 16, []),
+    ],
+)
+def test_passes_are_grouped_where_padding_costs_more_than_a_pass(widths, fixed, expected):
+    from uag.runtime.batching import groups
+
+    assert groups(widths, fixed) == expected
+
+
+def test_the_cost_of_a_pass_in_tokens_is_fitted_from_the_batch_s_own_passes():
+    from uag.runtime.batching import FIXED_ROWS, PassCosts
+
+    costs = PassCosts()
+    assert costs.fixed_rows() == FIXED_ROWS  # nothing timed yet
+    costs.observe(4, 850.0)
+    costs.observe(4, 870.0)
+    assert costs.fixed_rows() == FIXED_ROWS  # one width: no line through it
+    costs.observe(68, 2580.0)
+    assert 20 < costs.fixed_rows() < 35
+    flat = PassCosts()
+    for rows in (4, 16, 64):
+        flat.observe(rows, 5.0)  # a token costs nothing measurable
+    assert flat.fixed_rows() == 1000.0

@@ -18,7 +18,10 @@ exactly the calls it would make outside a batch.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 
 READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): it runs alone, in chunks
 READ_CHUNK = 128  # tokens of a read per round while other members decode
+FIXED_ROWS = 16.0  # a pass's fixed cost in padded tokens' worth, until the batch has timed passes of its own
 
 
 class SharedModel:
@@ -99,6 +103,7 @@ class Batch:
         self.max_size, self.read_chunk, self.clock = max_size, read_chunk, clock
         self.waiting: dict[Member, Pass] = {}  # every live member, at the pass it waits on
         self.members: list[Member] = []  # every member not yet ended
+        self.costs = PassCosts()
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
 
     def __len__(self) -> int:
@@ -125,8 +130,8 @@ class Batch:
         for members in by_model.values():
             decoding = [m for m in members if self.waiting[m].width <= READ]
             reading = [m for m in members if self.waiting[m].width > READ]
-            if decoding:
-                served += self._decode(decoding)
+            for group in groups([self.waiting[m].width for m in decoding], self.costs.fixed_rows()):
+                served += self._decode([decoding[i] for i in group])
             if reading:
                 served += self._read(reading[0], alone=not decoding and len(by_model) == 1)
         for member, logits, error in served:
@@ -159,6 +164,8 @@ class Batch:
                 except Exception as err:
                     out.append(err)
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 else None
+        if ms is not None and model.role == "target":
+            self.costs.observe(len(passes) * max(p.width for p in passes), ms)
         if model.role == "target":
             for m in members:
                 widest = max((p.width for other, p in zip(members, passes) if other is not m), default=0)
@@ -210,6 +217,54 @@ class Batch:
         if not self.history or self.history[-1][1] != len(self.waiting):
             self.history.append((time.time(), len(self.waiting)))
             del self.history[:-1000]
+
+
+def groups(widths: list[int], fixed_rows: float) -> list[list[int]]:
+    """The passes (their indices) to run together: every sequence of a pass is padded to its widest, so a pass
+    over [17, 1, 1, 1] computes 68 tokens for 20. Sorted by width, the passes are cut where the padded tokens
+    plus `fixed_rows` per pass (what a pass costs beside its tokens) sum least.
+
+    Example: [17, 1, 1, 1], 16 -> [[0], [1, 2, 3]] (16 + 17 + 16 + 3 = 52 < 16 + 68 = 84)
+             [9, 8, 9, 1], 16 -> [[0, 1, 2, 3]]   (16 + 36 = 52 < 16 + 27 + 16 + 1 = 60)
+    """
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        for start in range(end):  # order[start:end] as one pass, its widest order[start]
+            cost = best[start] + fixed_rows + (end - start) * widths[order[start]]
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    out, end = [], len(order)
+    while end > 0:
+        out.append(sorted(order[cut[end] : end]))  # in the order they came
+        end = cut[end]
+    return sorted(out)
+
+
+class PassCosts:
+    """What a batched target pass costs here, fitted as ms = fixed + per_row · padded tokens over the batch's
+    recent passes: their ratio, in tokens, is what running one more pass is worth (`groups`). On a CPU a token
+    costs much (tens of tokens pay for a pass); on a GPU next to nothing (a pass is worth hundreds)."""
+
+    def __init__(self, prior_rows: float = FIXED_ROWS, keep: int = 64):
+        self.prior_rows, self.samples = prior_rows, deque(maxlen=keep)
+
+    def observe(self, rows: int, ms: float) -> None:
+        self.samples.append((rows, ms))
+
+    def fixed_rows(self) -> float:
+        """fixed / per_row from a least-squares line through the samples; the prior until they span two widths.
+
+        Example: samples (4, 850), (68, 2580) -> per_row 27.0 ms, fixed 742 ms -> 27.5 tokens
+        """
+        rows = [r for r, _ in self.samples]
+        if len(set(rows)) < 2:
+            return self.prior_rows
+        slope = statistics.linear_regression(rows, [ms for _, ms in self.samples]).slope
+        fixed = statistics.fmean(ms for _, ms in self.samples) - slope * statistics.fmean(rows)
+        if slope <= 0:
+            return 1000.0  # tokens cost nothing measurable: never split
+        return min(max(fixed / slope, 1.0), 1000.0)
 
 
 class NoRoom(Busy):
