@@ -263,3 +263,31 @@ def test_a_profile_a_run_showed_stale_is_kept_and_judged_off(cache, scale, off):
     evidence.scale = scale
     assert (judge_profile(saved, evidence) is not None) is off
     assert find_calibration(pair) == saved
+
+
+def test_in_a_batch_a_pass_is_priced_and_learned_by_the_tokens_of_the_whole_pass():
+    """Batched with others (uag.runtime.batching), a request's pass computes every sequence padded to the widest:
+    auto prices w as that many tokens, and learns the batched pass's own time by that width."""
+    import contextvars
+
+    from uag.core.evidence import Prices
+    from uag.core.records import SHARING, Cycle, Sharing
+
+    profile = CostProfile(target_ms={1: 100.0, 4: 130.0, 16: 200.0, 64: 500.0}, drafter_ms=10.0, translate_ms=0.0)
+    prices = Prices(profile, Evidence(), learn=False)
+    alone = [prices.target_ms(w) for w in (1, 16)]
+    assert alone == [100.0, 200.0]
+    shared = Sharing()
+    shared.shared(size=4, widest=16, ms=480.0)  # three others, the widest of them 16 tokens
+
+    def batched():
+        SHARING.set(shared)
+        plain, draft = prices.target_ms(1), prices.target_ms(16)
+        prices.learn = True
+        prices.time_verify(Cycle.plain(0, verify_ms=2000.0))  # the wait for the others: not the pass's cost
+        return plain, draft
+
+    plain, draft = contextvars.copy_context().run(batched)
+    assert plain == draft == 500.0  # 4 × 16 = 64 tokens either way: a draft up to 16 rides along for free
+    assert prices.evidence.verify_ms == {64: 480.0}
+    assert prices.target_ms(1) != 500.0  # outside the batch's context: priced alone again

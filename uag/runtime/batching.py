@@ -147,7 +147,8 @@ class Batch:
         passes = [self.waiting[m] for m in members]
         model = passes[0].model
         tic = self.clock()
-        if len(passes) > 1 and all(mergeable(p.cache) for p in passes):
+        merged = len(passes) > 1 and all(mergeable(p.cache) for p in passes)
+        if merged:
             try:
                 out: list = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
                 _evaluated(out, passes)
@@ -164,7 +165,7 @@ class Batch:
                 except Exception as err:
                     out.append(err)
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 else None
-        if ms is not None and model.role == "target":
+        if merged and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
         if model.role == "target":
             for m in members:
