@@ -266,8 +266,8 @@ def test_a_profile_a_run_showed_stale_is_kept_and_judged_off(cache, scale, off):
 
 
 def test_in_a_batch_a_pass_is_priced_and_learned_by_the_tokens_of_the_whole_pass():
-    """Batched with others (uag.runtime.batching), a request's pass computes every sequence padded to the widest:
-    auto prices w as that many tokens, and learns the batched pass's own time by that width."""
+    """Batched with others (uag.runtime.batching), auto prices w as the pass every sequence of the batch would make
+    with it, and learns the time of the pass it ran in (every sequence padded to the widest) by that pass's width."""
     import contextvars
 
     from uag.core.evidence import Prices
@@ -288,6 +288,6 @@ def test_in_a_batch_a_pass_is_priced_and_learned_by_the_tokens_of_the_whole_pass
         return plain, draft
 
     plain, draft = contextvars.copy_context().run(batched)
-    assert plain == draft == 500.0  # 4 × 16 = 64 tokens either way: a draft up to 16 rides along for free
-    assert prices.evidence.verify_ms == {64: 480.0}
+    assert plain == 130.0 and draft == 500.0  # 4 × 1 and 4 × 16 tokens: the batch's pass at either width
+    assert prices.evidence.verify_ms == {64: 480.0}  # the pass it ran in: 4 × 16 (the widest other), in 480 ms
     assert prices.target_ms(1) != 500.0  # outside the batch's context: priced alone again

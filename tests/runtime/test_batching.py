@@ -242,7 +242,8 @@ def test_sharing_prices_a_pass_by_the_whole_batch():
     assert (alone.rows(5), alone.mean_size, alone.largest) == (5, 1.0, 1)
     four = Sharing()
     four.shared(4, 9, 12.0)
-    assert (four.rows(1), four.rows(17)) == (36, 68)
+    assert (four.rows(1), four.rows(9), four.rows(17)) == (4, 36, 68)  # the batch's pass at that width
+    assert (four.computed(1), four.computed(17)) == (36, 68)  # the pass it ran in: padded to the widest other
     four.shared(2, 0, None)
     assert (four.mean_size, four.largest, four.passes, four.size, four.pass_ms) == (3.0, 4, 2, 2, None)
 

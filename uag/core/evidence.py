@@ -268,8 +268,8 @@ class Prices:
 
         Example: profile 450 / 500 ms for 1 / 2 tokens, this run's 2-token passes 700 ms -> w = 1: 630 ms
 
-        Batched with other requests (a server's), a pass computes every sequence padded to the widest: w is
-        priced as the whole pass's tokens (`Sharing.rows`), so drafting pays only where the pass has room left.
+        Batched with other requests (a server's), w is priced as the pass every sequence of the batch would make
+        with it, `Sharing.rows`: size × w tokens, so a draft pays only where the batch's pass has room left.
         """
         if (shared := sharing()) is not None:
             w = shared.rows(w)
@@ -342,7 +342,7 @@ class Prices:
         """The run's own target timings, and how they compare with the profile's (`Evidence.scale`)."""
         evidence, w, ms = self.evidence, len(cycle.proposed_ids) + 1, cycle.verify_ms
         if (shared := sharing()) is not None and shared.size > 1 and shared.pass_ms is not None:
-            w, ms = shared.rows(w), shared.pass_ms  # the batch's pass, not the wait for the other requests
+            w, ms = shared.computed(w), shared.pass_ms  # the batch's pass, not the wait for the other requests
         if self.learn or not (self.profile and w in self.profile.target_ms):
             evidence.verify_ms[w] = ema(evidence.verify_ms.get(w), ms)
         if self.learn and self.profile is not None:
