@@ -73,7 +73,7 @@ def costs(model: nn.Module, batches: list[int], widths: list[int], context: int,
                 if size == 1:
                     logits = [model(tokens[0][None], cache=caches[0])]
                 else:
-                    logits = batched_pass(model, tokens, caches[:size])
+                    logits, _ = batched_pass(model, tokens, caches[:size])  # merged afresh, as for drafts
                 mx.eval(logits)
                 for cache in caches[:size]:
                     trim_to(cache, context)

@@ -124,9 +124,9 @@ def test_mergeable_caches_make_one_batched_pass(models, monkeypatch):
     target, _ = models
     groups = []
 
-    def recorded(model, inputs, caches):
+    def recorded(model, inputs, caches, kept=None):
         groups.append(([int(x.shape[-1]) for x in inputs], [c.name for c in caches]))
-        return [model(x, cache=c) for x, c in zip(inputs, caches)]
+        return [model(x, cache=c) for x, c in zip(inputs, caches)], None
 
     monkeypatch.setattr(uag.core.passes, "batched_pass", recorded)
     batch, log = Batch(max_size=4), []

@@ -104,6 +104,7 @@ class Batch:
         self.waiting: dict[Member, Pass] = {}  # every live member, at the pass it waits on
         self.members: list[Member] = []  # every member not yet ended
         self.costs = PassCosts()
+        self.kept: dict[int, Any] = {}  # per model: the merged caches of its last batched pass of plain steps
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
 
     def __len__(self) -> int:
@@ -150,7 +151,10 @@ class Batch:
         merged = len(passes) > 1 and all(mergeable(p.cache) for p in passes)
         if merged:
             try:
-                out: list = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
+                kept = self.kept.pop(id(model), None)
+                out, self.kept[id(model)] = batched_pass(
+                    model.inner, [p.inputs for p in passes], [p.cache for p in passes], kept
+                )
                 _evaluated(out, passes)
             except Exception as err:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
@@ -209,6 +213,7 @@ class Batch:
         waiting = member.throw(error) if error is not None else member.switch(value)
         if member.dead:
             self.members.remove(member)
+            self.kept.clear()  # its caches leave with it, and the merged copy that holds them
         else:
             if not isinstance(waiting, Pass):
                 raise RuntimeError(f"a batched job switched out with {waiting!r} instead of a pass")
