@@ -182,6 +182,7 @@ class Batch:
         import mlx.core as mx
 
         waiting = self.waiting[member]
+        self.kept.pop(id(waiting.model), None)  # its cache grows outside the merged copy
         end = waiting.width if alone else min(waiting.width, waiting.read + self.read_chunk)
         try:
             chunk = waiting.inputs[:, waiting.read : end]
