@@ -83,7 +83,7 @@ class Member(greenlet.greenlet):
         from uag.core.records import Sharing
 
         super().__init__(self._main, parent)
-        self.job, self.sharing, self.joined = job, Sharing(), time.monotonic()
+        self.job, self.sharing = job, Sharing()
 
     def _main(self, *_start) -> None:
         from uag.core.records import SHARING
