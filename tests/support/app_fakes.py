@@ -9,6 +9,8 @@ class NoWorker:
     """Fails the test if a job is submitted: what is refused must be refused before it reaches the models."""
 
     current = None
+    max_batch = 1  # as a worker that runs one job at a time
+    batch = None
 
     def submit(self, *args, **kwargs):
         raise AssertionError("this must not reach the worker")
