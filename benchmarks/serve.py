@@ -63,8 +63,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from importlib import metadata
@@ -748,6 +748,22 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def rows_file(out: Path, meta: dict) -> Iterator[tuple[list[dict], Callable[[dict], None]]]:
+    """The run's rows, `meta` first, and `write(row)`, which keeps a row and appends it to `out` (flushed, so
+    that a run stopped part way keeps what it measured)."""
+    rows = [meta]
+    with out.open("w") as f:
+
+        def write(r: dict) -> None:
+            rows.append(r)
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.flush()
+
+        f.write(json.dumps(meta, ensure_ascii=False) + "\n")
+        yield rows, write
+
+
 def version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -871,15 +887,7 @@ def main(argv: list[str] | None = None) -> int:
         "conditions": [{"name": c.name, "argv": list(c.argv), "extra_body": c.extra_body} for c in conds],
         "versions": {p: version(p) for p in ("mlx", "mlx-lm", "openai", "uag")},
     }
-    rows = [meta]
-    with out.open("w") as f:
-
-        def write(r: dict) -> None:
-            rows.append(r)
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            f.flush()
-
-        f.write(json.dumps(meta, ensure_ascii=False) + "\n")
+    with rows_file(out, meta) as (rows, write):
         for repeat in range(args.repeats):
             shift = repeat % len(conds)
             order = conds[shift:] + conds[:shift]

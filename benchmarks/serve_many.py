@@ -13,7 +13,6 @@ to end; then the issue's targets and losslessness. Smoke run on the demo pair:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import threading
@@ -431,15 +430,7 @@ def main(args: argparse.Namespace) -> int:
             "conversations": [c.id for c in work[0]], "chat": [i for i, _ in work[1]],
             "conditions": [{"name": c.name, "argv": list(c.argv), "extra_body": c.extra_body} for c in conds],
             "versions": {p: serve.version(p) for p in ("mlx", "mlx-lm", "openai", "uag")}}  # fmt: skip
-    rows = [meta]
-    with out.open("w") as f:
-
-        def write(r: dict) -> None:
-            rows.append(r)
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            f.flush()
-
-        f.write(json.dumps(meta, ensure_ascii=False) + "\n")
+    with serve.rows_file(out, meta) as (rows, write):
         for repeat in range(args.repeats):
             shift = repeat % len(conds)
             for condition in conds[shift:] + conds[:shift]:
