@@ -67,6 +67,7 @@ def passes(job, name: str, plan, log: list, cache=Cache):
 
 def joined(batch: Batch, *members: tuple[str, list], log: list, cache=Cache) -> dict[str, Job]:
     jobs = {name: Job(passes, (name, plan, log, cache), name, shared=True) for name, plan in members}
+    batch.queued = lambda: True  # as under load: a member alone still waits for rounds (see test_a_request_alone…)
     for job in jobs.values():
         batch.join(job)
     return jobs
@@ -146,6 +147,7 @@ def test_each_member_reads_its_own_sharing(models):
         yield name
 
     batch = Batch(max_size=2)
+    batch.queued = lambda: True
     jobs = [Job(reads, (n,), n, shared=True) for n in "ab"]
     for job in jobs:
         batch.join(job)
@@ -215,6 +217,26 @@ def test_a_failed_pass_among_passes_run_one_by_one_fails_only_its_member():
     with pytest.raises(RuntimeError, match="bad/target"):
         list(jobs["bad"])
     assert list(jobs["good"]) == [1, 1]
+
+
+def test_a_request_alone_runs_its_passes_at_once_and_waits_for_rounds_once_another_is_queued(models):
+    """Alone (no other member, no job queued) a member's passes are the model's own calls, with no round between
+    them; once a job waits to start, its next pass waits for the round that lets that job join."""
+    target, _ = models
+    batch, log, queue = Batch(max_size=2), [], []
+    batch.queued = lambda: bool(queue)
+    alone = Job(passes, ("alone", [(target, 1)] * 2, log, Cache), "alone", shared=True)
+    batch.join(alone)
+    assert alone.done.is_set() and list(alone) == [1, 1] and not batch and target.inner.calls == [
+        (1, "alone/target"), (1, "alone/target")]  # fmt: skip
+    first = Job(passes, ("first", [(target, 1)] * 3, log, Cache), "first", shared=True)
+    queue.append("second")
+    batch.join(first)
+    assert not first.done.is_set() and len(batch.waiting) == 1  # waits at its first pass: a job is queued
+    second = Job(passes, ("second", [(target, 1)], log, Cache), "second", shared=True)
+    queue.clear()
+    batch.join(second)
+    assert drained(batch) >= 1 and list(first) == [1, 1, 1] and list(second) == [1]
 
 
 def test_a_shared_model_called_outside_a_member_is_the_model(models):

@@ -52,6 +52,11 @@ class SharedModel:
         member = greenlet.getcurrent()
         if not isinstance(member, Member) or cache is None or kwargs or inputs.shape[0] != 1:
             return self.inner(inputs, cache=cache, **kwargs)
+        if member.batch.solo():  # nobody to batch with, nobody waiting to join: the pass runs here and now
+            member.batch.kept.pop(id(self), None)  # the cache grows outside any merged copy of it
+            if self.role == "target":
+                member.sharing.shared(1, 0, None)
+            return self.inner(inputs, cache=cache)
         return member.parent.switch(Pass(self, inputs, cache))
 
 
@@ -79,11 +84,11 @@ class Pass:
 class Member(greenlet.greenlet):
     """A job running in the batch: its greenlet, and how its target passes were shared (`Sharing`)."""
 
-    def __init__(self, job: Any, parent: greenlet.greenlet):
+    def __init__(self, job: Any, parent: greenlet.greenlet, batch: Batch):
         from uag.core.records import Sharing
 
         super().__init__(self._main, parent)
-        self.job, self.sharing = job, Sharing()
+        self.job, self.sharing, self.batch = job, Sharing(), batch
 
     def _main(self, *_start) -> None:
         from uag.core.records import SHARING
@@ -106,17 +111,24 @@ class Batch:
         self.costs = PassCosts()
         self.kept: dict[int, Any] = {}  # per model: the merged caches of its last batched pass of plain steps
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
+        self.queued: Callable[[], bool] = lambda: False  # whether a job waits to start (the worker's queue)
 
     def __len__(self) -> int:
-        return len(self.waiting)
+        """Members not yet ended (one running alone between rounds included)."""
+        return len(self.members)
 
     @property
     def full(self) -> bool:
-        return len(self.waiting) >= self.max_size
+        return len(self.members) >= self.max_size
+
+    def solo(self) -> bool:
+        """One member and no job waiting to start: its passes need not wait for a round (nothing to batch them
+        with): a request alone runs as it would without batching, and yields at its next pass once one arrives."""
+        return len(self.members) == 1 and not self.queued()
 
     def join(self, job: Any) -> None:
         """Start a job as a member: it runs up to its first shared pass (or to its end)."""
-        member = Member(job, greenlet.getcurrent())
+        member = Member(job, greenlet.getcurrent(), self)
         self.members.append(member)
         self._resume(member, None)
         self._noted()
@@ -221,8 +233,8 @@ class Batch:
             self.waiting[member] = waiting
 
     def _noted(self) -> None:
-        if not self.history or self.history[-1][1] != len(self.waiting):
-            self.history.append((time.time(), len(self.waiting)))
+        if not self.history or self.history[-1][1] != len(self.members):
+            self.history.append((time.time(), len(self.members)))
             del self.history[:-1000]
 
 

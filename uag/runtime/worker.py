@@ -169,13 +169,12 @@ class MLXWorker:
     @property
     def current(self) -> Job | None:
         """The job running now, if any (the longest running one, where several run together)."""
-        running = self._running
-        return self._current or (running[0] if running else None)
+        return self._current or next((job for job in self._running if not job.done.is_set()), None)
 
     @property
     def running(self) -> int:
         """Jobs running now (more than one only while shared jobs run together)."""
-        return len(self._running) or int(self._current is not None)
+        return sum(not job.done.is_set() for job in self._running) or int(self._current is not None)
 
     @property
     def backlog(self) -> int:
@@ -198,9 +197,7 @@ class MLXWorker:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
-        from uag.runtime.batching import Batch
-
-        batch = self.batch = Batch(self.max_batch)
+        batch = self.batch = self._new_batch()
         solo, closing = None, False
         while not (closing and solo is None and not batch):
             while solo is None and not closing and not batch.full:  # admit what may run now
@@ -227,7 +224,6 @@ class MLXWorker:
 
     def _batched(self, batch, step: Callable[..., None], *args: Any):
         """Run one step of the batch; where batching itself fails (a bug), its requests fail and a new batch starts."""
-        from uag.runtime.batching import Batch
 
         try:
             step(*args)
@@ -237,5 +233,12 @@ class MLXWorker:
             batch.fail(err)
             for job in self._running:  # any that did not end when told
                 job.abandon(err)
-            self.batch = Batch(self.max_batch)
+            self.batch = self._new_batch()
             return self.batch
+
+    def _new_batch(self):
+        from uag.runtime.batching import Batch
+
+        batch = Batch(self.max_batch)
+        batch.queued = lambda: not self._jobs.empty()  # a lone member yields at its next pass once a job waits
+        return batch
