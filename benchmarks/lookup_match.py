@@ -5,8 +5,10 @@ server sees them; the answers are written to --answers and reused on the next ru
 replayed over every answer as a run would draft it: where the index has a match it proposes --k tokens, the
 answer keeps the longest agreeing prefix plus one token of its own, and the next proposal starts after it.
 Per band of how far the match ran back (uag.core.lookup.match_band) it prints how many proposals there were,
-the share rejected at their first token and the mean tokens kept; and, pooled, the same for other n-gram
-sizes. No timing: the answers are the model's, the replay is pure Python (its figures: docs/results.md).
+the share rejected at their first token, the mean tokens kept, and the chance each token tried holds (kept ÷
+(kept + proposals that broke before their end): with long proposals, what a copy's next token is worth, which
+sets lookup.BAND_FLOORS); and, pooled, the same for other n-gram sizes.
+No timing: the answers are the model's, the replay is pure Python (its figures: docs/results.md).
 
 Usage: python benchmarks/lookup_match.py [--model coder-drafter] [--conversations 6] [--ids edit-001 …]
        [--max-tokens 320] [--k 8] [--answers FILE] [--ngrams 4,3,2 16,8,4,3,2 …]
@@ -54,8 +56,9 @@ def answer(model_name: str, ids: list[str] | None, n: int, max_tokens: int, path
 
 
 def replay(rows: list[dict], ngrams: tuple[int, ...], k: int, turns: set[int]) -> dict[int, list[int]]:
-    """Per match band: [proposals, rejected at the first token, tokens kept], lookup drafting over each answer."""
-    out: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+    """Per match band: [proposals, rejected at the first token, tokens kept, proposals that broke before their
+    end], lookup drafting over each answer."""
+    out: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for row in rows:
         if row["turn"] not in turns:
             continue
@@ -70,6 +73,7 @@ def replay(rows: list[dict], ngrams: tuple[int, ...], k: int, turns: set[int]) -
             kept = longest_common_prefix(proposal, answer_ids[at : at + len(proposal)])
             counts = out[band]
             counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + (kept == 0), counts[2] + kept
+            counts[3] += kept < min(len(proposal), len(answer_ids) - at)
             step = min(kept + 1, len(answer_ids) - at)
             index.extend(answer_ids[at : at + step])
             at += step
@@ -97,14 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     for label, turns in (("turn 1 (the file given)", {1}), ("turns 2-3 (the file changed again)", {2, 3})):
         print(f"\n{label}")
-        print(f"{'n-grams':<18} {'band':>6} {'proposals':>10} {'rejected at 1st':>16} {'kept (mean)':>12}")
+        print(f"{'n-grams':<18} {'band':>6} {'proposals':>10} {'rejected at 1st':>16} {'kept (mean)':>12} "
+              f"{'per token':>10}")  # fmt: skip
         for ngrams in sizes:
             bands = replay(rows, ngrams, args.k, turns)
-            total = [sum(c[i] for c in bands.values()) for i in range(3)]
+            total = [sum(c[i] for c in bands.values()) for i in range(4)]
             for name, counts in [*((BAND_NAMES[b], bands[b]) for b in sorted(bands)), ("all", total)]:
                 if counts[0]:
                     print(f"{','.join(map(str, ngrams)):<18} {name:>6} {counts[0]:>10} "
-                          f"{counts[1] / counts[0]:>16.0%} {counts[2] / counts[0]:>12.2f}")  # fmt: skip
+                          f"{counts[1] / counts[0]:>16.0%} {counts[2] / counts[0]:>12.2f} "
+                          f"{counts[2] / max(1, counts[2] + counts[3]):>10.3f}")  # fmt: skip
     return 0
 
 

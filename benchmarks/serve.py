@@ -88,6 +88,9 @@ WARM_UP_TOKENS = 8
 # The longest file (105 lines): 893 tokens at turn 1 on the coder target, some 1,700 at turn 2 with the file back.
 DEFAULT_TTFT_CONVERSATION = "edit-020"
 SPECULATIVE_GOALS = {"tps_alone": 3.0, "tps_draft": 2.0, "e2e_alone": 2.5, "chat": 0.97, "off": 0.97, "ttft": 0.25}
+# issue 39 (copying): every edit turn (whole files written back) vs mlx_lm alone, tokens kept per lookup cycle over
+# the edit turns, and the cold read's time to first token vs mlx_lm's
+COPY_GOALS = {"edit_alone": 4.5, "kept_per_cycle": 10.0, "cold_ttft": 1.05}
 
 
 # --- conditions and servers -------------------------------------------------------------------------------------
@@ -122,6 +125,8 @@ def conditions(args: argparse.Namespace) -> list[Condition]:
             replace(first, name=f"{first.name}-no-{m}", argv=(*first.argv, "--auto-off", m))
             for m in (MECHANISMS if "all" in args.ablate else args.ablate)
         ]
+    if args.without_shared_index:  # each uag drafter also with the index shared across requests off
+        out += [replace(c, name=f"{c.name}:noshare", argv=(*c.argv, "--lookup-memory", "0")) for c in list(out)]
     out.append(Condition("uag:off", "uag", (*uag_serve, "--drafter", "off"), args.target, {"speculative": False}))
     target = folder(args.target)
     mlx = (sys.executable, "-m", "mlx_lm", "server", "--model", target, "--max-tokens", str(args.max_tokens),
@@ -354,6 +359,8 @@ def row(condition: Condition, repeat: int, workload: str, item: str, turn: int, 
         "drafted": spec.get("drafted_tokens"),
         "accepted": spec.get("accepted_tokens"),
         "sources": spec.get("sources"),
+        "lookup": spec.get("lookup"),  # lookup cycles, tokens proposed and kept (uag.server.responses)
+        "shared_lookup_cycles": spec.get("shared_lookup_cycles"),
         "server_tps": (reply.timings or {}).get("predicted_per_second"),
         "text": reply.text,
     }
@@ -429,6 +436,7 @@ def session(
                 f"{again.completion_tokens} tokens at {rate} tokens/s"
             )
         sent = 0
+        retried: dict[str, dict[str, list[str]]] = {c.name: {} for c in group}
 
         def each() -> list[Condition]:
             """The group in this request's order (rotating by one per request)."""
@@ -440,6 +448,8 @@ def session(
             """The conversation's turns, each sent to every condition (each condition after its own replies);
             returns each condition's messages up to turn 2."""
             replies: dict[str, list[str]] = {c.name: [] for c in group}
+            for c in group:
+                retried[c.name][conversation.id] = replies[c.name]  # its turn 1 reply, for a retry of turn 2
             for turn in range(turns):
                 for c in each():
                     reply = ask(clients[c.name], c, conversation.messages(replies[c.name]), args.max_tokens)
@@ -453,6 +463,12 @@ def session(
             messages = converse(conversation, "edit", len(conversation.turns))
             if ttft is not None and conversation.id == ttft.id:
                 second = messages
+        for conversation in edit if args.retry else ():  # turn 2 asked again: a client's retry, an agent re-asking
+            for c in each():
+                messages = conversation.messages(retried[c.name][conversation.id][:1])
+                reply = ask(clients[c.name], c, messages, args.max_tokens)
+                write(row(c, repeat, "retry", conversation.id, 2, reply))
+                say(f"  {c.name} retry {conversation.id} turn 2: {describe(reply)}")
         if ttft is not None:
             if second is None:  # not among the edit conversations of this run: turns 1 and 2 for it alone
                 second = converse(ttft, "ttft", 2)
@@ -548,6 +564,9 @@ def medians(rows: Iterable[dict]) -> dict[str, dict[Key, dict]]:
             }
             m["drafted"] = sum(r["drafted"] or 0 for r in reps)
             m["accepted"] = sum(r["accepted"] or 0 for r in reps)
+            lookups = [r.get("lookup") or {} for r in reps]
+            for field_name in ("cycles", "proposed_tokens", "accepted_tokens"):
+                m[f"lookup_{field_name}"] = sum(x.get(field_name) or 0 for x in lookups)
             m["texts"] = {r["repeat"]: r["text"] for r in reps}
             out[condition][key] = m
     return out
@@ -622,6 +641,7 @@ def targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None,
                 ratio(pooled_tps(table, chat), pooled_tps(alone, chat)),
                 SPECULATIVE_GOALS["chat"],
             )
+    out += copy_targets(tables)
     if off is not None and alone:
         keys = {k for k in off.keys() & alone.keys() if k[0] in ("edit", "chat")}
         goal(
@@ -641,6 +661,47 @@ def targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None,
             else:
                 out.append((what, value, "(peer)", None))
     return out
+
+
+def copy_targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None, str, bool | None]]:
+    """Issue 39's targets per uag speculative condition: every edit turn's tokens/s vs mlx_lm alone, tokens kept
+    per lookup cycle over the edit turns, the cold read's time to first token vs mlx_lm's; and, where both ran,
+    the retries with the shared index vs without it."""
+    out = []
+    alone = tables.get("mlx_lm", {})
+    for name, table in tables.items():
+        if not name.startswith("uag:") or name == "uag:off":
+            continue
+        edits = select(table, "edit")
+        if alone:
+            keys = edits.keys() & select(alone, "edit").keys()
+            value = ratio(pooled_tps(table, keys), pooled_tps(alone, keys))
+            bound = COPY_GOALS["edit_alone"]
+            out.append((f"edit all turns tokens/s, {name} / mlx_lm", value, f">= {bound:g}x",
+                        None if value is None else value >= bound))  # fmt: skip
+        cycles = sum(m["lookup_cycles"] for m in edits.values())
+        proposed = sum(m["lookup_proposed_tokens"] for m in edits.values())
+        kept = ratio(sum(m["lookup_accepted_tokens"] for m in edits.values()), cycles)
+        bound = COPY_GOALS["kept_per_cycle"]
+        out.append((f"edit tokens kept per lookup cycle ({fmt(ratio(proposed, cycles), '.1f')} proposed), {name}",
+                    kept, f">= {bound:g}", None if kept is None else kept >= bound))  # fmt: skip
+        cold, peer = cold_read(table), cold_read(alone)
+        value = ratio(cold, peer)
+        bound = COPY_GOALS["cold_ttft"]
+        out.append(
+            (f"cold read TTFT, {name} / mlx_lm", value, f"<= {bound:g}x", None if value is None else value <= bound)
+        )
+        plain = tables.get(f"{name}:noshare") if not name.endswith(":noshare") else None
+        if plain is not None:
+            keys = select(table, "retry").keys() & select(plain, "retry").keys()
+            out.append((f"retries tokens/s, {name} / {name}:noshare", ratio(pooled_tps(table, keys),
+                        pooled_tps(plain, keys)), "(shared index)", None))  # fmt: skip
+    return out
+
+
+def cold_read(table: dict[Key, dict]) -> float | None:
+    """The time to first token of a condition's cold read (the turn-2 one), if it made one."""
+    return next((m["ttft_s"] for k, m in table.items() if k[0] == "ttft-cold"), None)
 
 
 def ablation(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None, float | None]]:
@@ -708,6 +769,7 @@ def summary(rows: list[dict]) -> str:
             ("edit t1", select(table, "edit", (1,))),
             ("edit t2-3", select(table, "edit", (2, 3))),
             ("chat", select(table, "chat")),
+            ("retry t2", select(table, "retry")),
         ):
             if not part:
                 continue
@@ -734,7 +796,7 @@ def summary(rows: list[dict]) -> str:
     ]
     for what, value, goal, met in targets(tables):
         verdict = "" if goal == "(peer)" else "not measured" if met is None else "met" if met else "NOT met"
-        measured = "-" if value is None else f"{value:.2f}x"
+        measured = "-" if value is None else f"{value:.2f}" + ("" if goal[-1].isdigit() else "x")  # tokens, or a ratio
         lines.append(f"{what:<86}{measured:>9}  {goal:<9} {verdict}")
     for name, tps, e2e in ablation(tables):
         what = f"ablation: {name}, edit turns 2-3 × auto as shipped: tokens/s; speed end to end"
@@ -813,6 +875,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="the rows, one JSON object per line (default serve-<date-time>.jsonl)")
     parser.add_argument("--summarize", metavar="ROWS", help="print the summary of a rows file and exit")
+    parser.add_argument(
+        "--retry",
+        action="store_true",
+        help="after the edit conversations, each one's turn 2 asked "
+        "again (workload `retry`: what an index shared across requests copies)",
+    )
+    parser.add_argument(
+        "--without-shared-index",
+        action="store_true",
+        help="each uag drafter also as uag:<drafter>:noshare, with `--lookup-memory 0`",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", metavar="C", help="the concurrency benchmark "
                         "(benchmarks/serve_many.py): C requests at once, each C a level, e.g. 1 2 4 8")  # fmt: skip
     parser.add_argument("--plot", metavar="PATH", help="with --concurrency: aggregate tokens/s against it, as PNG")

@@ -15,7 +15,7 @@ from uag.core.config import DrafterSpec, GenerationConfig
 from uag.core.drafters import DrafterChoice, LookupDrafter, make_drafter
 from uag.core.engine import PromptCaches, Seams, generate, prompt_ids, stream
 from uag.core.loading import load_drafter_choice
-from uag.core.lookup import MATCH_CAP, NgramIndex, match_band
+from uag.core.lookup import LOOKUP_REACH, MATCH_CAP, NgramIndex, match_band
 from uag.core.translate import make_translator
 from uag.errors import InputError
 
@@ -63,10 +63,13 @@ def test_a_match_says_how_far_back_it_runs_and_which_band_that_falls_in():
     copied = list(range(100, 140))
     index = NgramIndex((3, 2))
     index.extend([*copied, 0, *copied[:30]])  # a file being written out again
-    assert index.match_length() == MATCH_CAP and index.match_length(cap=64) == 30
+    assert index.match_length() == 30 and index.match_length(cap=16) == 16
+    index.extend([*copied[30:], *range(200, 300)])  # a longer file then written again
+    index.extend(range(200, 300))
+    assert index.match_length() == MATCH_CAP  # followed back no further than the cap
     index.extend([77])
     assert index.match is None and index.match_length() == 0
-    assert [match_band(n) for n in (2, 3, 4, 7, 8, 15, 16, 40)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [match_band(n) for n in (2, 3, 4, 7, 8, 15, 16, 40, 63, 64, 500)] == [0, 0, 1, 1, 2, 2, 3, 4, 4, 5, 5]
 
 
 def test_a_lookup_offer_and_its_cycle_carry_how_far_the_match_ran_back(tiny):
@@ -74,8 +77,8 @@ def test_a_lookup_offer_and_its_cycle_carry_how_far_the_match_ran_back(tiny):
     target, _ = tiny
     drafter = LookupDrafter(target.vocab)
     drafter.start([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5, 6])
-    offer = drafter.offer(4)
-    assert dict(offer) == {"lookup": 4} and offer.match == 6
+    offer = drafter.offer(4)  # a copy may run past k: as far as auto's verify curve pays (LOOKUP_REACH)
+    assert dict(offer) == {"lookup": LOOKUP_REACH} and offer.match == 6 and dict(drafter.offer(80)) == {"lookup": 80}
     draft = drafter.propose("lookup", 4, 8)
     assert draft.proposed == [9, 1, 2, 3] and draft.match == 6
     record = draft.cycle(4, 2, 3, verify_ms=1.0, resync_ms=0.0, resync_absorbed=False, loss=Loss())
@@ -117,7 +120,8 @@ def test_every_drafter_kind_is_lossless_greedy_at_every_k(tiny, kind, strategy):
             run = generate(target, choice, prompt, GenerationConfig.parse(strategy=strategy, k=k, max_tokens=24))
             assert run.token_ids == expected, (prompt, kind, strategy, k)
             assert run.generated == 24 and all(c.emitted >= 1 for c in run.cycles)
-            assert all(len(c.proposed_ids) <= k for c in run.cycles if c.source == "lookup")
+            reach = k if strategy != "auto" else max(k, LOOKUP_REACH)  # auto: a copy as long as it pays
+            assert all(len(c.proposed_ids) <= reach for c in run.cycles if c.source == "lookup")
             assert {c.source for c in run.cycles} <= {"", "lookup", "model"}
             assert run.drafter == ("lookup" if kind == "lookup" else f"lookup+{model.name}")
 

@@ -339,9 +339,23 @@ def sure(alpha: float, n: float = 20.0) -> Evidence:
 
 
 def opening(profile: CostProfile, evidence: Evidence | None = None, prompt: int = 120, budget: int = 48):
+    """The policy's first decision after the prompt pass (which never waits for the drafter to read the prompt)."""
     policy = AdaptiveK(k_max=8, profile=profile, evidence=evidence, settings=PINNED)
     policy.begin(prompt, budget)
+    assert policy.choose({"model": 8}, budget) == ("", 0) and policy.plain_steps() == 1
     return policy, policy.choose({"model": 8}, budget)
+
+
+def test_the_prompt_pass_never_waits_for_the_drafter_to_read_the_prompt():
+    """TTFT: with a prompt to read, the opening parks or copies; without one (a conversation's cache), it may draft."""
+    policy = AdaptiveK(k_max=8, profile=CODER, evidence=sure(0.8), settings=PINNED)
+    policy.begin(120, 48)
+    assert policy.choose({"model": 8}, 48) == ("", 0) and policy.plain_steps() == 1  # one step, then it may draft
+    assert policy.choose({"model": 8}, 47) == ("model", 8)
+    policy.begin(120, 48)
+    assert policy.choose(Offer({"model": 8, "lookup": 64}, match=40), 48)[0] == "lookup"  # a copy costs no reading
+    policy.begin(0, 48)
+    assert policy.choose({"model": 8}, 48) == ("model", 8)
 
 
 def test_the_opening_drafts_where_the_calibrated_costs_pay_and_parks_where_they_do_not():

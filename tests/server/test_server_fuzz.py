@@ -225,7 +225,7 @@ class Replying:
         self.runner = JobRunner(MLXWorker(name="uag-fuzz"), heartbeat_s=0.05)
         self.batched = False  # one request at a time, as on a server started with --max-batch 1
 
-    def job(self, job, request: Request):
+    def job(self, job, request: Request, key: str | None = None):
         from uag.server.service import Accepted, Delta, Done
         from uag.server.streaming import ReplyText
 

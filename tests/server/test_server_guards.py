@@ -52,7 +52,7 @@ class FakeService:
         self.release.set()
         self.forever = False
 
-    def job(self, job, parsed) -> Iterator:
+    def job(self, job, parsed, key: str | None = None) -> Iterator:
         self.started.set()
         yield Accepted(3)
         while self.forever and not job.cancelled.is_set():

@@ -227,7 +227,7 @@ def test_serve_summarize_hands_concurrency_rows_over(tmp_path, capsys):
 def options(**changes) -> argparse.Namespace:
     base = {"target": "/models/t", "drafters": ["lookup"], "max_tokens": 8, "peer_draft": None,
             "num_draft_tokens": [2], "only": None, "ablate": [], "concurrency": [1, 4], "ids": None,
-            "conversations": 4, "chat_prompts": 2, "together": False}  # fmt: skip
+            "conversations": 4, "chat_prompts": 2, "together": False, "without_shared_index": False}  # fmt: skip
     return argparse.Namespace(**{**base, **changes})
 
 

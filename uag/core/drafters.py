@@ -21,7 +21,7 @@ import mlx.core as mx
 from uag.core import anatomy
 from uag.core.anatomy import Loss
 from uag.core.config import LOOKUP, DrafterSpec, GenerationConfig
-from uag.core.lookup import NGRAMS, NgramIndex
+from uag.core.lookup import LOOKUP_REACH, NGRAMS, NgramIndex, SharedIndex, recall
 from uag.core.passes import PREFILL_STEP, PromptCaches, prefill, reuse, settle_allocator, trim_to
 from uag.core.policy import StopRule
 from uag.core.prompt_input import check_context
@@ -36,10 +36,11 @@ REHEARSAL_SPAN = 64  # positions per pass of a rehearsal (its logits are kept: o
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    """A loaded drafter choice: prompt lookup, a model, or lookup backed by a model."""
+    """A loaded drafter choice: prompt lookup (also from `shared_index`, earlier requests' text), a model, or both."""
 
     lookup: bool = False
     model: LoadedModel | None = None
+    shared_index: SharedIndex | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.lookup and self.model is None:
@@ -82,6 +83,8 @@ class Draft:
     resync_absorbed: bool = False
     proposal: Proposal | None = None  # the translator's proposal (model drafts), for the loss anatomy
     match: int = 0  # a lookup proposal: how many tokens its match ran back (uag.core.lookup)
+    branches: list[list[int]] = field(default_factory=list)  # lookup's other continuations (a tree pass: engine)
+    shared_index: bool = False  # a lookup proposal from earlier requests' text (LookupDrafter.shared)
     confidence: list[float] = field(default_factory=list)  # the drafter's probability of each draft it made
     #                                                        (a stop rule's run; draft_ids are those proposed)
 
@@ -116,7 +119,9 @@ class Draft:
             source=self.source,
             loss={name: n for name, n in loss.as_dict().items() if n},
             match=self.match,
+            branches=1 + len(self.branches),
             confidence=self.confidence,
+            shared_index=self.shared_index,
         )
 
 
@@ -152,18 +157,20 @@ class Drafter(Protocol):
 
 
 def lookup_offer(index: NgramIndex, k_max: int) -> Offer:
-    """What prompt lookup can draft now: k_max tokens and how far its match runs back, or nothing without one."""
-    return Offer() if index.match is None else Offer({LOOKUP: k_max}, match=index.match_length())
+    """What prompt lookup can draft now: up to LOOKUP_REACH tokens (k_max where more; a fixed k takes k of them,
+    auto as many as its verify curve pays for) and how far its match runs back, or nothing without a match."""
+    return Offer() if index.match is None else Offer({LOOKUP: max(k_max, LOOKUP_REACH)}, match=index.match_length())
 
 
 class LookupDrafter:
-    """Prompt lookup over everything committed: no model, no translation."""
+    """Prompt lookup over everything committed (and `shared`, earlier requests' text): no model, no translation."""
 
     name = translation = LOOKUP
 
-    def __init__(self, vocab: Vocab, ngrams: Sequence[int] = NGRAMS):
+    def __init__(self, vocab: Vocab, ngrams: Sequence[int] = NGRAMS, shared: SharedIndex | None = None):
         self.vocab = vocab  # the target's: lookup's proposals are target tokens
         self.index = NgramIndex(ngrams)
+        self.shared = shared
 
     def start(self, prompt: Sequence[int]) -> int:
         self.index = NgramIndex(self.index.ngrams)  # rebuilt for every run: microseconds per thousand tokens
@@ -171,19 +178,24 @@ class LookupDrafter:
         return 0
 
     def offer(self, k_max: int) -> Offer:
-        return lookup_offer(self.index, k_max)
+        match, recalled = recall(self.shared, self.index, max(k_max, LOOKUP_REACH))
+        return Offer({LOOKUP: len(recalled)}, match=match) if recalled else lookup_offer(self.index, k_max)
 
     def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         tic = time.perf_counter()
+        match, recalled = recall(self.shared, self.index, max(k, LOOKUP_REACH))
+        if recalled:  # earlier requests hold a longer copy
+            ids, ms = recalled[: min(k, budget)], (time.perf_counter() - tic) * 1000
+            return Draft(LOOKUP, ids, list(ids), list(ids), draft_ms=ms, match=match, shared_index=True)
         ids, match = self.index.propose(min(k, budget)), self.index.match_length()
+        branches = self.index.branches(min(k, budget))  # a short match's other continuations (NgramIndex.branches)
         ms = (time.perf_counter() - tic) * 1000
-        return Draft(LOOKUP, ids, draft_ids=list(ids), usable=list(ids), draft_ms=ms, match=match)
+        return Draft(LOOKUP, ids, draft_ids=list(ids), usable=list(ids), draft_ms=ms, match=match, branches=branches)
 
     def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
         if accepted >= len(draft.proposed):
             return Loss()
-        context = self.index.ids[-anatomy.CONTEXT :]
-        return anatomy.of_ids(self.vocab, context, draft.proposed, accepted, written)
+        return anatomy.of_ids(self.vocab, self.index.ids[-anatomy.CONTEXT :], draft.proposed, accepted, written)
 
     def commit(self, draft: Draft | None, new: Sequence[int]) -> bool:
         self.index.extend(new)
@@ -287,8 +299,7 @@ class ModelDrafter:
         """k drafter passes, pipelined; the first also feeds what the drafter has not seen. Greedy, except TLI
         at temperature > 0, which samples and keeps each distribution q for rejection sampling."""
         base, seen = len(self.translator.drafter_ids), self.seen
-        y = self._unread()
-        sample = self.tli and self.config.temperature > 0
+        y, sample = self._unread(), self.tli and self.config.temperature > 0
         guesses, qs = [], []
         for _ in range(k):
             logits = self._restrict(self.model.model(y[None], cache=self.cache)[:, -1, :])
@@ -390,9 +401,8 @@ class HybridDrafter:
     """Lookup where the context offers a match, the model elsewhere; both kept in step with the target."""
 
     def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
-        self.lookup, self.model = lookup, model
+        self.lookup, self.model, self.translation = lookup, model, model.translation
         self.name = str(DrafterSpec(True, model.name))
-        self.translation = model.translation
 
     def start(self, prompt: Sequence[int]) -> int:
         self.lookup.start(prompt)
@@ -430,12 +440,11 @@ def make_drafter(
 ) -> Drafter:
     """The stateful drafter of one run for a loaded choice (the translation strategy applies to the model;
     `caches` is the conversation's, whose drafter side the model reads from and leaves ready)."""
-    lookup = LookupDrafter(target.vocab) if choice.lookup else None
+    lookup = LookupDrafter(target.vocab, shared=choice.shared_index) if choice.lookup else None
     if choice.model is None:
         return lookup
-    if translator is None:
-        translator = make_translator(
-            config.translation, target.vocab, choice.model.vocab, window=config.window, shared=shared
-        )
+    translator = translator or make_translator(
+        config.translation, target.vocab, choice.model.vocab, window=config.window, shared=shared
+    )
     model = ModelDrafter(choice.model, translator, config, caches)
     return model if lookup is None else HybridDrafter(lookup, model)

@@ -22,7 +22,7 @@ from mlx_lm.generate import generate_step
 from uag.core.config import GRAMMAR, LOOKUP, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
-from uag.core.passes import PromptCaches, prefill, reuse, settle_allocator, trim_to
+from uag.core.passes import PromptCaches, prefill, reuse, settle_allocator, tree_ready, trim_to, verify_tree
 from uag.core.policy import AutoSettings, Evidence, Policy, StopRule, make_policy, within
 from uag.core.records import Cycle, Event, Pieces, Run
 from uag.core.sampling import PENALTY_CONTEXT, Sampler, TargetSampling
@@ -140,14 +140,13 @@ class Speculation:
         self.sampling = TargetSampling.of(config, sampler, grammar)
         self.grammar = grammar  # the constraint's matcher: it has consumed every generated committed token
         self.committed = list(prompt)  # target ids: prompt, then every generated token
-        self.seen = cached
-        self.eos = target.eos_ids
+        self.seen, self.eos = cached, target.eos_ids
 
     def open(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Step:
-        """The prompt pass with a first draft: the target reads the prompt but its last token, then
-        verifies a draft made from the prompt alone together with that token (one pass fewer than
-        reading the whole prompt and drafting after the target's first token). Its `read_ms`: that
-        reading and the verify pass, which reads the last prompt token; not the drafting."""
+        """The prompt pass with a first draft: the target reads the prompt but its last token, then verifies a draft
+        made from the prompt alone together with that token (one pass fewer than reading the whole prompt and drafting
+        after the target's first token). Its `read_ms`: that reading and the verify pass, which reads the last prompt
+        token; not the drafting."""
         tic = time.perf_counter()
         prefill(self.target.model, self.cache, self.committed[self.seen : -1])
         read_ms = (time.perf_counter() - tic) * 1000
@@ -169,9 +168,7 @@ class Speculation:
         t0 = time.perf_counter()
         verdict = self._verify(draft)
         new = verdict.committed(draft.proposed)
-        stop = next((i for i, t in enumerate(new) if t in self.eos), None)
-        if stop is not None:
-            new = new[: stop + 1]
+        new = new[: next((i + 1 for i, t in enumerate(new) if t in self.eos), len(new))]  # up to EOS
         accepted = min(verdict.accepted, len(new))
         t1 = time.perf_counter()
         loss = self.drafter.loss(draft, accepted, new)
@@ -184,9 +181,14 @@ class Speculation:
         return Step(new, accepted, cycle)
 
     def _verify(self, draft: Draft):
-        """One target pass over its pending token and the proposal; each position picked as the target alone
-        would pick it there (its penalties reading the proposal before it)."""
-        proposed = draft.proposed
+        """One target pass over its pending token and the proposal (with lookup's other continuations, as a tree,
+        where uag.core.passes.tree_ready); each position picked as the target alone would pick it there."""
+        proposed, branches = draft.proposed, [draft.proposed, *draft.branches]
+        if draft.branches and tree_ready(self.target.model, self.cache, self.sampling):
+            tree = verify_tree(self.target.model, self.cache, self.committed[-1], branches, self.sampling.choose)
+            draft.proposed, self.seen = branches[tree.branch], self.seen + 1 + len(tree.path)
+            return tree.verdict
+        draft.branches = []  # verified alone
         logits = self.target.model(mx.array([self.committed[-1], *proposed])[None], cache=self.cache)[0]
         self.seen += 1 + len(proposed)
         logits = self.sampling.rows(self.committed, proposed, logits)
@@ -208,12 +210,11 @@ class Speculation:
         return self.drafter.commit(draft, new)
 
     def plain_steps(self, n: int, until: Callable[[], bool] | None = None) -> Iterator[int]:
-        """Up to n plain target steps, pipelined as in mlx-lm's generate_step: each step is queued before
-        the previous token is read back, so that parked, speculation costs what the target alone costs.
-        Unlike generate_step, nothing is queued past the last token (generate_step computes one token
-        more than it yields: a whole wasted step at the end of every parked stretch). When `until()`
-        turns true after a token, the step already queued is taken and the stretch ends there. At the
-        start of a run the stretch opens with the prompt, read as mlx-lm reads it."""
+        """Up to n plain target steps, pipelined as in mlx-lm's generate_step: each step is queued before the previous
+        token is read back, so that parked, speculation costs what the target alone costs. Unlike generate_step, nothing
+        is queued past the last token (generate_step computes one token more than it yields: a whole wasted step at the
+        end of every parked stretch). When `until()` turns true after a token, the step already queued is taken and the
+        stretch ends there. At the start of a run the stretch opens with the prompt, read as mlx-lm reads it."""
         model, cache, sampling, grammar = self.target.model, self.cache, self.sampling, self.grammar
         history = mx.array(self.committed[-PENALTY_CONTEXT - 1 : -1], dtype=mx.int32) if sampling.processors else None
 
@@ -313,8 +314,7 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
 def _rehearse(drafter: Drafter, policy: Policy, cycle: Cycle) -> None:
     """The drafter catches up on the parked stretch and the policy learns from its guesses there; the
     plain step's record carries what that reading cost."""
-    rehearsal = drafter.rehearse()
-    if rehearsal is not None:
+    if (rehearsal := drafter.rehearse()) is not None:
         cycle.draft_ms, cycle.drafter_passes, cycle.drafter_read = rehearsal.ms, 1, rehearsal.read
         policy.rehearsed(rehearsal)
 

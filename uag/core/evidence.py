@@ -221,9 +221,11 @@ class Evidence:
         bands = data.get("lookup_bands")  # absent in files saved before the bands: they start empty
         if bands is not None:
             bands = [Counts.from_dict(b) for b in bands]
-            if len(bands) != len(MATCH_BANDS) + 1 or not all(c.valid() for c in bands):
+            # a file from before the longer bands (4 of them, 16+ the last): what it learned for 16+ stays with
+            # 16-31, the longer bands start empty
+            if len(bands) not in (4, len(MATCH_BANDS) + 1) or not all(c.valid() for c in bands):
                 raise ValueError(f"evidence lookup_bands must be {len(MATCH_BANDS) + 1} valid counts")
-            evidence.lookup_bands = bands
+            evidence.lookup_bands[: len(bands)] = bands
         confidence = data.get("confidence")  # absent in files saved before the confidence bands
         if confidence is not None:
             confidence = [Counts.from_dict(c) for c in confidence]

@@ -26,13 +26,26 @@ from collections.abc import Iterable
 # the latest place a short n-gram occurred (fewer proposals fail at their first token with 16 and 8 added: the
 # replay above); a 1-token match is too weak to pay on average
 NGRAMS = (16, 8, 4, 3, 2)
-MATCH_BANDS = (4, 8, 16)  # match lengths where a band ends: 2-3, 4-7, 8-15, 16 and more tokens
+OCCURRENCES = 4  # earlier occurrences kept per n-gram: `continuations` offers what followed each, where it differs
+BRANCHES = 3  # the most other continuations verified beside a proposal in one tree pass (`NgramIndex.branches`)
+BRANCH_NODES = 8  # the most nodes they add to that pass
+MATCH_BANDS = (4, 8, 16, 32, 64)  # match lengths where a band ends: 2-3, 4-7, 8-15, 16-31, 32-63, 64 and more
 MATCH_CAP = MATCH_BANDS[-1]  # how far back a match is followed: past the last band's start, all alike
 # The least acceptance per position a band's match is assumed to have until its own evidence says otherwise
 # (auto, uag.core.policy): a match of 8 or more tokens is a copy, whatever shorter matches did before it (nearly
 # all such proposals held at their first token in the replay above); without a floor, two failed 2-token guesses
-# kept auto from trying a 30-token copy for a whole turn.
-BAND_FLOORS = (0.0, 0.0, 0.8, 0.9)
+# kept auto from trying a 30-token copy for a whole turn. The longer a copy has run, the less often its next
+# token breaks it (the replay's tokens kept per token tried, per band: docs/results.md), so a copy's proposal
+# grows as it goes on.
+BAND_FLOORS = (0.0, 0.0, 0.8, 0.9, 0.95, 0.97)
+# The most one lookup proposal holds under auto, whatever k (k bounds a model's drafts): as far as the verify
+# curve says a pass pays, up to the width where, on the CPU, a pass costs about three target steps.
+LOOKUP_REACH = 64
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share. Example: [5, 6, 7], [5, 6, 9] -> 2"""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def match_band(length: int) -> int:
@@ -44,7 +57,8 @@ def match_band(length: int) -> int:
 
 
 class NgramIndex:
-    """Committed target tokens and, per n-gram, the position right after its latest occurrence."""
+    """Committed target tokens and, per n-gram, the position right after its latest occurrence (and after the few
+    before it, for `continuations`)."""
 
     def __init__(self, ngrams: Iterable[int] = NGRAMS):
         self.ngrams = tuple(sorted(set(ngrams), reverse=True))
@@ -52,6 +66,7 @@ class NgramIndex:
             raise ValueError(f"n-gram sizes must be >= 1 (got {self.ngrams})")
         self.ids: list[int] = []
         self._after: dict[tuple[int, ...], int] = {}  # n-gram -> index right after its latest occurrence
+        self._earlier: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the same for its earlier ones, oldest first
         self._match: tuple[int, int] | None = None  # (n, start of the continuation) for the current suffix
 
     def __len__(self) -> int:
@@ -66,8 +81,13 @@ class NgramIndex:
                     continue
                 key = tuple(self.ids[end - n : end])
                 earlier = self._after.get(key)
-                if match is None and earlier is not None:
-                    match = (n, earlier)
+                if earlier is not None:
+                    if match is None:
+                        match = (n, earlier)
+                    before = self._earlier.setdefault(key, [])
+                    before.append(earlier)
+                    if len(before) > OCCURRENCES:
+                        del before[0]
                 self._after[key] = end
             self._match = match
 
@@ -101,9 +121,184 @@ class NgramIndex:
         """
         if self._match is None or k < 1:
             return []
-        start = self._match[1]
+        return self._continuation(self._match[1], k)
+
+    def continuations(self, k: int, most: int) -> list[list[int]]:
+        """Up to `most` distinct k-token continuations of the matched n-gram's latest occurrences (at most
+        `OCCURRENCES`), latest first: the first is `propose(k)`, the others what followed it elsewhere.
+
+        Example: ids [1, 2, 3, 1, 2, 4, 1, 2], k 2, most 3 -> [[4, 1], [3, 1]]
+        """
+        if self._match is None or k < 1 or most < 1:
+            return []
+        n, start = self._match
+        starts = [start, *reversed(self._earlier.get(tuple(self.ids[len(self.ids) - n :]), [])[:-1])]
+        out: list[list[int]] = []
+        for s in starts:
+            continuation = self._continuation(s, k)
+            if continuation not in out:
+                out.append(continuation)
+            if len(out) == most:
+                break
+        return out
+
+    def _continuation(self, start: int, k: int) -> list[int]:
+        """k tokens from `start`, the repetition carried on where they reach the end (`propose`)."""
         period = len(self.ids) - start
         out = self.ids[start : start + k]
         while len(out) < k:
             out.append(out[-period])
         return out
+
+    def branches(self, k: int) -> list[list[int]]:
+        """The other continuations worth verifying beside `propose(k)` in the same pass, as a tree (uag.core.verify),
+        cut so that they add at most max(1, k // 2) nodes (`BRANCH_NODES` at most), shared evenly; [] for a match of
+        8 tokens or more. Only a short match's proposal fails at its first token often (about half the time, the
+        module's replay), and only then can another continuation pay; the extra rows are paid on every such pass,
+        so they are held to half the proposal's: the pass reads at most 1.5 times the rows it would.
+
+        Example: ids [1, 2, 3, 1, 2, 4, 1, 2], k 4 -> [[3, 1]]  (propose(4) is [4, 1, 2, 4]; room for 2 nodes)
+        """
+        if match_band(self.match_length()) >= 2:
+            return []
+        main, *others = self.continuations(k, 1 + BRANCHES) or [[]]
+        room, kept = min(max(1, k // 2), BRANCH_NODES), []
+        for i, other in enumerate(others):
+            shared = max(_common_prefix(other, p) for p in [main, *kept])
+            new = min(len(other) - shared, -(-room // (len(others) - i)))  # an even share of the room left
+            if new > 0:
+                kept.append(other[: shared + new])
+                room -= new
+        return kept
+
+
+class SharedIndex:
+    """Earlier requests' target tokens (their prompts and replies) as documents, and per n-gram the place right
+    after its latest occurrence in them: a lookup draft source across requests (SuffixDecoding's idea). At most
+    `max_tokens` tokens are held, the oldest documents dropped first. A document that a new one starts with (a
+    conversation re-sends its history each turn) is replaced by it.
+
+    Example: index = SharedIndex(100); index.add([1, 2, 3, 4, 5, 6])
+             index.find([9, 2, 3], k=2) -> (2, [4, 5])   (the 2-gram "2 3" ran back 2 tokens, followed by 4 5)
+    """
+
+    def __init__(self, max_tokens: int, ngrams: Iterable[int] = NGRAMS):
+        self.ngrams = tuple(sorted(set(ngrams), reverse=True))
+        if not self.ngrams or self.ngrams[-1] < 1 or max_tokens < 1:
+            raise ValueError(f"n-gram sizes and max_tokens must be >= 1 (got {self.ngrams}, {max_tokens})")
+        self.max_tokens = max_tokens
+        self.documents: dict[int, list[int]] = {}  # serial -> target ids, oldest first
+        self.tokens = 0  # over all documents
+        self.rebuilds = 0
+        self._serial = 0
+        # hash of an n-gram -> serial << 32 | the offset after its latest occurrence that a token follows; entries
+        # of dropped documents linger (harmless: a later occurrence would have replaced them) until `_rebuild`
+        self._after: dict[int, int] = {}
+        self._dropped = 0  # tokens dropped since the table was built
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def add(self, ids: Iterable[int]) -> None:
+        """Hold `ids` as the newest document (its last `max_tokens` where longer), replacing any it starts with."""
+        ids = list(ids)[-self.max_tokens :]
+        if len(ids) <= self.ngrams[-1]:
+            return  # no n-gram with a token after it
+        for serial, doc in list(self.documents.items()):
+            if len(doc) <= len(ids) and doc[0] == ids[0] and ids[: len(doc)] == doc:
+                self._drop(serial, stale=False)  # its n-grams all recur in `ids`, at the same offsets
+        serial, self._serial = self._serial, self._serial + 1
+        self.documents[serial] = ids
+        self.tokens += len(ids)
+        self._note(serial, ids)
+        while self.tokens > self.max_tokens:
+            self._drop(next(iter(self.documents)), stale=True)
+        if self._dropped > self.tokens:  # amortised: the table is rebuilt after as many tokens went as it holds
+            self._rebuild()
+
+    def find(self, context: list[int], k: int, cap: int = MATCH_CAP) -> tuple[int, list[int]]:
+        """For the longest n-gram ending `context` that a document holds with a token after it: how far the match
+        runs back (as `NgramIndex.match_length`: at least n, at most `cap`) and up to k tokens that followed its
+        latest occurrence; (0, []) without one.
+
+        Example: documents [[5, 1, 2, 3, 4]], context [5, 1, 2, 3], k 3 -> (4, [4])
+        """
+        for n in self.ngrams:
+            if len(context) < n:
+                continue
+            gram = context[len(context) - n :]
+            found = self._after.get(hash(tuple(gram)))
+            doc = None if found is None else self.documents.get(found >> 32)
+            if doc is None:
+                continue
+            start = found & 0xFFFFFFFF
+            if doc[start - n : start] != gram:
+                continue  # another n-gram's hash
+            length = n
+            while (
+                length < cap and start - length > 0 and len(context) - length > 0
+                and doc[start - length - 1] == context[-length - 1]
+            ):  # fmt: skip
+                length += 1
+            return length, doc[start : start + k]
+        return 0, []
+
+    def _note(self, serial: int, ids: list[int]) -> None:
+        """Index every n-gram of a document that a token follows (later documents override earlier ones)."""
+        after, high = self._after, serial << 32
+        for end in range(self.ngrams[-1], len(ids)):
+            for n in self.ngrams:
+                if end >= n:
+                    after[hash(tuple(ids[end - n : end]))] = high | end
+
+    def _drop(self, serial: int, *, stale: bool) -> None:
+        doc = self.documents.pop(serial)
+        self.tokens -= len(doc)
+        self._dropped += len(doc) if stale else 0
+
+    def _rebuild(self) -> None:
+        self._after, self._dropped = {}, 0
+        self.rebuilds += 1
+        for serial, doc in self.documents.items():
+            self._note(serial, doc)
+
+
+class SharedIndexes:
+    """One `SharedIndex` per owner (the server's: an API key's digest and the target's name, so never across keys
+    or tokenizers), at most `max_tokens` tokens over all of them: the least recently used owner's goes first."""
+
+    def __init__(self, max_tokens: int):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (got {max_tokens})")
+        self.max_tokens = max_tokens
+        self._held: dict[object, SharedIndex] = {}  # least recently used first
+
+    def __len__(self) -> int:
+        return sum(len(index) for index in self._held.values())
+
+    def get(self, owner: object) -> SharedIndex | None:
+        """The owner's index (now its most recently used), or None before anything of its was added."""
+        index = self._held.pop(owner, None)
+        if index is not None:
+            self._held[owner] = index
+        return index
+
+    def add(self, owner: object, ids: Iterable[int]) -> None:
+        """Add a document to the owner's index, then drop other owners' indexes, least recently used first, while
+        all of them hold more than `max_tokens` tokens."""
+        index = self.get(owner)
+        if index is None:
+            index = self._held[owner] = SharedIndex(self.max_tokens)
+        index.add(ids)
+        while len(self) > self.max_tokens and len(self._held) > 1:
+            del self._held[next(iter(self._held))]
+
+
+def recall(shared: SharedIndex | None, index: NgramIndex, k: int) -> tuple[int, list[int]]:
+    """`shared`'s (match length, up to k tokens) for the end of `index`'s sequence where that match runs back further
+    than `index`'s own, else (0, []): a run drafts from earlier requests only where they hold the longer copy.
+
+    Example: shared holds [9, 1, 2, 3, 4], index [7, 2, 3, 9, 1, 2, 3], k 2 -> (4, [4])  (its own, "2 3": 2)
+    """
+    found = (0, []) if shared is None else shared.find(index.ids[-MATCH_CAP:], k)
+    return found if found[0] > index.match_length() else (0, [])

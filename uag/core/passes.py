@@ -7,12 +7,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from uag.core.records import sharing
 from uag.core.translate import longest_common_prefix
+from uag.core.verify import Tree, TreeVerdict, accept_tree
 
-PREFILL_STEP = 512  # tokens per forward pass when reading a long stretch (a prompt), as mlx-lm does
+PREFILL_STEP = 2048  # tokens per forward pass when reading a long stretch (a prompt), as mlx-lm's generate_step
 
 
 def prefill(model, cache: list, ids: Sequence[int]) -> mx.array | None:
@@ -231,3 +234,106 @@ def kv_bytes(model, tokens: int) -> int:
         held = min(tokens, layer.max_size) if getattr(layer, "max_size", None) else tokens
         total += 2 * heads * head_dim * itemsize * held
     return total
+
+
+# --- several proposals in one pass (a tree: uag.core.verify.Tree) ------------------------------------------------
+
+
+def tree_ready(model, cache: list, sampling) -> bool:
+    """Whether a tree pass can verify several proposals at once: a model of its own (not one a batch shares:
+    uag.runtime.batching), plain KV caches (a rotating or quantized one cannot take its keys back in place), attention
+    layers with a `rope` to place each node, and a target that picks each row alone (no penalties, which read the
+    tokens before a row, and no grammar, which follows one proposal)."""
+    layers = getattr(model, "layers", None)
+    return (
+        isinstance(model, nn.Module)
+        and sharing() is None
+        and not sampling.processors
+        and sampling.grammar is None
+        and bool(cache)
+        and all(type(c) is KVCache for c in cache)
+        and layers is not None
+        and len(layers) == len(cache)
+        and all(hasattr(getattr(layer, "self_attn", None), "rope") for layer in layers)
+    )
+
+
+def verify_tree(model, cache: list, pending: int, proposals: Sequence[Sequence[int]], choose) -> TreeVerdict:
+    """One target pass over the pending token and every proposal, merged into a tree; the target's choice per row
+    (`choose`: TargetSampling.choose) walks it (uag.core.verify.accept_tree), and the cache is left holding the
+    pending token and the kept nodes, as if it had read them alone (`keep_path`).
+
+    Example: pending 7, proposals [[5, 6], [5, 8]] -> one pass over [7, 5, 6, 8]; the target choosing 5 then 8:
+             path [0, 2] (5, 8), cache + [7, 5, 8], branch 1
+    """
+    tree = Tree.of(proposals)
+    read = cache[0].offset
+    logits = tree_pass(model, cache, pending, tree)[0]
+    verdict = accept_tree(tree, choose(logits).tolist())
+    keep_path(cache, read + 1, verdict.path)
+    settle_allocator()
+    return verdict
+
+
+def tree_pass(model, cache: list, pending: int, tree: Tree) -> mx.array:
+    """The model's logits (1, 1 + len(tree), V) over [pending, *tree.tokens]: each row attends to the cached
+    text, the pending token and its own ancestors (the tree mask, through each layer's `make_mask`), at the
+    position of its depth (each attention layer's `rope` applied per run of consecutive positions, for this pass)."""
+    read = cache[0].offset
+    depths = mx.array([0, *tree.depths])
+    mask = mx.concatenate([mx.ones((len(depths), read), dtype=mx.bool_), mx.array(tree.mask())], axis=1)
+    attention = [layer.self_attn for layer in model.layers]
+    for layer in attention:  # an instance attribute hides the rope module (nn.Module keeps it as a dict entry)
+        object.__setattr__(layer, "rope", _rope_by_runs(layer.rope, tree.runs()))
+    try:
+        layers = [_TreeCache(c, mask, read + depths) for c in cache]
+        return model(mx.array([pending, *tree.tokens])[None], cache=layers)
+    finally:
+        for layer in attention:
+            object.__delattr__(layer, "rope")
+
+
+def keep_path(cache: list, start: int, path: Sequence[int]) -> None:
+    """After a tree pass that read from position `start - 1`: the kept nodes' keys and values (node i at
+    start + i) moved to follow position `start - 1` in order, and the cache trimmed after them.
+
+    Example: start 10, path [0, 3] -> positions 10 and 13 copied to 10 and 11; the cache holds 12
+    """
+    if list(path) != list(range(len(path))):  # the first proposal's kept nodes are in place already
+        rows = mx.array([start + i for i in path])
+        for layer in cache:
+            layer.keys[..., start : start + len(path), :] = mx.take(layer.keys, rows, axis=2)
+            layer.values[..., start : start + len(path), :] = mx.take(layer.values, rows, axis=2)
+    trim_to(cache, start + len(path))
+
+
+def _rope_by_runs(rope, runs: Sequence[tuple[int, int, int]]) -> Callable:
+    """A layer's rope for a tree pass: rows [first, end) placed from the cache's offset + the depth of `first`."""
+
+    def apply(x: mx.array, offset: int = 0) -> mx.array:
+        parts = [rope(x[..., first:end, :], offset=offset + depth) for first, end, depth in runs]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+
+    return apply
+
+
+class _TreeCache:
+    """A layer's KV cache for one tree pass: its own offset and `update_and_fetch`, the tree's mask (within a
+    sliding window where the model asks for one, by the rows' positions)."""
+
+    def __init__(self, cache: KVCache, mask: mx.array, positions: mx.array):
+        self.cache, self.mask, self.positions = cache, mask, positions
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        return self.cache.update_and_fetch(keys, values)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        assert n == self.mask.shape[0], (n, self.mask.shape)
+        if window_size is None:
+            return self.mask
+        columns = mx.concatenate([mx.arange(self.mask.shape[1] - n), self.positions])
+        return self.mask & (self.positions[:, None] - columns[None] < window_size)

@@ -159,6 +159,9 @@ class AdaptiveK:
     remaining: int | None = field(default=None, init=False)  # tokens the run has yet to write (None: unknown)
     declined_lookup: int | None = field(default=None, init=False)  # the decision in flight passed a lookup match
     #   over (the band of its match; -1 unknown): `observe` ages lookup's evidence for it
+    opening: bool = field(default=False, init=False)  # the prompt pass is next: a model drafter with a backlog
+    #   does not draft in it, so that its reading of the prompt never delays the first token (it reads the prompt
+    #   at its first draft, or in a rehearsal)
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -210,11 +213,13 @@ class AdaptiveK:
         """Expected tokens per millisecond of a lookup proposal of k tokens (it costs a lookup and the wider
         pass), from a match of `band` (None: any)."""
         acceptances = self.acceptances(k_max, LOOKUP, band)
-        out = {}
+        out, expected, survive = {}, 1.0, 1.0  # expected_tokens(acceptances[:k]), grown one position at a time
         for k in range(1, k_max + 1):
+            survive *= acceptances[k - 1]
+            expected += survive
             verify = self.prices.target_ms(k + 1)
             if verify:
-                out[k] = expected_tokens(acceptances[:k]) / (self.evidence.lookup_ms + verify)
+                out[k] = expected / (self.evidence.lookup_ms + verify)
         return out
 
     # --- the decision ------------------------------------------------------------------------------------
@@ -237,13 +242,14 @@ class AdaptiveK:
         rates = self.rates()
         if 0 not in rates:
             return "", 0  # time one plain target step first: every decision is relative to it
-        model_k = self.next_k() if MODEL in offer else 0  # the draft length its estimate pays for best
+        deferred = self.opening and self.unread > 0  # the prompt pass: the drafter's reading would delay it
+        model_k = self.next_k() if MODEL in offer and not deferred else 0  # the draft length it pays best for
         reach = (offer[MODEL] if self.settings.stop_rule else model_k) if model_k else 0
         cap = within((MODEL, reach), left)[1]
         self.declined_lookup = None
         if LOOKUP in offer:
             band = match_band(offer.match) if isinstance(offer, Offer) and offer.match else None
-            lookup = self.lookup_rates(min(self.k_max, offer[LOOKUP]), band)
+            lookup = self.lookup_rates(offer[LOOKUP], band)  # a copy reaches past k_max (lookup.LOOKUP_REACH)
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
             if k and lookup[k] > rates[model_k if cap else 0]:
                 return within((LOOKUP, k), left)
@@ -328,7 +334,8 @@ class AdaptiveK:
     def plain_steps(self) -> int:
         """Plain target steps to take in a row after choosing none: up to the next rehearsal (at most the
         settings' stretch_max: the decision is revisited as the run's own timings come in)."""
-        if self.best_k() is None:
+        opening, self.opening = self.opening and self.unread > 0, False
+        if self.best_k() is None or opening:  # after a deferred opening the model may draft from the next token
             return 1
         return max(1, min(self.settings.stretch_max, self.rehearsal_wait() - self.parked_for))
 
@@ -344,7 +351,7 @@ class AdaptiveK:
         else:
             self.evidence.forget()
         self.unread, self.remaining, self.parked_for = unread, budget, 0
-        self.rehearsal_gap, self.declined_lookup = self.settings.rehearse_every, None
+        self.rehearsal_gap, self.declined_lookup, self.opening = self.settings.rehearse_every, None, True
 
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         """Learn from a rehearsal: what reading cost, and how sure the drafter was of its guesses."""
@@ -357,7 +364,7 @@ class AdaptiveK:
 
     def observe(self, cycle: Cycle) -> None:
         """Learn from a finished cycle: which drafts the target kept, and what each phase cost."""
-        evidence = self.evidence
+        evidence, self.opening = self.evidence, False
         if self.remaining is not None:
             self.remaining = max(0, self.remaining - cycle.emitted)
         if self.declined_lookup is not None:  # passed over: a source that failed once is tried again later

@@ -66,6 +66,9 @@ class Cycle:
     source: str = ""  # what drafted: "model", "lookup"; "" for a plain target step
     loss: dict[str, int] = field(default_factory=dict)  # lost positions by cause (uag.core.anatomy); {} if none
     match: int = 0  # a lookup draft: how many tokens its match ran back (uag.core.lookup.match_length); else 0
+    shared_index: bool = False  # a lookup draft from earlier requests' text (uag.core.lookup.SharedIndex)
+    branches: int = 1  # proposals its pass verified: more where lookup's continuations went as a tree (proposed_ids:
+    #                    the one whose tokens were kept)
     confidence: list[float] = field(default_factory=list)  # auto's model drafts: the drafter's probability of
     #   each draft it made, those it dropped after draft_ids included (k counts them all); [] where unmeasured
 

@@ -13,6 +13,10 @@ uag uses is here.
   distribution the target alone samples from: after its penalties, top_p, min_p and top_k
   (uag.core.sampling.TargetSampling.distribution).
 
+- Several proposals in one pass (`Tree`, `accept_tree`): the proposals merged into a trie, verified in one pass
+  under a tree mask (uag.core.passes.tree_pass); from the root, the child whose token is the target's choice at its
+  parent's row is followed, so every committed token is still the target's own choice (greedy or sampled). Pure.
+
 Either way a cycle commits `accepted` proposed tokens plus one token of the target's own: the output is
 the target's, token for token (greedy) or in distribution (sampling).
 """
@@ -50,6 +54,105 @@ def accept_greedy(proposed: Sequence[int], choices: Sequence[int]) -> Verdict:
             break
         n += 1
     return Verdict(n, int(choices[n]))
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """Several proposals after one pending token, merged into a trie (shared prefixes verified once), its nodes in
+    depth-first order: the order a tree pass reads them in, after the pending token (the root, row 0).
+
+    Example: Tree.of([[5, 6, 7], [5, 8]]) -> tokens [5, 6, 7, 8], parents [-1, 0, 1, 0], depths [1, 2, 3, 2],
+             paths [[0, 1, 2], [0, 3]]
+    """
+
+    tokens: list[int]  # each node's token
+    parents: list[int]  # each node's parent node; -1: the root
+    depths: list[int]  # each node's distance from the root (its position after the pending token)
+    paths: list[list[int]]  # each proposal as the nodes it runs through, in the order given
+
+    @classmethod
+    def of(cls, proposals: Sequence[Sequence[int]]) -> Tree:
+        trie: dict = {}  # token -> (its subtrie), children in the order first proposed
+        for proposal in proposals:
+            node = trie
+            for token in proposal:
+                node = node.setdefault(token, {})
+        tokens, parents, depths, index = [], [], [], {}
+
+        def walk(node: dict, parent: int, depth: int, prefix: tuple[int, ...]) -> None:
+            for token, children in node.items():
+                index[(*prefix, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(depth)
+                walk(children, len(tokens) - 1, depth + 1, (*prefix, token))
+
+        walk(trie, -1, 1, ())
+        paths = [[index[tuple(p[: i + 1])] for i in range(len(p))] for p in proposals]
+        return cls(tokens, parents, depths, paths)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def mask(self) -> list[list[bool]]:
+        """Which rows of a tree pass each row sees, the root's row 0 and node i's row i + 1: itself and its
+        ancestors (the committed text before the root, all visible, is not in it).
+
+        Example: Tree.of([[5], [6]]).mask() -> [[T, F, F], [T, T, F], [T, F, T]]  (the two branches blind to each other)
+        """
+        rows = [[True] + [False] * len(self)]
+        for i, parent in enumerate(self.parents):
+            row = list(rows[parent + 1])
+            row[i + 1] = True
+            rows.append(row)
+        return rows
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """The tree pass's rows as runs of consecutive positions: (first row, end row, depth of the first), the root
+        at depth 0. Example: depths [1, 2, 3, 2] -> [(0, 4, 0), (4, 5, 2)]"""
+        depths = [0, *self.depths]
+        out = []
+        for row, depth in enumerate(depths):
+            if out and depth == depths[row - 1] + 1:
+                first, _, d = out[-1]
+                out[-1] = (first, row + 1, d)
+            else:
+                out.append((row, row + 1, depth))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TreeVerdict:
+    """The outcome of a tree pass: the nodes kept (root's child first), the target's own next token, and the
+    proposal they lie on (the first given, where several share them)."""
+
+    path: list[int]
+    token: int
+    branch: int
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict(len(self.path), self.token)
+
+
+def accept_tree(tree: Tree, choices: Sequence[int]) -> TreeVerdict:
+    """Walk from the root, following the child whose token is the target's choice at its parent's row, until no
+    child holds it: that choice is the target's next token. `choices[0]` is the root's (the pending token's row),
+    `choices[i + 1]` node i's. Following a child only where it equals the target's draw from that row commits
+    exactly what the target alone would: greedy or sampled, each row is drawn once, by the target.
+
+    Example: Tree.of([[5, 6], [7, 8]]), choices [7, 0, 0, 8, 3] -> path [2, 3], token 3, branch 1
+    """
+    path, row = [], 0
+    while True:
+        parent = path[-1] if path else -1
+        child = next((i for i, p in enumerate(tree.parents) if p == parent and tree.tokens[i] == choices[row]), None)
+        if child is None:
+            break
+        path.append(child)
+        row = child + 1
+    branch = next(b for b, nodes in enumerate(tree.paths) if nodes[: len(path)] == path)
+    return TreeVerdict(path, int(choices[row]), branch)
 
 
 class IdMap:

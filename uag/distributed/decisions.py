@@ -193,6 +193,6 @@ class RankPolicy:
         draft = self.drafter.inner.propose(source, k, budget, self.inner.stop_rule(source, k))
         k = draft.length(k)  # where auto's rule stopped the drafter: the drafts it made
         # Rank 0 verifies exactly what the others receive (a translation longer than 4·k is cut: still lossless).
-        draft.proposed = draft.proposed[: self.link.width - HEADER]
+        draft.proposed, draft.branches = draft.proposed[: self.link.width - HEADER], []  # the others get one
         self.drafter.pending = draft
         return [CYCLE, SOURCES.index(source), k, len(draft.proposed), *draft.proposed]

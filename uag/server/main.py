@@ -37,6 +37,7 @@ DEFAULT_K_AUTO = 16
 SERVE_MAX_TOKENS = 512  # per request unless it asks (uag generate's default, 64, is short for a chat reply)
 DEFAULT_MAX_MODELS = 4
 DEFAULT_MAX_BATCH = 4  # requests generated together (uag.runtime.batching)
+DEFAULT_LOOKUP_MEMORY = 200_000  # tokens of earlier requests that prompt lookup drafts from (uag.core.lookup)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "other users of this machine cannot read in the process list")  # fmt: skip
     p.add_argument("--cache-gb", type=float, default=DEFAULT_CACHE_GB, help="KV caches of recent conversations "
                    f"kept for their next turn, in GB (default {DEFAULT_CACHE_GB:g}; 0: off)")  # fmt: skip
+    p.add_argument("--lookup-memory", type=whole, metavar="TOKENS", help="earlier requests' prompts and replies "
+                   "that prompt lookup also drafts from, per API key and target, in tokens over all keys (default "
+                   f"{DEFAULT_LOOKUP_MEMORY}; 0: off)")  # fmt: skip
     p.add_argument("--max-queue", type=whole, default=8, help="requests queued or running at once; then 429")
     p.add_argument("--max-batch", type=whole, help="requests generated together, their "
                    "passes batched; more wait in the queue (default "
@@ -143,6 +147,10 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
             problems.append(f"{flag} must be more than 0 (got {value:g})")
     if not args.cache_gb >= 0:
         problems.append(f"--cache-gb must be at least 0 (got {args.cache_gb:g})")
+    if getattr(args, "lookup_memory", None) is None:
+        args.lookup_memory = 0 if getattr(args, "shard", None) else DEFAULT_LOOKUP_MEMORY
+    if args.lookup_memory < 0:
+        problems.append(f"--lookup-memory must be at least 0 (got {args.lookup_memory})")
     key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
     if key is not None and not key.strip():
         problems.append("--api-key is empty")
@@ -220,7 +228,8 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         runner = session.runner  # one per-client count for the app's runs and the API's
     service = Service(store, runner, defaults, target=args.target, cache_bytes=args.cache_gb * 1e9, stream=stream,
                       target_dtype=opts.get("target_dtype"), drafter_dtype=opts.get("drafter_dtype"),
-                      measure=measure, auto=opts.get("auto"))  # fmt: skip
+                      measure=measure, auto=opts.get("auto"),
+                      lookup_memory=getattr(args, "lookup_memory", 0))  # fmt: skip
     app = create_app(service, api_key=opts["key"], max_body=int(args.max_body_mb * 2**20), max_queue=args.max_queue,
                      perimeter=opts.get("perimeter"))  # fmt: skip
     if session is not None:
@@ -314,6 +323,8 @@ def _shard_problems(args: argparse.Namespace, drafters: list[str]) -> list[str]:
         problems.append("--auto-off is for a single process: drop it with --shard")
     if args.max_batch is not None and args.max_batch > 1:
         problems.append("--max-batch: a sharded server runs one request at a time: drop it with --shard")
+    if getattr(args, "lookup_memory", None):  # the other ranks end a parked stretch where their own lookup would
+        problems.append("--lookup-memory: a sharded server drafts from each request alone: drop it with --shard")
     return problems
 
 

@@ -107,6 +107,19 @@ def reported_strategy(run: Any) -> str:
     return strategy_name(run.strategy if run.strategy in STRATEGIES else "context", "adaptive")
 
 
+def lookup_summary(cycles: list) -> dict[str, Any]:
+    """Prompt lookup's cycles, the tokens they proposed and kept, per cycle and in all (how long copies ran).
+
+    Example: cycles proposing 16 and 40, keeping 16 and 31 -> {"cycles": 2, "proposed_tokens": 56, …,
+             "proposed_per_cycle": 28.0, "kept_per_cycle": 23.5}
+    """
+    lookup = [c for c in cycles if c.source == "lookup"]
+    proposed, kept = sum(len(c.proposed_ids) for c in lookup), sum(c.accepted for c in lookup)
+    n = len(lookup)
+    return {"cycles": n, "proposed_tokens": proposed, "accepted_tokens": kept,
+            "proposed_per_cycle": proposed / n if n else None, "kept_per_cycle": kept / n if n else None}  # fmt: skip
+
+
 def report(
     run: Any, *, completion_tokens: int, cached_tokens: int, drafter: str | None, step: StepTime | None
 ) -> dict[str, Any]:
@@ -133,6 +146,8 @@ def report(
             "acceptance_rate": run.acceptance_rate,
             "mean_accepted_length": run.accepted / len(drafting) if drafting else None,
             "sources": run.sources() if drafter is not None else {},
+            "shared_lookup_cycles": sum(1 for c in drafting if c.shared_index),  # drafted from earlier requests
+            "lookup": lookup_summary(drafting),
             "estimated_speedup": speedup,
             "speedup_basis": None
             if speedup is None

@@ -143,7 +143,7 @@ def create_app(
         return await serve(request, parse_completion)
 
     async def serve(request: Request, parse: Callable[..., Any]):
-        authorise(request)
+        key = authorise(request)
         try:
             body = await read_json(request, max_body)
         except Disconnected:  # left mid-body: nobody to answer
@@ -151,7 +151,7 @@ def create_app(
         parsed = parse(body, service.defaults)
         client = _client(request)
         gate.enter(client)
-        feed = Feed(request, _guarded(service, parsed, client), wait_s)
+        feed = Feed(request, _guarded(service, parsed, client, key), wait_s)
         handed_over = False
         try:
             first = await feed.next()  # Accepted, or the error that stopped the request first
@@ -198,13 +198,14 @@ def _answer_errors(app: FastAPI) -> None:
         return JSONResponse(internal().body(), status_code=500)
 
 
-def _key_check(api_key: str | None, backoff: KeyBackoff) -> Callable[[Request], None]:
+def _key_check(api_key: str | None, backoff: KeyBackoff) -> Callable[[Request], str | None]:
     """What every /v1 route calls first: 401 unless the request carries `api_key` as its bearer token (nothing
-    to check when the server has no key), 429 while its client waits out `backoff` after failed keys."""
+    to check when the server has no key), 429 while its client waits out `backoff` after failed keys. It returns
+    the key the request presented (None without one): what the request may draft from is that key's alone."""
 
-    def authorise(request: Request) -> None:
+    def authorise(request: Request) -> str | None:
         if api_key is None:
-            return
+            return None
         client = _client(request)
         if (wait := backoff.retry_after(client)) > 0:
             raise too_many_failures(wait)
@@ -214,6 +215,7 @@ def _key_check(api_key: str | None, backoff: KeyBackoff) -> Callable[[Request], 
             raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key")  # fmt: skip
         backoff.succeeded(client)
+        return given.strip()
 
     return authorise
 
@@ -223,11 +225,11 @@ def _client(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
-def _guarded(service: Service, parsed, client: str) -> Iterator[Any]:
+def _guarded(service: Service, parsed, client: str, key: str | None) -> Iterator[Any]:
     """The job's items; the errors a user can fix as 400/429, anything else logged and answered with a 500.
     Beyond its client's share the job waits its turn (it was admitted by the gate)."""
-    items = service.runner.run(service.job, parsed, label=f"an API request ({parsed.kind})", client=client, wait=True,
-                               shared=service.batched)  # fmt: skip
+    items = service.runner.run(service.job, parsed, key, label=f"an API request ({parsed.kind})", client=client,
+                               wait=True, shared=service.batched)  # fmt: skip
     try:
         yield from items
     except (APIError, GeneratorExit):

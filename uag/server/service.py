@@ -9,6 +9,7 @@ costs: `CostKeeper` measures a pair's missing or stale costs while the worker is
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -92,8 +93,10 @@ class Service:
         drafter_dtype: str | None = None,
         measure: Callable[..., Any] | None = None,
         auto: Any = None,
+        lookup_memory: int = 0,
     ):
         from uag.core.engine import stream as engine_stream
+        from uag.core.lookup import SharedIndexes
 
         self.store, self.runner, self.defaults, self.target_name = store, runner, defaults, target
         self.target_dtype, self.drafter_dtype = target_dtype, drafter_dtype  # None: as stored
@@ -104,6 +107,8 @@ class Service:
         self.batched = runner.worker.max_batch > 1  # requests run together (`--max-batch`)
         self.costs = CostKeeper(runner.worker, self._measure, lambda wanted: self.holds(wanted.drafter))
         self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs share
+        # earlier requests' prompts and replies, per API key and target, that prompt lookup drafts from (None: off)
+        self.memory = SharedIndexes(lookup_memory) if lookup_memory > 0 else None
         self.recent: deque[Served] = deque(maxlen=RECENT)
         self.saved_s = 0.0
         self._steps: dict[str, StepTime] = {}  # target -> its step time as served here (speculation off)
@@ -201,8 +206,12 @@ class Service:
         except InputError as err:
             raise APIError(400, str(err), param="messages", code="context_length_exceeded") from None
 
-    def job(self, job: Job, request: Request) -> Iterator[Accepted | Delta | Done]:
-        """The job function (`JobRunner.run(service.job, request, …)`): `Accepted`, `Delta`s, then one `Done`."""
+    def job(self, job: Job, request: Request, key: str | None = None) -> Iterator[Accepted | Delta | Done]:
+        """The job function (`JobRunner.run(service.job, request, …)`): `Accepted`, `Delta`s, then one `Done`.
+        `key`: the API key it presented (None: the server's one key, or none); prompt lookup drafts from the
+        earlier requests of that key alone, and this one's prompt and reply join them when it ends."""
+        from dataclasses import replace
+
         from uag.core.engine import PromptCaches
 
         job.limit(self.runner.budget_s)  # loading and reading the prompt count too
@@ -229,7 +238,11 @@ class Service:
             from uag.core.engine import Seams
 
             extra["seams"] = Seams(auto=self.auto)
-        events = self.stream(target, choice, ids, config, cancel=job.cancelled, caches=caches, **extra)
+        owner = (hashlib.sha256((key or "").encode()).hexdigest(), target.name)  # never the key itself
+        drafting = choice
+        if self.memory is not None and choice is not None and choice.lookup:
+            drafting = replace(choice, shared_index=self.memory.get(owner))
+        events = self.stream(target, drafting, ids, config, cancel=job.cancelled, caches=caches, **extra)
         try:
             for event in events:
                 run = event.run
@@ -243,6 +256,8 @@ class Service:
             events.close()  # the engine's finally leaves the caches exact, also when stopped early
             if clean:
                 self.caches.put(pair, caches)
+                if self.memory is not None and run is not None:
+                    self.memory.add(owner, [*run.prompt_ids, *run.token_ids])
             if auto is not None:
                 auto.finish()  # the pair's next process opens from its evidence; costs found off are measured again
         if run is None or run.finish_reason is None:

@@ -1,0 +1,56 @@
+"""benchmarks/serve.py's figures for issue 39 (copying) without a server: lookup's tokens proposed and kept per
+cycle carried from the replies into the summary, its targets, and the conditions and workload that weigh the
+index shared across requests."""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import serve  # noqa: E402  (benchmarks/serve.py)
+
+
+def turn(condition, workload, item, number, *, tokens=101, seconds=10.0, ttft=1.0, lookup=None) -> dict:
+    """A turn row as serve.py writes it, with the fields the summary reads."""
+    return {"kind": "turn", "condition": condition, "repeat": 0, "workload": workload, "item": item, "turn": number,
+            "prompt_tokens": 500, "cached_tokens": 0, "completion_tokens": tokens, "ttft_s": ttft,
+            "generation_s": seconds, "e2e_s": seconds + ttft, "drafted": None, "accepted": None, "text": "x",
+            "lookup": lookup}  # fmt: skip
+
+
+def test_copy_targets_weigh_every_edit_turn_lookup_s_kept_tokens_and_the_cold_read():
+    copy = {"cycles": 4, "proposed_tokens": 120, "accepted_tokens": 60}
+    rows = [
+        turn("uag:lookup", "edit", "e1", 1, seconds=2.0, lookup=copy),  # 50 tokens/s
+        turn("uag:lookup", "edit", "e1", 2, seconds=2.0, lookup=copy),
+        turn("uag:lookup", "ttft-cold", "e1", 2, ttft=3.0),
+        turn("uag:lookup", "retry", "e1", 2, seconds=1.0),
+        turn("uag:lookup:noshare", "retry", "e1", 2, seconds=2.0),
+        turn("mlx_lm", "edit", "e1", 1, seconds=10.0),  # 10 tokens/s
+        turn("mlx_lm", "edit", "e1", 2, seconds=10.0),
+        turn("mlx_lm", "ttft-cold", "e1", 2, ttft=2.5),
+    ]
+    found = {what: (value, goal, met) for what, value, goal, met in serve.copy_targets(serve.medians(rows))}
+    assert found["edit all turns tokens/s, uag:lookup / mlx_lm"] == (5.0, ">= 4.5x", True)
+    assert found["edit tokens kept per lookup cycle (30.0 proposed), uag:lookup"] == (15.0, ">= 10", True)
+    assert found["cold read TTFT, uag:lookup / mlx_lm"] == (1.2, "<= 1.05x", False)
+    assert found["retries tokens/s, uag:lookup / uag:lookup:noshare"] == (2.0, "(shared index)", None)
+    assert "edit tokens kept per lookup cycle (- proposed), uag:lookup:noshare" in found  # no edit turns: no figure
+
+
+def test_a_row_carries_lookup_s_figures_from_the_reply():
+    reply = serve.Reply("x", 0.1, 1.0, 1.2, usage={"completion_tokens": 3},
+                        speculative={"lookup": {"cycles": 1, "proposed_tokens": 2, "accepted_tokens": 2},
+                                     "shared_lookup_cycles": 1})  # fmt: skip
+    row = serve.row(serve.Condition("uag:lookup", "uag", (), "t"), 0, "retry", "e1", 2, reply)
+    assert row["lookup"]["accepted_tokens"] == 2 and row["shared_lookup_cycles"] == 1
+
+
+def test_without_shared_index_adds_a_noshare_condition_per_drafter():
+    args = argparse.Namespace(target="/models/t", drafters=["lookup"], max_tokens=8, peer_draft=None,
+                              num_draft_tokens=[2], only=None, ablate=[], without_shared_index=True)  # fmt: skip
+    conds = {c.name: c for c in serve.conditions(args)}
+    assert list(conds) == ["uag:lookup", "uag:lookup:noshare", "uag:off", "mlx_lm"]
+    argv = conds["uag:lookup:noshare"].argv
+    assert argv[argv.index("--lookup-memory") + 1] == "0" and "--lookup-memory" not in conds["uag:lookup"].argv
