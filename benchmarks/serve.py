@@ -795,7 +795,7 @@ def summary(rows: list[dict]) -> str:
         "",
     ]
     for what, value, goal, met in targets(tables):
-        verdict = "" if goal == "(peer)" else "not measured" if met is None else "met" if met else "NOT met"
+        verdict = "" if goal.startswith("(") else "not measured" if met is None else "met" if met else "NOT met"
         measured = "-" if value is None else f"{value:.2f}" + ("" if goal[-1].isdigit() else "x")  # tokens, or a ratio
         lines.append(f"{what:<86}{measured:>9}  {goal:<9} {verdict}")
     for name, tps, e2e in ablation(tables):

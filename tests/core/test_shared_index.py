@@ -12,7 +12,7 @@ from uag.core.anatomy import Loss
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice, LookupDrafter
 from uag.core.engine import generate, prompt_ids
-from uag.core.lookup import MATCH_CAP, NgramIndex, SharedIndex, SharedIndexes, recall
+from uag.core.lookup import MATCH_CAP, NgramIndex, SharedIndex, SharedIndexes, proposal, recall
 
 # --- the index (pure) ------------------------------------------------------------------------------------------
 
@@ -153,3 +153,21 @@ def test_a_wrong_continuation_in_the_shared_index_is_rejected_and_the_output_is_
     shared.add([*ids, *[(t + 1) % 1000 + 3 for t in expected]])  # the same prompt, followed by other tokens
     run = generate(target, DrafterChoice(lookup=True, shared_index=shared), ids, GenerationConfig(k=4, max_tokens=16))
     assert run.token_ids == expected and any(c.shared_index for c in run.cycles)
+
+
+def test_a_proposal_comes_from_the_source_that_matches_further_back_and_the_other_s_continuation_is_a_branch():
+    own = NgramIndex()
+    own.extend([1, 2, 3, 9, 1, 2])
+    tie = SharedIndex(100)
+    tie.add([1, 2, 7, 7])
+    assert proposal(own, tie, 2) == ([3, 9], 2, [[7]], False)  # a tie: the request's own, the earlier one beside
+    longer = SharedIndex(100)
+    longer.add([5, 9, 1, 2, 4, 4, 4])  # "9 1 2" runs back 3: further than the request's own "1 2"
+    assert proposal(own, longer, 4) == ([4, 4, 4], 3, [[3, 9]], True)
+    same = SharedIndex(100)
+    same.add([1, 2, 3, 9, 8])
+    assert proposal(own, same, 2) == ([3, 9], 2, [], False)  # both continue alike: nothing to add
+    assert proposal(own, None, 4) == (own.propose(4), 2, own.branches(4), False)
+    nothing = NgramIndex()
+    nothing.extend([4, 5, 6])
+    assert proposal(nothing, tie, 3) == ([], 0, [], False)

@@ -300,7 +300,7 @@ def test_the_tree_is_not_tried_where_it_cannot_run(tiny):
     plain = TargetSampling.of(GenerationConfig(max_tokens=4))
     cache = make_prompt_cache(tiny.model)
     assert tree_ready(tiny.model, cache, plain)
-    assert not tree_ready(SharedModel(tiny.model, "target"), cache, plain)  # batched by a server
+    assert tree_ready(SharedModel(tiny.model, "target"), cache, plain)  # a server's, called outside a batch
     token = SHARING.set(Sharing())
     try:
         assert not tree_ready(tiny.model, cache, plain)
@@ -313,6 +313,37 @@ def test_the_tree_is_not_tried_where_it_cannot_run(tiny):
     assert not tree_ready(tiny.model, cache, penalized)
     constrained = TargetSampling.of(GenerationConfig(max_tokens=4), grammar=object())  # a matcher follows one branch
     assert not tree_ready(tiny.model, cache, constrained)
+
+
+def test_a_server_s_model_verifies_trees_only_for_a_request_running_alone(tiny):
+    """The tree pass changes the model's ropes for one pass: in a batch, only while no other request runs or waits
+    (uag.runtime.batching.SharedModel.alone), and then the pass is the model's own call."""
+    from uag.runtime.batching import Batch
+    from uag.runtime.worker import Job
+
+    shared, plain = SharedModel(tiny.model, "target"), TargetSampling.of(GenerationConfig(max_tokens=4))
+    seen = []
+
+    def request(job, name):
+        cache = make_prompt_cache(tiny.model)
+        seen.append((name, tree_ready(shared, cache, plain)))
+        shared(mx.array([[1, 2]]), cache=cache)  # a pass: the batch's round, where others run
+        seen.append((name, tree_ready(shared, cache, plain)))
+        yield name
+
+    batch, queued = Batch(max_size=2), [True]
+    batch.queued = lambda: queued[0]
+    jobs = [Job(request, (name,), name, shared=True) for name in ("a", "b")]
+    batch.join(jobs[0])  # a job waits to start: not alone
+    queued[0] = False
+    batch.join(jobs[1])
+    while batch:
+        batch.round()
+    assert seen[:2] == [("a", False), ("b", False)]  # two members
+    assert ("a", True) in seen[2:] or ("b", True) in seen[2:]  # the one left last runs alone
+    alone = Job(request, ("alone",), "alone", shared=True)
+    batch.join(alone)
+    assert list(alone) == ["alone"] and seen[-2:] == [("alone", True), ("alone", True)]
 
 
 def test_a_model_with_its_window_in_the_mask_verifies_trees_losslessly(store, kept_branches):

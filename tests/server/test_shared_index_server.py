@@ -19,7 +19,7 @@ from uag.runtime.jobs import JobRunner
 from uag.runtime.worker import MLXWorker
 from uag.server.main import DEFAULT_LOOKUP_MEMORY
 from uag.server.protocol import Request, ServerDefaults
-from uag.server.service import Done, Service
+from uag.server.service import Delta, Done, Service
 
 PROMPT = "Ala ma kota, a kot ma Alę."
 
@@ -107,3 +107,34 @@ def test_the_lookup_summary_counts_proposed_and_kept_tokens_per_lookup_cycle():
     assert summary == {"cycles": 2, "proposed_tokens": 56, "accepted_tokens": 47, "proposed_per_cycle": 28.0,
                        "kept_per_cycle": 23.5}  # fmt: skip
     assert lookup_summary([cycle("model", 4, 1)])["kept_per_cycle"] is None
+
+
+def test_text_the_detokenizer_holds_back_to_the_end_reaches_the_reply(store, target_dir):
+    """The engine's detokenizer may hold the last characters (a trailing space) until the run ends, when it adds
+    them to the run's last token: the reply, streamed or whole, ends with them too."""
+    from dataclasses import replace as replaced
+
+    from uag.core.engine import stream as engine_stream
+
+    def stream(*args, **kwargs):  # the engine's stream, its final flush made visible: " !" held back to the end
+        events = engine_stream(*args, **kwargs)
+        last = None
+        try:
+            for event in events:
+                last = event.run
+                yield event
+        finally:
+            events.close()
+            if last is not None and last.tokens:
+                last.tokens[-1] = replaced(last.tokens[-1], text=last.tokens[-1].text + " !")
+
+    defaults = ServerDefaults(model=target_dir, drafter="lookup", drafters=("lookup",), strategy="context", k=8)
+    served = Service(store, JobRunner(MLXWorker(), budget_s=120), defaults, target=target_dir, cache_bytes=0,
+                     stream=stream)  # fmt: skip
+    served.costs.close()
+    request = Request("completion", model=served.target_name, config=GenerationConfig(k=8, max_tokens=8),
+                      drafter="lookup", prompt=PROMPT)  # fmt: skip
+    items = list(served.runner.run(served.job, request, None, label="an API request"))
+    done = next(item for item in items if isinstance(item, Done))
+    streamed = "".join(item.text for item in items if isinstance(item, Delta)) + done.tail
+    assert streamed.endswith(" !") and done.text.endswith(" !") and done.text == streamed

@@ -21,7 +21,7 @@ import mlx.core as mx
 from uag.core import anatomy
 from uag.core.anatomy import Loss
 from uag.core.config import LOOKUP, DrafterSpec, GenerationConfig
-from uag.core.lookup import LOOKUP_REACH, NGRAMS, NgramIndex, SharedIndex, recall
+from uag.core.lookup import LOOKUP_REACH, NGRAMS, NgramIndex, SharedIndex, proposal, recall
 from uag.core.passes import PREFILL_STEP, PromptCaches, prefill, reuse, settle_allocator, trim_to
 from uag.core.policy import StopRule
 from uag.core.prompt_input import check_context
@@ -182,15 +182,11 @@ class LookupDrafter:
         return Offer({LOOKUP: len(recalled)}, match=match) if recalled else lookup_offer(self.index, k_max)
 
     def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
-        tic = time.perf_counter()
-        match, recalled = recall(self.shared, self.index, max(k, LOOKUP_REACH))
-        if recalled:  # earlier requests hold a longer copy
-            ids, ms = recalled[: min(k, budget)], (time.perf_counter() - tic) * 1000
-            return Draft(LOOKUP, ids, list(ids), list(ids), draft_ms=ms, match=match, shared_index=True)
-        ids, match = self.index.propose(min(k, budget)), self.index.match_length()
-        branches = self.index.branches(min(k, budget))  # a short match's other continuations (NgramIndex.branches)
+        tic = time.perf_counter()  # the source that matches further back; the other's continuation a branch
+        ids, match, branches, recalled = proposal(self.index, self.shared, min(k, budget))
         ms = (time.perf_counter() - tic) * 1000
-        return Draft(LOOKUP, ids, draft_ids=list(ids), usable=list(ids), draft_ms=ms, match=match, branches=branches)
+        return Draft(LOOKUP, ids, list(ids), list(ids), draft_ms=ms, match=match, branches=branches,
+                     shared_index=recalled)  # fmt: skip
 
     def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
         if accepted >= len(draft.proposed):

@@ -162,7 +162,7 @@ class NgramIndex:
         if match_band(self.match_length()) >= 2:
             return []
         main, *others = self.continuations(k, 1 + BRANCHES) or [[]]
-        room, kept = min(max(1, k // 2), BRANCH_NODES), []
+        room, kept = branch_room(k), []
         for i, other in enumerate(others):
             shared = max(_common_prefix(other, p) for p in [main, *kept])
             new = min(len(other) - shared, -(-room // (len(others) - i)))  # an even share of the room left
@@ -292,6 +292,32 @@ class SharedIndexes:
         index.add(ids)
         while len(self) > self.max_tokens and len(self._held) > 1:
             del self._held[next(iter(self._held))]
+
+
+def branch_room(k: int) -> int:
+    """The most nodes other continuations add to a proposal of k tokens: max(1, k // 2), `BRANCH_NODES` at most."""
+    return min(max(1, k // 2), BRANCH_NODES)
+
+
+def proposal(index: NgramIndex, shared: SharedIndex | None, k: int) -> tuple[list[int], int, list[list[int]], bool]:
+    """One lookup proposal of up to k tokens: (the tokens, how far their match runs back, other continuations to
+    verify beside them as a tree, whether they came from `shared`). The source whose match runs back further
+    proposes (the request's own on a tie); where the other matches as well and continues differently (an earlier
+    request's reply against the file the prompt holds), its continuation is a branch, cut to `branch_room`;
+    otherwise a short match's other continuations are (`NgramIndex.branches`).
+
+    Example: own [1, 2, 3, 9, 1, 2], shared [[1, 2, 7, 7]], k 2 -> ([3, 9], 2, [[7]], False)
+    """
+    own, mine = index.propose(k), index.match_length()
+    found, theirs = (0, []) if shared is None else shared.find(index.ids[-MATCH_CAP:], k)
+    if found > mine:
+        main, match, rival, recalled = theirs, found, own, True
+    else:
+        main, match, rival, recalled = own, mine, theirs if found and found == mine else [], False
+    common = _common_prefix(rival, main)
+    if rival and common < min(len(rival), len(main)):
+        return main, match, [rival[: common + branch_room(k)]], recalled
+    return main, match, [] if recalled else index.branches(k), recalled
 
 
 def recall(shared: SharedIndex | None, index: NgramIndex, k: int) -> tuple[int, list[int]]:

@@ -240,14 +240,15 @@ def kv_bytes(model, tokens: int) -> int:
 
 
 def tree_ready(model, cache: list, sampling) -> bool:
-    """Whether a tree pass can verify several proposals at once: a model of its own (not one a batch shares:
-    uag.runtime.batching), plain KV caches (a rotating or quantized one cannot take its keys back in place), attention
-    layers with a `rope` to place each node, and a target that picks each row alone (no penalties, which read the
-    tokens before a row, and no grammar, which follows one proposal)."""
+    """Whether a tree pass can verify several proposals at once: a model of its own (or one a batch shares while
+    the request runs alone: uag.runtime.batching.SharedModel.alone, since the pass changes the model's ropes), plain
+    KV caches (a rotating or quantized one cannot take its keys back in place), attention layers with a `rope` to
+    place each node, and a target that picks each row alone (no penalties, which read the tokens before a row, and
+    no grammar, which follows one proposal)."""
     layers = getattr(model, "layers", None)
+    own = isinstance(model, nn.Module) and sharing() is None
     return (
-        isinstance(model, nn.Module)
-        and sharing() is None
+        (own or getattr(model, "alone", lambda: False)())
         and not sampling.processors
         and sampling.grammar is None
         and bool(cache)

@@ -60,6 +60,13 @@ class SharedModel:
         return member.parent.switch(Pass(self, inputs, cache))
 
 
+    def alone(self) -> bool:
+        """Whether a call made now is the model's own: outside a batch, or from a member running alone in it
+        (`Batch.solo`); only then may a caller change the model for one pass (a tree pass's rope: uag.core.passes)."""
+        member = greenlet.getcurrent()
+        return not isinstance(member, Member) or member.batch.solo()
+
+
 def share(loaded: Any, role: str) -> None:
     """Make a loaded model's `model` a `SharedModel` (once; in place: every holder of the model shares it)."""
     if not isinstance(loaded.model, SharedModel):

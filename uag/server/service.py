@@ -243,9 +243,10 @@ class Service:
         if self.memory is not None and choice is not None and choice.lookup:
             drafting = replace(choice, shared_index=self.memory.get(owner))
         events = self.stream(target, drafting, ids, config, cancel=job.cancelled, caches=caches, **extra)
+        fed = 0  # characters of the run's text given to `text` so far
         try:
             for event in events:
-                run = event.run
+                run, fed = event.run, fed + len(event.text)
                 out, stopped = text.feed(event.text)
                 if out:
                     yield Delta(out)
@@ -262,6 +263,10 @@ class Service:
                 auto.finish()  # the pair's next process opens from its evidence; costs found off are measured again
         if run is None or run.finish_reason is None:
             raise RuntimeError("the engine's stream ended without a final record")
+        if not stopped and (rest := run.text[fed:]):  # what the detokenizer held back to the end (a trailing space)
+            out, stopped = text.feed(rest)
+            if out:
+                yield Delta(out)
         tail, calls = text.finish()
         if calls and not request.parallel_tool_calls:
             calls = calls[:1]  # tool_choice "auto" with parallel_tool_calls false (a forcing one's grammar writes one)
