@@ -59,7 +59,6 @@ class SharedModel:
             return self.inner(inputs, cache=cache)
         return member.parent.switch(Pass(self, inputs, cache))
 
-
     def alone(self) -> bool:
         """Whether a call made now is the model's own: outside a batch, or from a member running alone in it
         (`Batch.solo`); only then may a caller change the model for one pass (a tree pass's rope: uag.core.passes)."""
