@@ -262,13 +262,14 @@ def test_every_rejected_position_gets_a_cause_in_the_cycle_records_and_the_run(t
 
 def test_auto_with_lookup_alone_gets_the_target_verify_curve_once_and_reuses_it(tiny, tmp_path, monkeypatch):
     from uag.api import profile_for
+    from uag.costs.calibrate import QUICK
     from uag.costs.profiles import find_calibration, target_key
 
     monkeypatch.setenv("UAG_CACHE_DIR", str(tmp_path))
     target, _ = tiny
     said = []
     profile = profile_for(target, DrafterChoice(lookup=True), progress=said.append)
-    assert said and profile is not None and profile.drafter_ms == 0.0 and set(profile.target_ms) == set(range(1, 10))
+    assert said and profile is not None and profile.drafter_ms == 0.0 and set(profile.target_ms) == set(QUICK["widths"])
     # every width as measured (a BLAS may price a wider pass below a narrower one: no envelope is laid over it)
     assert all(math.isfinite(ms) and ms > 0 for ms in profile.target_ms.values())
     saved = find_calibration(target_key(target))

@@ -36,11 +36,14 @@ from uag.errors import UserError
 from uag.models.store import LoadedModel, ModelStore, Pair, check_pair
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
-DEFAULT_WIDTHS = tuple(range(1, 17))
+# every width a model's draft reaches (k <= 16), and sparsely those a lookup copy reaches (lookup.LOOKUP_REACH):
+# past the widest measured width auto extrapolates from the last two, which can price a wide pass far from its cost
+DEFAULT_WIDTHS = (*range(1, 17), 24, 33, 49, 65)
 READ_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # drafter passes over n tokens (past 256: their slope)
 DRAFT_STEPS = 4  # drafter steps timed in a row, pipelined as a draft runs them
-# On first use of auto: verifying up to k = 8 drafts; wider passes are extrapolated until a run times them.
-QUICK = {"widths": tuple(range(1, 10)), "repeats": 3}
+# On first use of auto: verifying up to k = 8 drafts, and a copy's 16, 32 and 64; other widths are interpolated
+# until a run times them.
+QUICK = {"widths": (*range(1, 10), 17, 33, 65), "repeats": 3}
 Cancel = Callable[[], bool]  # asked between passes: True stops the measurement (`MeasurementStopped`)
 CALIBRATION_TEXT = (
     "Kraków – miasto na prawach powiatu w południowej Polsce, położone nad Wisłą. W latach 1038–1596 "
