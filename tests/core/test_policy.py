@@ -523,3 +523,20 @@ def test_without_band_floors_failed_guesses_keep_auto_from_a_copy():
             policy.observe(replace(guess, source="lookup", match=match, drafter_passes=0))
     assert on.choose(Offer({"lookup": 8}, match=30)) == ("lookup", 8)
     assert off.choose(Offer({"lookup": 8}, match=30)) == ("", 0)
+
+
+def test_a_copy_grows_past_k_as_far_as_the_verify_curve_pays_and_a_guess_stays_short():
+    """A lookup copy is not held to k (lookup.LOOKUP_REACH): with a match of 64+ tokens (its band trusted at least
+    0.97 per token) and a CPU's verify curve measured to 65 (a 65-token pass ~3 steps), auto proposes far more than
+    the model's k = 16; where a pass costs as much per token as a step, it proposes less; a guess, a few tokens."""
+    steep = CostProfile({1: 420.0, 17: 930.0, 33: 1200.0, 65: 1300.0}, drafter_ms=0.0)
+    policy = AdaptiveK(k_max=16, profile=steep, settings=PINNED)
+    policy.begin(0, 1000)
+    source, k = policy.choose(Offer({"lookup": 64}, match=80), 1000)
+    assert source == "lookup" and 32 < k <= 64
+    assert policy.choose(Offer({"lookup": 64}, match=80), 10) == ("lookup", 9)  # never past the budget
+    linear = CostProfile({1: 420.0, 65: 65 * 420.0}, drafter_ms=0.0)
+    flat = AdaptiveK(k_max=16, profile=linear, settings=PINNED)
+    flat.begin(0, 1000)
+    assert flat.choose(Offer({"lookup": 64}, match=80), 1000)[1] <= 16
+    assert policy.choose(Offer({"lookup": 64}, match=2), 1000)[1] <= 4  # a guess (the prior's 0.5 a token)
