@@ -597,6 +597,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def verdict(what: str, value: float | None, bound: float, *, at_most: bool = False, unit: str = "x") -> tuple:
+    """(what, measured, goal, met) for one target: met where `value` is at least (`at_most`: at most) `bound`; None
+    where nothing was measured. Example: verdict("x", 5.0, 4.5) -> ("x", 5.0, ">= 4.5x", True)"""
+    met = None if value is None else (value <= bound if at_most else value >= bound)
+    return what, value, f"{'<=' if at_most else '>='} {bound:g}{unit}", met
+
+
 def targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None, str, bool | None]]:
     """(what, measured, goal, met) for the issue's targets, per uag speculative condition."""
     out = []
@@ -606,8 +613,7 @@ def targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None,
     off = tables.get("uag:off")
 
     def goal(what: str, value: float | None, bound: float, at_most: bool = False) -> None:
-        met = None if value is None else (value <= bound if at_most else value >= bound)
-        out.append((what, value, f"{'<=' if at_most else '>='} {bound:g}x", met))
+        out.append(verdict(what, value, bound, at_most=at_most))
 
     for name in ups:
         table = tables[name]
@@ -676,21 +682,14 @@ def copy_targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | 
         if alone:
             keys = edits.keys() & select(alone, "edit").keys()
             value = ratio(pooled_tps(table, keys), pooled_tps(alone, keys))
-            bound = COPY_GOALS["edit_alone"]
-            out.append((f"edit all turns tokens/s, {name} / mlx_lm", value, f">= {bound:g}x",
-                        None if value is None else value >= bound))  # fmt: skip
+            out.append(verdict(f"edit all turns tokens/s, {name} / mlx_lm", value, COPY_GOALS["edit_alone"]))
         cycles = sum(m["lookup_cycles"] for m in edits.values())
         proposed = sum(m["lookup_proposed_tokens"] for m in edits.values())
         kept = ratio(sum(m["lookup_accepted_tokens"] for m in edits.values()), cycles)
-        bound = COPY_GOALS["kept_per_cycle"]
-        out.append((f"edit tokens kept per lookup cycle ({fmt(ratio(proposed, cycles), '.1f')} proposed), {name}",
-                    kept, f">= {bound:g}", None if kept is None else kept >= bound))  # fmt: skip
-        cold, peer = cold_read(table), cold_read(alone)
-        value = ratio(cold, peer)
-        bound = COPY_GOALS["cold_ttft"]
-        out.append(
-            (f"cold read TTFT, {name} / mlx_lm", value, f"<= {bound:g}x", None if value is None else value <= bound)
-        )
+        what = f"edit tokens kept per lookup cycle ({fmt(ratio(proposed, cycles), '.1f')} proposed), {name}"
+        out.append(verdict(what, kept, COPY_GOALS["kept_per_cycle"], unit=""))
+        value = ratio(cold_read(table), cold_read(alone))
+        out.append(verdict(f"cold read TTFT, {name} / mlx_lm", value, COPY_GOALS["cold_ttft"], at_most=True))
         plain = tables.get(f"{name}:noshare") if not name.endswith(":noshare") else None
         if plain is not None:
             keys = select(table, "retry").keys() & select(plain, "retry").keys()
