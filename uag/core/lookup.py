@@ -48,6 +48,17 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def run_back(text: list[int], start: int, context: list[int], n: int, cap: int) -> int:
+    """How far the end of `context` matches `text` before position `start`, where their last n tokens match: at
+    least n, at most `cap`. Example: text [5, 1, 2, 3, 9], start 4, context [7, 1, 2, 3], n 2 -> 3"""
+    length = n
+    while length < cap and start - length > 0 and len(context) - length > 0:
+        if text[start - length - 1] != context[-length - 1]:
+            break
+        length += 1
+    return length
+
+
 def match_band(length: int) -> int:
     """Which of the `MATCH_BANDS` a match of `length` tokens falls in, 0 (shortest) to len(MATCH_BANDS).
 
@@ -105,11 +116,7 @@ class NgramIndex:
         if self._match is None:
             return 0
         n, start = self._match
-        ids, end = self.ids, len(self.ids)
-        length = n
-        while length < cap and start - length > 0 and ids[start - length - 1] == ids[end - length - 1]:
-            length += 1
-        return length
+        return run_back(self.ids, start, self.ids, n, cap)
 
     def propose(self, k: int) -> list[int]:
         """k tokens that followed the latest earlier occurrence of the sequence's suffix; none without one.
@@ -234,13 +241,7 @@ class SharedIndex:
             start = found & 0xFFFFFFFF
             if doc[start - n : start] != gram:
                 continue  # another n-gram's hash
-            length = n
-            while (
-                length < cap and start - length > 0 and len(context) - length > 0
-                and doc[start - length - 1] == context[-length - 1]
-            ):  # fmt: skip
-                length += 1
-            return length, doc[start : start + k]
+            return run_back(doc, start, context, n, cap), doc[start : start + k]
         return 0, []
 
     def _note(self, serial: int, ids: list[int]) -> None:
