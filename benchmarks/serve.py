@@ -22,6 +22,12 @@ A session: warm-up, the `edit` workload (bundled three-turn conversations, each 
 own reply to the one before, `uag.study.datasets.load_conversations`), the turn-2 cold read (below), then open chat
 (the first `--chat-prompts` Polish `alpaca` and English `code` instructions).
 
+`--edit-formats` chooses how the edit conversations are asked: `edit` as bundled (a system prompt asking for the
+whole file back, the file in turn 1), `whole` and `diff` as aider sends them with its edit format of that name
+(workloads `aider-whole` and `aider-diff`: aider's system prompt, examples and rules, the file re-sent every turn
+as it stands after the edits so far; `edit_formats.py`, from aider's own requests). An aider turn's row says
+whether its edits applied to the file (`applied`: a `diff` reply's every SEARCH found in the file).
+
 Per turn, one JSON row in `--out`: time to first token (streaming), generation tokens/s (client side, from the
 first content chunk to the last: (completion tokens - 1) / that time), end-to-end time, cached prompt tokens
 (`usage.prompt_tokens_details.cached_tokens`), uag's `speculative` object (acceptance, sources) and the text.
@@ -73,6 +79,7 @@ from pathlib import Path
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
 
 # isort: split
+import edit_formats  # benchmarks/edit_formats.py, beside this script
 import httpx
 import openai
 
@@ -88,9 +95,11 @@ WARM_UP_TOKENS = 8
 # The longest file (105 lines): 893 tokens at turn 1 on the coder target, some 1,700 at turn 2 with the file back.
 DEFAULT_TTFT_CONVERSATION = "edit-020"
 SPECULATIVE_GOALS = {"tps_alone": 3.0, "tps_draft": 2.0, "e2e_alone": 2.5, "chat": 0.97, "off": 0.97, "ttft": 0.25}
-# issue 39 (copying): every edit turn (whole files written back) vs mlx_lm alone, tokens kept per lookup cycle over
-# the edit turns, and the cold read's time to first token vs mlx_lm's
+# issue 39 (copying): every whole-file edit turn vs mlx_lm alone, tokens kept per lookup cycle over them, and the
+# cold read's time to first token vs mlx_lm's; diff-format edits (short replies around the changes) for information
 COPY_GOALS = {"edit_alone": 4.5, "kept_per_cycle": 10.0, "cold_ttft": 1.05}
+EDIT_WORKLOADS = {"edit": "edit", "whole": "aider-whole", "diff": "aider-diff"}  # --edit-formats -> workload
+WHOLE_FILE = ("edit", "aider-whole")  # the workloads whose replies write the whole file back
 
 
 # --- conditions and servers -------------------------------------------------------------------------------------
@@ -336,9 +345,18 @@ def ask(
     )
 
 
-def row(condition: Condition, repeat: int, workload: str, item: str, turn: int, reply: Reply) -> dict:
+def row(
+    condition: Condition,
+    repeat: int,
+    workload: str,
+    item: str,
+    turn: int,
+    reply: Reply,
+    outcome: edit_formats.Outcome | None = None,
+) -> dict:
     spec = reply.speculative or {}
     details = reply.usage.get("prompt_tokens_details") or {}
+    edited = {} if outcome is None else {"applied": outcome.applied, "edits": outcome.edits, "why": outcome.why}
     return {
         "kind": "turn",
         "condition": condition.name,
@@ -362,6 +380,7 @@ def row(condition: Condition, repeat: int, workload: str, item: str, turn: int, 
         "lookup": spec.get("lookup"),  # lookup cycles, tokens proposed and kept (uag.server.responses)
         "shared_lookup_cycles": spec.get("shared_lookup_cycles"),
         "server_tps": (reply.timings or {}).get("predicted_per_second"),
+        **edited,  # an aider-format turn: whether its edits applied to the file
         "text": reply.text,
     }
 
@@ -459,11 +478,22 @@ def session(
             return {name: conversation.messages(texts[:1]) for name, texts in replies.items()}
 
         second = None
-        for conversation in edit:
+        for conversation in edit if "edit" in args.edit_formats else ():
             messages = converse(conversation, "edit", len(conversation.turns))
             if ttft is not None and conversation.id == ttft.id:
                 second = messages
-        for conversation in edit if args.retry else ():  # turn 2 asked again: a client's retry, an agent re-asking
+        for edit_format in (f for f in args.edit_formats if f != "edit"):
+            workload = EDIT_WORKLOADS[edit_format]
+            for conversation in edit:  # as aider asks: each condition's file moves on with its own replies
+                replays = {c.name: edit_formats.Replay.of(conversation, edit_format) for c in group}
+                for turn in range(replays[group[0].name].turns):
+                    for c in each():
+                        reply = ask(clients[c.name], c, replays[c.name].messages(), args.max_tokens)
+                        outcome = replays[c.name].answer(reply.text)
+                        write(row(c, repeat, workload, conversation.id, turn + 1, reply, outcome))
+                        applied = "applied" if outcome.applied else f"not applied: {outcome.why}"
+                        say(f"  {c.name} {workload} {conversation.id} turn {turn + 1}: {describe(reply)}, {applied}")
+        for conversation in edit if args.retry and "edit" in args.edit_formats else ():  # turn 2 asked again
             for c in each():
                 messages = conversation.messages(retried[c.name][conversation.id][:1])
                 reply = ask(clients[c.name], c, messages, args.max_tokens)
@@ -568,6 +598,7 @@ def medians(rows: Iterable[dict]) -> dict[str, dict[Key, dict]]:
             for field_name in ("cycles", "proposed_tokens", "accepted_tokens"):
                 m[f"lookup_{field_name}"] = sum(x.get(field_name) or 0 for x in lookups)
             m["texts"] = {r["repeat"]: r["text"] for r in reps}
+            m["applied"] = [r["applied"] for r in reps if r.get("applied") is not None]  # aider-format turns
             out[condition][key] = m
     return out
 
@@ -670,24 +701,30 @@ def targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None,
 
 
 def copy_targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None, str, bool | None]]:
-    """Issue 39's targets per uag speculative condition: every edit turn's tokens/s vs mlx_lm alone, tokens kept
-    per lookup cycle over the edit turns, the cold read's time to first token vs mlx_lm's; and, where both ran,
-    the retries with the shared index vs without it."""
+    """Issue 39's targets per uag speculative condition and edit workload: every turn's tokens/s vs mlx_lm alone,
+    tokens kept per lookup cycle (goals for the whole-file workloads; the diff format's for information), the cold
+    read's time to first token vs mlx_lm's; and, where both ran, the retries with the shared index vs without it."""
     out = []
     alone = tables.get("mlx_lm", {})
     for name, table in tables.items():
         if not name.startswith("uag:") or name == "uag:off":
             continue
-        edits = select(table, "edit")
-        if alone:
-            keys = edits.keys() & select(alone, "edit").keys()
-            value = ratio(pooled_tps(table, keys), pooled_tps(alone, keys))
-            out.append(verdict(f"edit all turns tokens/s, {name} / mlx_lm", value, COPY_GOALS["edit_alone"]))
-        cycles = sum(m["lookup_cycles"] for m in edits.values())
-        proposed = sum(m["lookup_proposed_tokens"] for m in edits.values())
-        kept = ratio(sum(m["lookup_accepted_tokens"] for m in edits.values()), cycles)
-        what = f"edit tokens kept per lookup cycle ({fmt(ratio(proposed, cycles), '.1f')} proposed), {name}"
-        out.append(verdict(what, kept, COPY_GOALS["kept_per_cycle"], unit=""))
+        for workload in EDIT_WORKLOADS.values():
+            edits = select(table, workload)
+            if not edits:
+                continue
+            whole = workload in WHOLE_FILE
+            if alone:
+                keys = edits.keys() & select(alone, workload).keys()
+                value = ratio(pooled_tps(table, keys), pooled_tps(alone, keys))
+                what = f"{workload} all turns tokens/s, {name} / mlx_lm"
+                out.append(verdict(what, value, COPY_GOALS["edit_alone"]) if whole else (what, value, "(diff)", None))
+            cycles = sum(m["lookup_cycles"] for m in edits.values())
+            proposed = sum(m["lookup_proposed_tokens"] for m in edits.values())
+            kept = ratio(sum(m["lookup_accepted_tokens"] for m in edits.values()), cycles)
+            what = f"{workload} tokens kept per lookup cycle ({fmt(ratio(proposed, cycles), '.1f')} proposed), {name}"
+            out.append(verdict(what, kept, COPY_GOALS["kept_per_cycle"], unit="") if whole else
+                       (what, kept, "(diff)", None))  # fmt: skip
         value = ratio(cold_read(table), cold_read(alone))
         out.append(verdict(f"cold read TTFT, {name} / mlx_lm", value, COPY_GOALS["cold_ttft"], at_most=True))
         plain = tables.get(f"{name}:noshare") if not name.endswith(":noshare") else None
@@ -721,15 +758,15 @@ def ablation(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None
     return out
 
 
-def lossless(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, int, int]]:
-    """(comparison, turns equal, turns compared): each uag speculative condition against uag:off, turn by turn
-    and repeat by repeat; then mlx_lm's conditions against uag:off, for information."""
-    off = tables.get("uag:off")
-    if off is None:
+def lossless(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, str, int, int]]:
+    """(condition, reference, turns equal, turns compared): each condition against uag:off, turn by turn and repeat
+    by repeat (mlx_lm's for information); where uag:off did not run, uag's against mlx_lm, for information."""
+    reference = "uag:off" if "uag:off" in tables else "mlx_lm" if "mlx_lm" in tables else None
+    if reference is None:
         return []
-    out = []
+    off, out = tables[reference], []
     for name, table in tables.items():
-        if name == "uag:off":
+        if name == reference or (reference == "mlx_lm" and not name.startswith("uag:")):
             continue
         same = total = 0
         for key, m in table.items():
@@ -739,7 +776,7 @@ def lossless(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, int, int]]:
                 if repeat in off[key]["texts"]:
                     total += 1
                     same += text == off[key]["texts"][repeat]
-        out.append((name, same, total))
+        out.append((name, reference, same, total))
     return out
 
 
@@ -753,7 +790,7 @@ def summary(rows: list[dict]) -> str:
     ]
     columns = (
         ("condition", max([26, *(len(name) + 2 for name in tables)])),
-        ("workload", 12),
+        ("workload", 18),
         ("turns", 6),
         ("TTFT s", 9),
         ("tokens/s", 10),
@@ -765,8 +802,11 @@ def summary(rows: list[dict]) -> str:
     lines += ["", header, "-" * len(header)]
     for name, table in tables.items():
         for label, part in (
-            ("edit t1", select(table, "edit", (1,))),
-            ("edit t2-3", select(table, "edit", (2, 3))),
+            *(
+                (f"{w} t{turns}", select(table, w, {"1": (1,), "2-3": (2, 3)}[turns]))
+                for w in EDIT_WORKLOADS.values()
+                for turns in ("1", "2-3")
+            ),  # fmt: skip
             ("chat", select(table, "chat")),
             ("retry t2", select(table, "retry")),
         ):
@@ -795,18 +835,31 @@ def summary(rows: list[dict]) -> str:
     ]
     for what, value, goal, met in targets(tables):
         verdict = "" if goal.startswith("(") else "not measured" if met is None else "met" if met else "NOT met"
-        measured = "-" if value is None else f"{value:.2f}" + ("" if goal[-1].isdigit() else "x")  # tokens, or a ratio
+        measured = "-" if value is None else f"{value:.2f}" + ("x" if " / " in what else "")  # a ratio, or tokens
         lines.append(f"{what:<86}{measured:>9}  {goal:<9} {verdict}")
     for name, tps, e2e in ablation(tables):
         what = f"ablation: {name}, edit turns 2-3 × auto as shipped: tokens/s; speed end to end"
         lines.append(f"{what:<86}{fmt(tps, '.3f'):>9}  {fmt(e2e, '.3f')}")
-    for name, same, total in lossless(tables):
-        if name.startswith("uag:"):
+    for name, reference, same, total in lossless(tables):
+        if name.startswith("uag:") and reference == "uag:off":
             what, verdict = f"lossless: {name} text == uag:off text", "met" if same == total and total else "NOT met"
         else:
-            what, verdict = f"for information: {name} text == uag:off text", ""
+            what, verdict = f"for information: {name} text == {reference} text", ""
         lines.append(f"{what:<86}{f'{same}/{total}':>9}  {'all' if verdict else '':<9} {verdict}")
+    for name, workload, applied, total in edits_applied(tables):
+        lines.append(f"{f'edits applied to the file, {workload}, {name}':<86}{f'{applied}/{total}':>9}")
     return "\n".join(lines)
+
+
+def edits_applied(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, str, int, int]]:
+    """(condition, workload, turns whose edits applied, aider-format turns), over every repeat."""
+    out = []
+    for name, table in tables.items():
+        for workload in (w for w in EDIT_WORKLOADS.values() if w != "edit"):
+            applied = [a for m in select(table, workload).values() for a in m["applied"]]
+            if applied:
+                out.append((name, workload, sum(applied), len(applied)))
+    return out
 
 
 @contextmanager
@@ -852,6 +905,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--conversations", type=int, default=2, help="edit conversations (three turns each)")
     parser.add_argument("--ids", nargs="+", help="these edit conversations instead of the first --conversations")
+    parser.add_argument(
+        "--edit-formats",
+        nargs="+",
+        default=["edit"],
+        choices=list(EDIT_WORKLOADS),
+        help="how the edit conversations are asked, each a workload: edit (as bundled: the whole file back), whole "
+        "and diff (as aider asks with that --edit-format; workloads aider-whole, aider-diff)",
+    )
     parser.add_argument("--chat-prompts", type=int, default=2, help="open chat prompts per language (Polish, English)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
@@ -954,6 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "together": args.together,
         "conversations": [c.id for c in edit],
+        "edit_formats": args.edit_formats,
+        "aider_layout": edit_formats.aider_version() if set(args.edit_formats) - {"edit"} else None,
         "chat": [i for i, _ in chat],
         "ttft_conversation": ttft.id if ttft else None,
         "conditions": [{"name": c.name, "argv": list(c.argv), "extra_body": c.extra_body} for c in conds],
