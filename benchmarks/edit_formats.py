@@ -183,8 +183,8 @@ def search_replace_blocks(reply: str) -> list[tuple[str, str]]:
 
 
 def apply_diff(content: str, name: str, reply: str) -> tuple[str, Outcome]:
-    """The file after a `diff` reply's SEARCH/REPLACE blocks, each replacing the first occurrence of its search text:
-    exactly, else line by line ignoring trailing whitespace, else with every line's indentation shifted alike (aider's
+    """The file after a `diff` reply's SEARCH/REPLACE blocks, each replacing the first run of whole lines its search
+    text matches: exactly, else ignoring trailing whitespace, else with every line's indentation shifted alike (aider's
     own matching tries these too). An empty search appends. Any block that matches nowhere: not applied, file kept.
 
     Example: ("x = 1\\n", "<<<<<<< SEARCH\\nx = 1\\n=======\\nx = 2\\n>>>>>>> REPLACE")
@@ -203,17 +203,22 @@ def apply_diff(content: str, name: str, reply: str) -> tuple[str, Outcome]:
 
 
 def _replace(content: str, search: str, replace: str) -> str | None:
+    """`content` with the first run of whole lines that match `search` replaced: exactly, else ignoring trailing
+    whitespace, else with every line's indentation shifted alike (the replacement shifted with it); None where
+    no run matches."""
     if not search.strip():
         return _ended(content) + replace
-    if search in content:
-        return content.replace(search, replace, 1)
     lines, wanted = content.splitlines(keepends=True), search.splitlines(keepends=True)
+    starts = range(len(lines) - len(wanted) + 1)
     stripped = [w.rstrip() for w in wanted]
-    for start in range(len(lines) - len(wanted) + 1):
-        window = lines[start : start + len(wanted)]
-        if [x.rstrip() for x in window] == stripped:
+    for start in starts:
+        if lines[start : start + len(wanted)] == wanted:
             return "".join([*lines[:start], replace, *lines[start + len(wanted) :]])
-        shift = _indent_shift(window, wanted)
+    for start in starts:
+        if [x.rstrip() for x in lines[start : start + len(wanted)]] == stripped:
+            return "".join([*lines[:start], replace, *lines[start + len(wanted) :]])
+    for start in starts:
+        shift = _indent_shift(lines[start : start + len(wanted)], wanted)
         if shift is not None:
             moved = "".join(shift + r if r.strip() else r for r in replace.splitlines(keepends=True))
             return "".join([*lines[:start], moved, *lines[start + len(wanted) :]])
