@@ -119,6 +119,30 @@ def test_a_prompt_that_parts_early_reuses_only_the_common_prefix(tiny, strategy,
     assert_exact(caches, target, model if kind is not None else None)
 
 
+@pytest.mark.parametrize(("strategy", "kind"), [("baseline", None), ("context", "lookup+model")])
+def test_a_copy_of_a_held_prefix_continues_exactly_and_leaves_the_original_as_it_was(tiny, strategy, kind):
+    """`prefix(n)`: what the server hands a prompt that shares a long head with a held conversation but parts from
+    it early (aider's layout): a run from the copy equals a cold run, and the held caches still hold their ids."""
+    target, model = tiny
+    drafter = drafter_for(kind, target, model)
+    config = GenerationConfig.parse(strategy=strategy, k=3, max_tokens=MAX_TOKENS)
+    held = PromptCaches.empty()
+    generate(target, drafter, PROMPT, config, caches=held)
+    ids = list(held.target_ids)
+    n = len(ids) // 2
+    copy = held.prefix(n)
+    assert copy.target_ids == ids[:n] and copy.drafter_cache is None and copy.target_model == held.target_model
+    assert_holds(target, copy.target_cache, ids[:n])
+    other = [*ids[:n], *encode(target, " zupełnie inna lista")]
+    run = generate(target, drafter, other, config, caches=copy)
+    assert run.cached_tokens == n
+    assert run.token_ids == generate(target, drafter, other, config).token_ids
+    assert held.target_cache[0].offset == len(held.target_ids) == len(ids)
+    assert_exact(held, target)
+    assert held.prefix(len(ids) + 1) is None and held.prefix(0) is None
+    assert PromptCaches.empty().prefix(1) is None
+
+
 @pytest.mark.parametrize(("strategy", "kind"), [("baseline", None), ("context", "model"), ("context", "lookup")])
 def test_a_prompt_the_caches_hold_entirely_still_reads_its_last_token(tiny, strategy, kind):
     target, model = tiny

@@ -11,7 +11,7 @@ import pytest
 from uag.core.grammar import response_format_constraint, tool_constraint
 from uag.server.chat import ToolHold, fits, parse_tool_calls
 from uag.server.errors import APIError
-from uag.server.prompt_cache import ConversationCaches
+from uag.server.prompt_cache import MIN_FORK, ConversationCaches
 from uag.server.protocol import ServerDefaults, parse_chat, parse_completion
 from uag.server.streaming import ReplyText, StopText, sse
 
@@ -446,6 +446,9 @@ class Held:
     def nbytes(self) -> int:
         return self.size
 
+    def prefix(self, n: int) -> Held:
+        return Held(self.target_ids[:n], self.size, ["copy of", self])
+
 
 def test_the_longest_shared_prefix_wins_and_leaves_the_lru():
     lru = ConversationCaches(max_bytes=100)
@@ -463,6 +466,20 @@ def test_another_conversation_does_not_take_a_cache_it_shares_little_with():
     lru.put("t", held)
     assert lru.take("t", [1, 2, 7]) is None
     assert lru.take("t", [1, 2, 3]) is held  # a retried turn: its prompt is held
+
+
+def test_a_long_shared_head_is_copied_out_of_an_entry_the_prompt_may_not_take():
+    """aider re-sends a long head, then rewrites what follows: the head is copied and the entry stays."""
+    lru = ConversationCaches(max_bytes=100)
+    head = list(range(MIN_FORK))
+    held = Held([*head, *range(1000, 1400)])
+    lru.put("t", held)
+    copy = lru.take("t", [*head, *range(2000, 2500)])
+    assert copy.target_ids == head and copy.extra == ["copy of", held]
+    assert len(lru) == 1 and lru.forks == 1 and lru.hits == 0
+    assert lru.take("t", [*head[:-1], *range(3000, 3400)]) is None  # a shorter head is read cold
+    assert lru.take("other", [*head, 5]) is None
+    assert lru.take("t", [*head, *range(1000, 1400), 7]) is held  # its own next turn still takes it
 
 
 def test_the_least_recent_entries_go_beyond_the_budget():

@@ -76,6 +76,26 @@ class PromptCaches:
         self.target_cache, self.target_ids, self.target_model = None, [], None
         self.drafter_cache, self.drafter_ids, self.drafter_model = None, [], None
 
+    def prefix(self, n: int) -> PromptCaches | None:
+        """A copy of the target cache's first `n` tokens, this one left as it is (the drafter's cache is not copied:
+        a drafter model reads its prompt anew). None where the target cache holds fewer or is not plain KV caches.
+
+        Example: holding [5, 6, 7, 8] -> prefix(2) holds [5, 6] in caches of its own
+        """
+        cache = self.target_cache
+        held = cache[0].offset if cache and all(type(c) is KVCache for c in cache) else -1
+        if held != len(self.target_ids) or not 0 < n <= held:
+            return None
+        copies = []
+        for layer in cache:
+            copy = KVCache()
+            copy.keys = mx.contiguous(layer.keys[..., :n, :])
+            copy.values = mx.contiguous(layer.values[..., :n, :])
+            copy.offset = n
+            copies.append(copy)
+        mx.eval([c.state for c in copies])
+        return PromptCaches(target_cache=copies, target_ids=self.target_ids[:n], target_model=self.target_model)
+
     def keep(self, committed: list[int], failed: bool) -> None:
         """Say what the target's cache holds after a run: every committed token but the newest. After a failure
         (a pass that raised part way) neither cache's contents are known: both are dropped. So is a cache

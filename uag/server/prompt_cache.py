@@ -13,6 +13,10 @@ ids an entry holds and its size (`target_ids`, `nbytes()`). Standard library onl
 
 Entries are taken out while a run uses them, so no two runs ever share a cache. A pair is whatever identifies
 the models behind the caches (the server uses the target and the drafter model's names).
+
+A client that re-sends the same long head but rewrites what follows it every turn (aider puts the file, as it now
+is, after the history) shares too little with its last turn's entry to take it; the entry's head is then copied
+(`prefix`) and the entry stays, so the head is read once however the rest changes.
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ DEFAULT_CACHE_GB = 2.0
 # new prompt: a new conversation that only shares a system prompt with a held one
 # starts cold instead of taking (and cutting down) the other's cache, while a retried turn reuses its own.
 MIN_SHARED = 0.5
+# A shared prefix of at least this many tokens, from an entry the prompt may not take, is copied out of it instead
+# (reading 256 tokens takes seconds on a CPU; copying them, milliseconds).
+MIN_FORK = 256
 
 
 class Held(Protocol):
     target_ids: list[int]
 
     def nbytes(self) -> int: ...
+
+    def prefix(self, n: int) -> Held | None: ...  # a copy holding the first n tokens (None: this one cannot)
 
 
 @dataclass
@@ -57,6 +66,7 @@ class ConversationCaches:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.forks = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -68,15 +78,16 @@ class ConversationCaches:
 
     def take(self, pair: Hashable, prompt: Sequence[int]) -> Held | None:
         """Remove and return the held caches of `pair` that share the longest prefix with `prompt`, if that
-        prefix is at least `MIN_SHARED` of what they hold, or all of `prompt`; None when no
-        entry qualifies (read cold).
+        prefix is at least `MIN_SHARED` of what they hold, or all of `prompt`. Else a copy of the longest shared
+        prefix of at least `MIN_FORK` tokens (the entry stays); else None (read cold).
 
         Example: held [1, 2, 3] and [1, 9]; prompt [1, 2, 3, 4] -> the first (3 of 3 shared)
                  held [1, 2, 3, 4, 5, 6]; prompt [1, 2, 7] -> None (2 of 6 shared: another conversation)
                  held [1, 2, 3, 4, 5, 6]; prompt [1, 2, 3] -> it (a retried turn: the prompt is held)
+                 held 300 head tokens + 400 others; prompt the head + 500 others -> a copy of the head
         """
         with self._lock:
-            best, best_shared = None, 0
+            best, best_shared, fork, fork_shared = None, 0, None, MIN_FORK - 1
             for key, entry in self._entries.items():
                 if entry.pair != pair:
                     continue
@@ -84,11 +95,18 @@ class ConversationCaches:
                 enough = shared >= MIN_SHARED * len(entry.caches.target_ids) or shared == len(prompt)
                 if shared > best_shared and enough:
                     best, best_shared = key, shared
-            if best is None:
+                elif shared > fork_shared and not enough:
+                    fork, fork_shared = key, shared
+            if best is not None:
+                self.hits += 1
+                return self._entries.pop(best).caches
+            copy = None if fork is None else self._entries[fork].caches.prefix(fork_shared)
+            if copy is None:
                 self.misses += 1
                 return None
-            self.hits += 1
-            return self._entries.pop(best).caches
+            self._entries.move_to_end(fork)  # its head is in use
+            self.forks += 1
+            return copy
 
     def put(self, pair: Hashable, caches: Held) -> None:
         """Hold `caches` (after a run) as the most recent entry; drop the least recent beyond the budget."""
