@@ -4,7 +4,8 @@ A chat client sends the whole conversation with every request, so turn n + 1's p
 prompt and reply. The engine, given the `PromptCaches` of turn n (uag.core.engine), trims them to the common
 prefix and reads only what is new, for the target and the drafter model alike. This module decides which held
 caches a new prompt reuses and which to drop. It never looks inside a cache (no mlx): it needs only the target
-ids an entry holds and its size (`target_ids`, `nbytes()`). Standard library only.
+ids an entry holds, its size and a copy of its first tokens (`target_ids`, `nbytes()`, `prefix(n)`). Standard
+library only.
 
     lru = ConversationCaches(max_bytes=2e9)
     caches = lru.take(pair, prompt) or PromptCaches.empty()     # a conversation's caches leave the LRU …
