@@ -24,8 +24,9 @@ DOC = 'def plus(a, b):\n    """Sum."""\n    return a + b\n\n\nprint(plus(1, 2))\
 REPLIES = {
     "whole": [f"Renamed.\n\n{FILE}\n```python\n{PLUS}```\n", f"Docstring.\n\n{FILE}\n```python\n{DOC}```\n"],
     "diff": [
-        f"Rename it.\n\n{FILE}\n```python\n<<<<<<< SEARCH\ndef add(a, b):\n=======\ndef plus(a, b):\n>>>>>>> REPLACE\n```\n"
-        f"\n{FILE}\n```python\n<<<<<<< SEARCH\nprint(add(1, 2))\n=======\nprint(plus(1, 2))\n>>>>>>> REPLACE\n```\n",
+        f"Rename it.\n\n{FILE}\n```python\n<<<<<<< SEARCH\ndef add(a, b):\n=======\ndef plus(a, b):\n"
+        f">>>>>>> REPLACE\n```\n\n{FILE}\n```python\n<<<<<<< SEARCH\nprint(add(1, 2))\n=======\nprint(plus(1, 2))\n"
+        ">>>>>>> REPLACE\n```\n",
         f'Docstring.\n\n{FILE}\n```python\n<<<<<<< SEARCH\ndef plus(a, b):\n=======\ndef plus(a, b):\n    """Sum."""\n'
         ">>>>>>> REPLACE\n```\n",
     ],
@@ -40,8 +41,9 @@ class Recorder(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Recorder.sent.append(body["messages"])
         text = Recorder.replies[min(len(Recorder.sent), len(Recorder.replies)) - 1]
+        delta = {"role": "assistant", "content": text}
         chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
-                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None}]}  # fmt: skip
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}  # fmt: skip
         done = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")

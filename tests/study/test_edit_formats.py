@@ -1,7 +1,7 @@
 """benchmarks/edit_formats.py: the edit conversations asked the way aider asks (its `whole` and `diff` formats), and
 each reply applied to the file the way aider applies it. The replay is checked against requests aider 0.86.2 itself
 sent (tests/fixtures/aider-0.86.2-sent.json: aider run on a two-line file, against a server that recorded each
-request and answered with the fixture's replies)."""
+request and answered with the fixture's replies; benchmarks/aider_layout/record.py writes it again)."""
 
 import json
 import sys
