@@ -38,16 +38,21 @@ _REPLACE = re.compile(r"^>{5,9} REPLACE\s*$")
 
 
 @cache
+def _captured() -> dict:
+    """`LAYOUT`, read once: the aider version and each edit format's layout."""
+    return json.loads(LAYOUT.read_text(encoding="utf-8"))
+
+
 def layout(edit_format: str) -> dict:
     """Aider's captured layout for one edit format (`aider_layout/*.json`)."""
-    formats = json.loads(LAYOUT.read_text(encoding="utf-8"))["formats"]
+    formats = _captured()["formats"]
     if edit_format not in formats:
         raise ValueError(f"no aider layout for edit format {edit_format!r} (there are {', '.join(formats)})")
     return formats[edit_format]
 
 
 def aider_version() -> str:
-    return json.loads(LAYOUT.read_text(encoding="utf-8"))["aider"]
+    return _captured()["aider"]
 
 
 @dataclass(frozen=True)
@@ -209,19 +214,22 @@ def _replace(content: str, search: str, replace: str) -> str | None:
     if not search.strip():
         return _ended(content) + replace
     lines, wanted = content.splitlines(keepends=True), search.splitlines(keepends=True)
-    starts = range(len(lines) - len(wanted) + 1)
+    starts, n = range(len(lines) - len(wanted) + 1), len(wanted)
+
+    def splice(start: int, text: str) -> str:
+        return "".join([*lines[:start], text, *lines[start + n :]])
+
     stripped = [w.rstrip() for w in wanted]
     for start in starts:
-        if lines[start : start + len(wanted)] == wanted:
-            return "".join([*lines[:start], replace, *lines[start + len(wanted) :]])
+        if lines[start : start + n] == wanted:
+            return splice(start, replace)
     for start in starts:
-        if [x.rstrip() for x in lines[start : start + len(wanted)]] == stripped:
-            return "".join([*lines[:start], replace, *lines[start + len(wanted) :]])
+        if [x.rstrip() for x in lines[start : start + n]] == stripped:
+            return splice(start, replace)
     for start in starts:
-        shift = _indent_shift(lines[start : start + len(wanted)], wanted)
+        shift = _indent_shift(lines[start : start + n], wanted)
         if shift is not None:
-            moved = "".join(shift + r if r.strip() else r for r in replace.splitlines(keepends=True))
-            return "".join([*lines[:start], moved, *lines[start + len(wanted) :]])
+            return splice(start, "".join(shift + r if r.strip() else r for r in replace.splitlines(keepends=True)))
     return None
 
 

@@ -24,14 +24,19 @@ from aider.models import Model
 FILE, CONTENT, REQUEST = "placeholder.py", "PLACEHOLDER = 1\n", "REQUEST"
 
 
+def aider_coder(edit_format: str, name: str, content: str) -> Coder:
+    """Aider editing one file, `name` holding `content`, in a fresh folder, with an OpenAI-compatible server's
+    unknown model (`OPENAI_API_BASE`), no git and no repo map."""
+    os.chdir(tempfile.mkdtemp())
+    with open(name, "w") as f:
+        f.write(content)
+    return Coder.create(main_model=Model("openai/coder-target"), edit_format=edit_format,
+                        io=InputOutput(yes=True, pretty=False), fnames=[name], use_git=False, map_tokens=0,
+                        stream=True)  # fmt: skip
+
+
 def layout(edit_format: str) -> dict:
-    folder = tempfile.mkdtemp()
-    os.chdir(folder)
-    with open(FILE, "w") as f:
-        f.write(CONTENT)
-    io = InputOutput(yes=True, pretty=False)
-    coder = Coder.create(main_model=Model("openai/model"), edit_format=edit_format, io=io, fnames=[FILE],
-                         use_git=False, map_tokens=0, stream=True)  # fmt: skip
+    coder = aider_coder(edit_format, FILE, CONTENT)
     coder.cur_messages = [{"role": "user", "content": REQUEST}]
     chunks = coder.format_chat_chunks()
     files, files_reply = chunks.chat_files

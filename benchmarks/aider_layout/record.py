@@ -12,7 +12,6 @@ that aider applies them and the second turn carries the first in its history.
 import json
 import os
 import sys
-import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
@@ -56,19 +55,13 @@ class Recorder(BaseHTTPRequestHandler):
 
 
 def record(edit_format: str) -> list:
-    from aider.coders import Coder
-    from aider.io import InputOutput
-    from aider.models import Model
+    from capture import aider_coder  # beside this script; it imports aider
 
     Recorder.sent, Recorder.replies = [], REPLIES[edit_format]
     server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     os.environ.update(OPENAI_API_BASE=f"http://127.0.0.1:{server.server_port}/v1", OPENAI_API_KEY="none")
-    os.chdir(tempfile.mkdtemp())
-    with open(FILE, "w") as f:
-        f.write(CONTENT)
-    coder = Coder.create(main_model=Model("openai/coder-target"), edit_format=edit_format, io=InputOutput(yes=True),
-                         fnames=[FILE], use_git=False, map_tokens=0, stream=True)  # fmt: skip
+    coder = aider_coder(edit_format, FILE, CONTENT)
     for request in REQUESTS:
         coder.run(with_message=request)
     server.shutdown()
