@@ -21,7 +21,7 @@ from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.evidence import Evidence
 from uag.core.records import Run
-from uag.costs.pair import evidence_key, keep_measured, open_auto
+from uag.costs.pair import evidence_key, keep_measured, open_auto, why_short
 from uag.costs.profiles import (
     Calibration,
     MachineLoad,
@@ -31,6 +31,7 @@ from uag.costs.profiles import (
     profile_path,
     replaces,
     save,
+    short_of_copies,
     target_key,
     why_measure_again,
 )
@@ -44,8 +45,9 @@ from uag.server.protocol import Request, ServerDefaults
 from uag.server.service import Service
 
 QUIET, BUSY = MachineLoad(0.3, 0.2, 2), MachineLoad(1.2, 1.7, 2)
-SAVED = CostProfile({1: 300.0, 2: 320.0}, drafter_ms=0.0)  # measured when the machine was slower
-MEASURED = CostProfile({1: 100.0, 2: 110.0}, drafter_ms=0.0)
+SAVED = CostProfile({1: 300.0, 2: 320.0, 65: 960.0}, drafter_ms=0.0)  # measured when the machine was slower
+MEASURED = CostProfile({1: 100.0, 2: 110.0, 65: 320.0}, drafter_ms=0.0)
+SHORT = CostProfile({w: 300.0 + 20.0 * (w - 1) for w in range(1, 10)}, drafter_ms=0.0)  # timed to width 9 only
 
 
 @pytest.fixture
@@ -193,6 +195,29 @@ def test_a_busy_measurement_is_never_saved_over_a_quieter_one():
     assert replaces(None, calibration(SAVED, QUIET))  # a system without a load average: the newer one
 
 
+def test_a_verify_curve_short_of_a_copy_s_pass_is_said_and_any_measurement_replaces_it():
+    """Past its widest width a curve is extrapolated from its last two: one that stops short of the pass a lookup
+    copy makes (65) misprices copies, so even a busy measurement is saved over it; a model-only drafter never
+    proposes that far."""
+    assert short_of_copies(SHORT) == "its verify curve stops at width 9, short of a copy's 65"
+    assert short_of_copies(SAVED) is None and short_of_copies(MEASURED) is None
+    assert not replaces(BUSY, calibration(SAVED, QUIET)) and replaces(BUSY, calibration(SHORT, QUIET))
+    model = SimpleNamespace(name="org/drafter", dtype="float32")
+    assert why_short(calibration(SHORT, QUIET), DrafterChoice(lookup=True)) is not None
+    assert why_short(calibration(SHORT, QUIET), DrafterChoice(lookup=True, model=model)) is not None
+    assert why_short(calibration(SHORT, QUIET), DrafterChoice(model=model)) is None
+    assert why_short(calibration(SAVED, QUIET), DrafterChoice(lookup=True)) is None
+    assert why_short(None, DrafterChoice(lookup=True)) is None
+
+
+def test_uag_calibrate_times_the_widths_a_copy_reaches_unless_told_to_stop_sooner():
+    from uag.costs.calibrate import DEFAULT_WIDTHS, build_parser, widths_to
+
+    assert widths_to(build_parser().parse_args([]).max_width) == list(DEFAULT_WIDTHS)
+    assert max(DEFAULT_WIDTHS) == 65 and max(uag.costs.calibrate.QUICK["widths"]) == 65
+    assert widths_to(40) == [*range(1, 17), 24, 33, 40] and widths_to(3) == [1, 2, 3]
+
+
 def test_a_pair_is_measured_again_at_most_once_per_interval():
     assert due(None, 5.0)
     assert not due(100.0, 699.0, 600.0) and due(100.0, 700.0, 600.0)
@@ -238,6 +263,22 @@ def test_the_api_keeps_a_profile_a_run_found_off_and_warns_once(cache, now_quiet
     (line,) = [r.getMessage() for r in caplog.records if "org/target" in r.getMessage()]  # not other tests' servers
     assert "took 0.33× the saved times" in line and "uag calibrate --target org/target --drafter lookup" in line
     assert profile_path(target_key(target)).exists()
+
+
+def test_the_api_says_once_that_a_short_verify_curve_prices_copies_by_extrapolation(
+    cache, now_quiet, no_calibration, caplog, monkeypatch
+):
+    """The CLI, the API and the app: the saved curve is used (nothing is measured inside a run) and one warning line
+    per process names the fix."""
+    monkeypatch.setattr(uag.costs.pair, "_said_short", set())
+    target, lookup = fake_target(), DrafterChoice(lookup=True)
+    save(calibration(SHORT, QUIET))
+    with caplog.at_level(logging.WARNING, logger="uag.costs.pair"):
+        autos = [open_auto(target, lookup) for _ in range(2)]
+    assert [auto.profile for auto in autos] == [SHORT, SHORT]
+    (line,) = [r.getMessage() for r in caplog.records if "org/target" in r.getMessage()]
+    assert "stops at width 9, short of a copy's 65" in line and "extrapolation" in line
+    assert "uag calibrate --target org/target --drafter lookup" in line
 
 
 # --- the server ------------------------------------------------------------------------------------------------
@@ -356,6 +397,29 @@ def test_start_up_measures_the_offered_pairs_without_costs(cache, now_quiet, no_
     assert measure.calls == 1 and find_calibration(target_key(fake_target())).profile == MEASURED
     served.preload().wait(10)
     assert measure.calls == 1  # saved: not measured again
+
+
+def test_a_short_verify_curve_is_measured_again_at_start_up_and_after_a_request_even_on_a_busy_machine(
+    cache, no_calibration, monkeypatch, caplog
+):
+    busy = lambda start=None: BUSY  # noqa: E731
+    monkeypatch.setattr(uag.costs.profiles, "machine_load", busy)
+    monkeypatch.setattr(uag.costs.pair, "machine_load", busy)
+    save(calibration(SHORT, QUIET))
+    measure = Measure()
+    served = service(measure, Stream(scale=1.0))
+    served.preload().wait(10)
+    assert measure.calls == 1 and find_calibration(target_key(fake_target())).profile == MEASURED
+
+    save(calibration(SHORT, QUIET))  # saved again while the server runs (say, by `uag calibrate --max-width 9`)
+    stream = Stream(scale=1.0)
+    served = service(measure := Measure(), stream)
+    with caplog.at_level(logging.WARNING, logger="uag.server.service"):
+        done = ask(served)[-1]
+        assert done.finish == "stop" and stream.profiles == [SHORT]  # the request ran on what was saved
+        assert wait_for(lambda: measure.calls == 1 and not served.costs.pending)
+    assert find_calibration(target_key(fake_target())).profile == MEASURED
+    assert any("stops at width 9, short of a copy's 65; measuring them again" in r.getMessage() for r in caplog.records)
 
 
 def test_others_busy_counts_the_machines_cpu_time_less_this_process():

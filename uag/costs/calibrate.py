@@ -2,14 +2,14 @@
 
 The study modelled verification as 1 + c·k² target steps. Real costs are not that smooth (on a GPU a kernel
 switch can make a wider pass cheaper than a narrower one: docs/results.md, "Break-even for the study's shapes"),
-so we measure instead, each
-the way a run spends it: the target's verification over w = 1..16 new tokens with a filled cache (every
-row scored, as a cycle scores it), a drafter step (pipelined, as drafting runs k of them), the drafter's
-one pass over n new tokens (reading a prompt or a parked stretch: a batched pass, not n steps), and the
-translation's bookkeeping per cycle. The profile is saved per (device, backend, model pair, dtype) in
-the user cache, with the machine's load meanwhile; `--strategy auto` and the app use it. A `cancel` check
-between passes lets a server stop a measurement when a request comes in. `--reset` forgets what was saved
-for a pair: its profile and what earlier auto runs of it accepted (uag.costs.profiles).
+so we measure instead, each the way a run spends it: the target's verification over w = 1..16 new tokens with
+a filled cache, and sparsely on to 65, a lookup copy's widest pass (every row scored, as a cycle scores it), a
+drafter step (pipelined, as drafting runs k of them), the drafter's one pass over n new tokens (reading a prompt
+or a parked stretch: a batched pass, not n steps), and the translation's bookkeeping per cycle. The profile is
+saved per (device, backend, model pair, dtype) in the user cache, with the machine's load meanwhile;
+`--strategy auto` and the app use it. A `cancel` check between passes lets a server stop a measurement when a
+request comes in. `--reset` forgets what was saved for a pair: its profile and what earlier auto runs of it
+accepted (uag.costs.profiles).
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ from uag.core.config import LOOKUP, DrafterSpec
 from uag.core.costmodel import CostProfile
 from uag.core.passes import logprobs, settle_allocator
 from uag.core.translate import DEFAULT_WINDOW, make_translator, text_after
-from uag.costs.profiles import Calibration, forget, machine_load, others_load, profile_key, save, target_key
+from uag.costs.profiles import COPY_WIDTH, Calibration, forget, machine_load, others_load, profile_key, save, target_key
 from uag.errors import UserError
 from uag.models.store import LoadedModel, ModelStore, Pair, check_pair
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
 # every width a model's draft reaches (k <= 16), and sparsely those a lookup copy reaches (lookup.LOOKUP_REACH):
 # past the widest measured width auto extrapolates from the last two, which can price a wide pass far from its cost
-DEFAULT_WIDTHS = (*range(1, 17), 24, 33, 49, 65)
+DEFAULT_WIDTHS = (*range(1, 17), 24, 33, 49, COPY_WIDTH)
 READ_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # drafter passes over n tokens (past 256: their slope)
 DRAFT_STEPS = 4  # drafter steps timed in a row, pipelined as a draft runs them
 # On first use of auto: verifying up to k = 8 drafts, and a copy's 16, 32 and 64; other widths are interpolated
 # until a run times them.
-QUICK = {"widths": (*range(1, 10), 17, 33, 65), "repeats": 3}
+QUICK = {"widths": (*range(1, 10), 17, 33, COPY_WIDTH), "repeats": 3}
 Cancel = Callable[[], bool]  # asked between passes: True stops the measurement (`MeasurementStopped`)
 CALIBRATION_TEXT = (
     "Kraków – miasto na prawach powiatu w południowej Polsce, położone nad Wisłą. W latach 1038–1596 "
@@ -231,6 +231,16 @@ def target_part(calibration: Calibration, target: LoadedModel) -> Calibration:
     return replace(calibration, key=target_key(target), profile=profile)
 
 
+def widths_to(widest: int) -> list[int]:
+    """The widths `uag calibrate --max-width` times: `DEFAULT_WIDTHS` up to `widest`, and `widest` itself.
+
+    Example: widths_to(65) == list(DEFAULT_WIDTHS);  widths_to(40) -> 1..16, 24, 33, 40;  widths_to(3) -> 1, 2, 3
+    >>> widths_to(40)[-4:], widths_to(3)
+    ([16, 24, 33, 40], [1, 2, 3])
+    """
+    return sorted({w for w in DEFAULT_WIDTHS if w <= widest} | {widest})
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -265,7 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(the model's pair: lookup itself costs microseconds)",
     )
     parser.add_argument("--context", type=whole, default=DEFAULT_CONTEXT, help="tokens in the cache while timing")
-    parser.add_argument("--max-width", type=whole, default=16, help="largest verification width w to time, 1..64")
+    parser.add_argument(
+        "--max-width", type=whole, default=COPY_WIDTH,
+        help=f"largest verification width w to time, 1..{COPY_WIDTH} (every width to 16, then sparsely: "
+        f"{COPY_WIDTH} is a lookup copy's widest pass, and auto extrapolates past the widest timed)",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=whole, default=5, help="timed rounds over all widths (least kept)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
@@ -287,7 +301,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     problems = [
         f"{flag} must be {bound} (got {value})"
         for flag, value, ok, bound in (
-            ("--max-width", args.max_width, 1 <= args.max_width <= 64, "from 1 to 64"),
+            ("--max-width", args.max_width, 1 <= args.max_width <= COPY_WIDTH, f"from 1 to {COPY_WIDTH}"),
             ("--context", args.context, args.context >= 16, "at least 16"),
             ("--repeats", args.repeats, args.repeats >= 1, "at least 1"),
         )
@@ -298,7 +312,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     store = ModelStore()
     say = None if args.json else progress
     target = load_model(store, args.target, role="target", progress=say)
-    settings = {"context": args.context, "widths": range(1, args.max_width + 1), "repeats": args.repeats}
+    settings = {"context": args.context, "widths": widths_to(args.max_width), "repeats": args.repeats}
     if spec.model is None:  # prompt lookup alone: what auto prices its proposals by is the target's verify curve
         calibration = calibrate_target(target, progress=say, **settings)
     else:

@@ -21,6 +21,7 @@ from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.evidence import Evidence
 from uag.costs.profiles import (
+    COPY_WIDTH,
     Calibration,
     find_calibration,
     find_evidence,
@@ -30,6 +31,7 @@ from uag.costs.profiles import (
     replaces,
     save,
     save_evidence,
+    short_of_copies,
     target_key,
     why_measure_again,
 )
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 Schedule = Callable[[dict, str], None]  # (the pair's profile key, why its costs should be measured)
 MEASURING = "measuring this pair's costs once (auto decides by them; saved for next time)"
+_said_short: set[str] = set()  # pairs whose short verify curve this process has warned of (once each)
 
 
 def saved_profile(target: LoadedModel, drafter: DrafterChoice | LoadedModel | None) -> CostProfile | None:
@@ -151,6 +154,14 @@ def keep_evidence(key: dict | None, evidence: Evidence) -> None:
         log.warning("could not save auto's evidence for the next run", exc_info=True)
 
 
+def why_short(calibration: Calibration | None, drafter: DrafterChoice | LoadedModel | None) -> str | None:
+    """Why `calibration` cannot price what `drafter` proposes (`short_of_copies`): only a drafter with prompt
+    lookup copies past a model's k; None where it reaches, or where nothing is saved."""
+    if calibration is None or drafter is None or not DrafterChoice.of(drafter).lookup:
+        return None
+    return short_of_copies(calibration.profile)
+
+
 def judge_profile(calibration: Calibration, evidence: Evidence) -> str | None:
     """After an auto run on `calibration`'s profile: why its costs should be measured again, by the run's own
     target passes (`Evidence.scale`) and the machine's load now against the measurement's; None when they hold.
@@ -193,9 +204,10 @@ def open_auto(
     caller's own evidence leaves nothing to save.
 
     Without `schedule` (the CLI, the API, the app) a pair with no saved profile is measured here, and a profile
-    the run found off is said in one warning line (`uag calibrate` measures it again). With it (a server)
-    nothing is measured here: the run goes on the saved profile or none (auto then learns the costs as it
-    runs), and `schedule(key, why)` hears of a missing profile now and of one the run found off at the end.
+    the run found off, or one whose verify curve stops short of a lookup copy's pass (`why_short`), is said in
+    one warning line (`uag calibrate` measures it again). With it (a server) nothing is measured here: the run
+    goes on the saved profile or none (auto then learns the costs as it runs), and `schedule(key, why)` hears
+    of a missing or short profile now and of one the run found off at the end.
     `keep=False` (an ablated auto, `uag serve --auto-off`): the evidence opens from the pair's saved evidence and
     stays in `held`; nothing is saved and the profile is not judged.
     """
@@ -206,6 +218,16 @@ def open_auto(
             calibration = saved_or_measured(key, target, drafter, progress=progress)
         elif (calibration := read_calibration(key)) is None:
             schedule(key, "no costs are saved for it yet")
+        if (short := why_short(calibration, drafter)) is not None:
+            if schedule is not None:
+                schedule(key, short)
+            elif (name := json.dumps(key, sort_keys=True)) not in _said_short:
+                _said_short.add(name)
+                log.warning(
+                    "auto's saved costs for %s: %s, so auto prices long copies by extrapolation (measure them again "
+                    "with `uag calibrate --target %s --drafter %s`, which times widths to %d)",
+                    pair_name(key), short, key["target"], key["drafter"], COPY_WIDTH,
+                )  # fmt: skip
         profile = None if calibration is None else calibration.profile
     if "evidence" in given:
         return AutoInputs(profile, given["evidence"])  # the caller's evidence stays the caller's

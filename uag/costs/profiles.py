@@ -28,6 +28,7 @@ from typing import Protocol
 from uag.core.config import LOOKUP
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import Evidence
+from uag.core.lookup import LOOKUP_REACH
 from uag.machine import backend, cache_dir, device_name
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ BUSY = 0.75  # others' load per core above which a measurement is a busy machine
 QUIETER = 0.25  # a moment this much quieter per core than the profile's measurement ...
 DISAGREES = 1.25  # ... whose run's passes are this many times faster than the profile's: measure again
 LOAD_TAU_S = 60.0  # the time constant of the 1-minute load average (os.getloadavg()[0])
+COPY_WIDTH = LOOKUP_REACH + 1  # the widest pass auto verifies: a lookup copy and the target's own token
 
 
 @dataclass(frozen=True)
@@ -205,11 +207,31 @@ def replaces(new: MachineLoad | None, saved: Calibration | None) -> bool:
     recorded). A quiet one, or one where the system reports no
     load, always does: it is the newer truth.
 
+    A saved verify curve short of a copy's pass (`short_of_copies`) is always replaced: a busier measurement
+    prices every width a little high, which auto rescales by its own passes, but a curve that stops short prices
+    a copy by extrapolation, and no rescaling mends a wrong shape.
+
     Example: new load 1.6 on 2 cores, saved at 0.3 on 2 -> False;  new 0.4 on 2 -> True;  nothing saved -> True
     """
-    if saved is None or new is None or not new.busy:
+    if saved is None or new is None or not new.busy or short_of_copies(saved.profile):
         return True
     return saved.load is not None and saved.load.per_core >= new.per_core
+
+
+def short_of_copies(profile: CostProfile) -> str | None:
+    """Why a verify curve cannot price a lookup copy, or None where it can. A copy proposes up to
+    `LOOKUP_REACH` tokens, a pass `COPY_WIDTH` wide; past its widest width a curve is extrapolated from its last
+    two, and on a CPU those two can cross a BLAS kernel's boundary (a 1.5B target's curve timed to width 9 went
+    on at 124 ms a token where a step took 925 ms: a 64-token copy looked 9 steps dear, and until a run timed a
+    wide pass of its own, auto proposed short copies). Profiles saved before calibration timed copies' widths,
+    and `uag calibrate --max-width` below 65, stop short.
+
+    Example: widths 1..9 -> "its verify curve stops at width 9, short of a copy's 65";  1..16 and 65 -> None
+    """
+    widest = max(profile.target_ms)
+    if widest >= COPY_WIDTH:
+        return None
+    return f"its verify curve stops at width {widest}, short of a copy's {COPY_WIDTH}"
 
 
 def why_measure_again(scale: float, measured: MachineLoad | None, now: Callable[[], MachineLoad | None]) -> str | None:

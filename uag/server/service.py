@@ -341,9 +341,10 @@ class Service:
                         "learns them as it runs" if first else "rescales the saved ones as it runs")  # fmt: skip
 
     def _measure_missing(self, job: Job, progress: Callable[[str], None] | None) -> None:
-        """At start-up: measure every offered pair whose models are loaded and that has no costs saved (model
-        drafters first: a pair's measurement also gives prompt lookup its target-only costs)."""
-        from uag.costs.pair import evidence_key, read_calibration
+        """At start-up: measure every offered pair whose models are loaded and that has no costs saved, or a
+        verify curve short of what its lookup copies (`why_short`; model drafters first: a pair's measurement also
+        gives prompt lookup its target-only costs)."""
+        from uag.costs.pair import evidence_key, read_calibration, why_short
 
         offered = sorted(self.defaults.allowed, key=lambda text: DrafterSpec.parse(text).model is None)
         stopped = False
@@ -352,9 +353,11 @@ class Service:
             if pair is None:
                 continue  # measured once a request has loaded it
             key = evidence_key(*pair)
-            if read_calibration(key) is not None:
+            saved = read_calibration(key)
+            why = "no costs are saved for it yet" if saved is None else why_short(saved, pair[1])
+            if why is None:
                 continue
-            wanted = Wanted(key, drafter, "no costs are saved for it yet")
+            wanted = Wanted(key, drafter, why)
             stopped = stopped or not self._measure(job, wanted, self.costs.cancel_for(job), progress)
             if stopped:  # a request came in: the rest wait for an idle moment
                 self._want(wanted)
