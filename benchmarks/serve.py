@@ -200,7 +200,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
-        self.startup_s: float | None = None  # from the start of the process to its first HTTP answer
+        self.startup_s: float | None = None  # from the start of the process to its first answer (uag: "ready")
         self.openblas: bool | None = None  # whether OpenBLAS is in its memory map (None: cannot tell)
 
     def __enter__(self) -> Server:
@@ -232,8 +232,11 @@ class Server:
         self.stop()
 
     def _wait(self) -> None:
-        """Until /health answers: 200 from uag serve, any status from mlx_lm.server. Both may still be loading
-        their models (uag in the background, mlx_lm.server on its first request): the warm-up replies wait."""
+        """Until /health answers: any status from mlx_lm.server, which loads its model on its first request (the
+        warm-up replies wait); from uag serve, 200 and "ready", its start-up done: loading its models and, where no
+        costs are saved (a fresh machine), measuring them. A request sent before would stop that measurement, and
+        auto would run the whole benchmark without measured costs, since the requests leave the server no idle
+        moment to measure them in."""
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -242,7 +245,7 @@ class Server:
                 )
             try:
                 response = httpx.get(self.url + "/health", timeout=5)
-                if self.condition.server != "uag" or response.status_code == 200:
+                if self.condition.server != "uag" or (response.status_code == 200 and response.json().get("ready", 1)):
                     return
             except httpx.TransportError:
                 pass

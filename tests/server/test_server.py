@@ -51,7 +51,7 @@ def say(client, content, **kw):
 def test_models_health_and_the_ui(served, client):
     url, _ = served
     assert [m.id for m in client.models.list()] == [MODEL]
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/health").json() == {"status": "ok", "ready": True}  # nothing preloaded here
     assert httpx.get(url + "/", follow_redirects=False).headers["location"] == "/ui/"
     assert httpx.get(url + "/ui/").status_code == 200  # the app (its login page: the key is its password)
 

@@ -422,6 +422,19 @@ def test_a_short_verify_curve_is_measured_again_at_start_up_and_after_a_request_
     assert any("stops at width 9, short of a copy's 65; measuring them again" in r.getMessage() for r in caplog.records)
 
 
+def test_the_server_says_what_it_still_does_at_start_up_until_a_request_stops_its_measurement(
+    cache, now_quiet, no_calibration
+):
+    measure = Measure(hold=True)  # measures until a request comes in
+    served = service(measure, Stream(scale=1.0))
+    assert served.starting() is None  # nothing started: nothing to wait for
+    started = served.preload()
+    assert wait_for(lambda: measure.calls == 1)
+    assert served.starting() == "measuring auto's costs (stops for a request)"
+    assert ask(served)[-1].finish == "stop"
+    assert started.wait(10) and served.starting() is None and measure.stopped == 1
+
+
 def test_others_busy_counts_the_machines_cpu_time_less_this_process():
     from uag.costs.profiles import OthersBusy
 

@@ -51,6 +51,10 @@ class FakeService:
         self.release, self.started, self.cancelled = threading.Event(), threading.Event(), threading.Event()
         self.release.set()
         self.forever = False
+        self.doing: str | None = None  # what `starting` says (None: start-up finished)
+
+    def starting(self) -> str | None:
+        return self.doing
 
     def job(self, job, parsed, key: str | None = None) -> Iterator:
         self.started.set()
@@ -212,7 +216,9 @@ def test_wrong_keys_then_a_wait_with_retry_after_also_at_the_app_login(fake):
 # --- routes as operators expect ------------------------------------------------------------------------------------
 def test_health_head_trailing_slashes_and_one_model(fake):
     http = TestClient(_app(fake), base_url=LOCAL, follow_redirects=False)
-    assert http.head("/health").status_code == 200 and http.get("/health/").json() == {"status": "ok"}
+    assert http.head("/health").status_code == 200 and http.get("/health/").json() == {"status": "ok", "ready": True}
+    fake.doing = "measuring auto's costs (stops for a request)"  # start-up not finished: requests are served
+    assert http.get("/health").json() == {"status": "ok", "ready": False, "starting": fake.doing}
     assert http.get("/v1/models/", headers=AUTH).json()["data"][0]["id"] == MODEL
     assert http.get(f"/v1/models/{MODEL}", headers=AUTH).json()["id"] == MODEL
     missing = http.get("/v1/models/gpt-4o", headers=AUTH)

@@ -119,7 +119,8 @@ def create_app(
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
-        return {"status": "ok"}
+        starting = service.starting()  # requests are served meanwhile: "ready" says start-up has finished
+        return {"status": "ok", "ready": starting is None, **({"starting": starting} if starting else {})}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

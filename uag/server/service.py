@@ -113,7 +113,15 @@ class Service:
         self.saved_s = 0.0
         self._steps: dict[str, StepTime] = {}  # target -> its step time as served here (speculation off)
         self._lock = threading.Lock()
+        self._starting: Job | None = None  # `preload`'s job: loading the default pair, then measuring its costs
         store.on_evict.append(lambda model: self.caches.forget(model.name))
+
+    def starting(self) -> str | None:
+        """What the server still does at start-up (loading the default pair, then measuring auto's costs where
+        none are saved), or None once that is done: a request sent meanwhile is served, but waits for the models
+        and stops the measurement, and auto then runs without measured costs until the server is next idle."""
+        job = self._starting
+        return None if job is None or job.done.is_set() else job.label
 
     def preload(self, progress: Callable[[str], None] | None = None) -> Job:
         """Load the default pair in the background, so that the first request finds it loaded, then measure the
@@ -135,7 +143,7 @@ class Service:
             except Exception:  # said again, to the client, on the first request
                 log.warning("preloading the default pair failed", exc_info=True)
 
-        queued = self.runner.worker.submit(job, label=f"loading {self.target_name}")
+        queued = self._starting = self.runner.worker.submit(job, label=f"loading {self.target_name}")
         threading.Thread(target=drain, args=(queued,), name="uag-serve-preload", daemon=True).start()
         self.costs.start()
         return queued
