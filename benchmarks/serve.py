@@ -237,7 +237,7 @@ class Server:
         costs are saved (a fresh machine), measuring them. A request sent before would stop that measurement, and
         auto would run the whole benchmark without measured costs, since the requests leave the server no idle
         moment to measure them in."""
-        deadline = time.monotonic() + STARTUP_S
+        deadline, wait_s = time.monotonic() + STARTUP_S, 0.5
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -247,9 +247,10 @@ class Server:
                 response = httpx.get(self.url + "/health", timeout=5)
                 if self.condition.server != "uag" or (response.status_code == 200 and response.json().get("ready", 1)):
                     return
+                wait_s = 2.0  # up, still starting (a measurement takes minutes): fewer lines in its log
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(wait_s)
         raise RuntimeError(f"{self.condition.name} did not answer within {STARTUP_S} s:\n{self.tail()}")
 
     def _maps_openblas(self) -> bool | None:

@@ -6,8 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import cold_read  # noqa: E402  (benchmarks/cold_read.py)
 import serve  # noqa: E402  (benchmarks/serve.py)
 
 
@@ -54,3 +57,14 @@ def test_without_shared_index_adds_a_noshare_condition_per_drafter():
     assert list(conds) == ["uag:lookup", "uag:lookup:noshare", "uag:off", "mlx_lm"]
     argv = conds["uag:lookup:noshare"].argv
     assert argv[argv.index("--lookup-memory") + 1] == "0" and "--lookup-memory" not in conds["uag:lookup"].argv
+
+
+def test_cold_read_asks_every_request_with_a_prefix_no_other_request_shares(capsys):
+    messages = [{"role": "system", "content": "Act as an expert."}, {"role": "user", "content": "Rename x."}]
+    opened = [cold_read.opened_with(messages, w) for w in cold_read.OPENINGS]
+    assert opened[0][0]["content"] == "Act: Act as an expert." and opened[0][1:] == messages[1:]
+    assert len({m[0]["content"] for m in opened}) == len(cold_read.OPENINGS)  # every request its own prefix
+    assert messages[0]["content"] == "Act as an expert."  # the conversation itself untouched
+    with pytest.raises(SystemExit):
+        cold_read.main(["--rounds", "7"])  # two openings a round: no prefix asked twice
+    assert "--rounds: from 1 to 6" in capsys.readouterr().err
