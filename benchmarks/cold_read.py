@@ -4,8 +4,8 @@ Both servers run side by side (as `serve.py` starts them: the same converted fol
 asks each server once, the order alternating from round to round, so that a machine whose speed drifts slows both
 alike. The prompt is aider's first `--edit-format` request of an `edit` conversation (`edit_formats.Replay`), its
 system prompt opening with a different word for every request, so that no server holds any of it; 2 tokens are
-asked, streamed through the `openai` SDK, and the time to the first content token is taken at the client. On a
-shared machine other work only ever adds time: the least of the rounds is printed beside the median.
+asked, streamed through the `openai` SDK (`serve.ask`), and the time to the first content token is taken at the
+client. On a shared machine other work only ever adds time: the least of the rounds is printed beside the median.
 
 Usage: python benchmarks/cold_read.py [--target coder-target] [--drafter lookup] [--conversation edit-008]
        [--edit-format whole] [--rounds 3]
@@ -32,17 +32,12 @@ from uag.study.datasets import load_conversations
 OPENINGS = ("Act", "Be", "Work", "Serve", "Help", "Code", "Edit", "Write", "Reply", "Answer", "Think", "Read")
 
 
-def first_token_s(client: openai.OpenAI, model: str, messages: list[dict]) -> float:
-    """Seconds to the first content token of a streamed 2-token reply."""
-    tic = time.perf_counter()
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0, stream=True)
-    first = None
-    for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter() - tic
-    if first is None:
-        raise RuntimeError("the reply held no content")
-    return first
+def first_token_s(server: serve.Server, client: openai.OpenAI, messages: list[dict]) -> float:
+    """Seconds to the first content token of a streamed 2-token reply (`serve.ask`, the stream closed there)."""
+    reply = serve.ask(client, server.condition, messages, 2, first_only=True)
+    if reply.ttft_s is None:
+        raise RuntimeError(f"{server.condition.name}'s reply held no content")
+    return reply.ttft_s
 
 
 def opened_with(messages: list[dict], word: str) -> list[dict]:
@@ -73,16 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         servers = [stack.enter_context(serve.Server(c, logs / f"{c.name.replace(':', '-')}.log"))
                    for c in serve.conditions(settings)]  # fmt: skip
-        clients = {s.condition.name: openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
-                   for s in servers}  # fmt: skip
-        models = {s.condition.name: s.condition.model for s in servers}
-        for name, client in clients.items():  # mlx_lm.server loads its model on its first request
-            first_token_s(client, models[name], [{"role": "user", "content": "Hi"}])
-        times: dict[str, list[float]] = {name: [] for name in clients}
+        clients = {s.condition.name: openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0,
+                                                   timeout=serve.REQUEST_S) for s in servers}  # fmt: skip
+        for server in servers:  # mlx_lm.server loads its model on its first request
+            first_token_s(server, clients[server.condition.name], [{"role": "user", "content": "Hi"}])
+        times: dict[str, list[float]] = {s.condition.name: [] for s in servers}
         words = iter(OPENINGS)
         for i in range(args.rounds):
-            for name in list(clients)[:: 1 if i % 2 == 0 else -1]:
-                times[name].append(first_token_s(clients[name], models[name], opened_with(messages, next(words))))
+            for server in servers[:: 1 if i % 2 == 0 else -1]:
+                name = server.condition.name
+                times[name].append(first_token_s(server, clients[name], opened_with(messages, next(words))))
                 print(f"round {i + 1}, {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
     ours, peer = times[f"uag:{args.drafter}"], times["mlx_lm"]
     print(f"cold read of {args.conversation} turn 1 as aider asks ({args.edit_format}), {args.target}, "
