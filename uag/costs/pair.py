@@ -162,6 +162,21 @@ def why_short(calibration: Calibration | None, drafter: DrafterChoice | LoadedMo
     return short_of_copies(calibration.profile)
 
 
+def say_short(key: dict, why: str) -> None:
+    """Where nothing measures costs off the run's path (the CLI, the API, the app): one warning line per pair and
+    process that its saved verify curve stops short of a copy's pass (`why_short`), naming the command that mends
+    it."""
+    name = json.dumps(key, sort_keys=True)
+    if name in _said_short:
+        return
+    _said_short.add(name)
+    log.warning(
+        "auto's saved costs for %s: %s, so auto prices long copies by extrapolation (measure them again with "
+        "`uag calibrate --target %s --drafter %s`, which times widths to %d)",
+        pair_name(key), why, key["target"], key["drafter"], COPY_WIDTH,
+    )  # fmt: skip
+
+
 def judge_profile(calibration: Calibration, evidence: Evidence) -> str | None:
     """After an auto run on `calibration`'s profile: why its costs should be measured again, by the run's own
     target passes (`Evidence.scale`) and the machine's load now against the measurement's; None when they hold.
@@ -219,15 +234,7 @@ def open_auto(
         elif (calibration := read_calibration(key)) is None:
             schedule(key, "no costs are saved for it yet")
         if (short := why_short(calibration, drafter)) is not None:
-            if schedule is not None:
-                schedule(key, short)
-            elif (name := json.dumps(key, sort_keys=True)) not in _said_short:
-                _said_short.add(name)
-                log.warning(
-                    "auto's saved costs for %s: %s, so auto prices long copies by extrapolation (measure them again "
-                    "with `uag calibrate --target %s --drafter %s`, which times widths to %d)",
-                    pair_name(key), short, key["target"], key["drafter"], COPY_WIDTH,
-                )  # fmt: skip
+            (schedule or say_short)(key, short)
         profile = None if calibration is None else calibration.profile
     if "evidence" in given:
         return AutoInputs(profile, given["evidence"])  # the caller's evidence stays the caller's
