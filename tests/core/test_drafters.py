@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.core.anatomy import Loss
 from uag.core.config import DrafterSpec, GenerationConfig
-from uag.core.drafters import DrafterChoice, LookupDrafter, make_drafter
+from uag.core.drafters import DrafterChoice, LookupDrafter, lookup_offer, make_drafter
 from uag.core.engine import PromptCaches, Seams, generate, prompt_ids, stream
 from uag.core.loading import load_drafter_choice
 from uag.core.lookup import LOOKUP_REACH, MATCH_CAP, NgramIndex, match_band
@@ -79,6 +79,7 @@ def test_a_lookup_offer_and_its_cycle_carry_how_far_the_match_ran_back(tiny):
     drafter.start([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5, 6])
     offer = drafter.offer(4)  # a copy may run past k: as far as auto's verify curve pays (LOOKUP_REACH)
     assert dict(offer) == {"lookup": LOOKUP_REACH} and offer.match == 6 and dict(drafter.offer(80)) == {"lookup": 80}
+    assert not offer.branched  # "… 6" occurred once: no other continuation to verify beside it
     draft = drafter.propose("lookup", 4, 8)
     assert draft.proposed == [9, 1, 2, 3] and draft.match == 6
     record = draft.cycle(4, 2, 3, verify_ms=1.0, resync_ms=0.0, resync_absorbed=False, loss=Loss())
@@ -297,3 +298,14 @@ def test_a_stop_rule_ends_the_model_s_drafts_where_it_says_and_its_cache_stays_e
     from_cache = model.model(mx.array(ids[cache[0].offset :])[None], cache=cache)[0, -1]
     fresh = model.model(mx.array(ids)[None], cache=model.make_cache())[0, -1]
     np.testing.assert_allclose(np.array(from_cache), np.array(fresh), atol=1e-3, rtol=1e-3)
+
+
+def test_an_offer_says_when_its_proposal_would_bring_other_continuations():
+    """A short match whose n-gram occurred before followed otherwise: its pass will also read the others
+    (NgramIndex.branches), which auto prices (AdaptiveK.lookup_rates)."""
+    index = NgramIndex()
+    index.extend([1, 2, 3, 1, 2, 4, 1, 2])
+    assert index.branching() and index.branches(4) and lookup_offer(index, 4).branched
+    index = NgramIndex()
+    index.extend([1, 2, 3, 1, 2])
+    assert not index.branching() and not index.branches(4) and not lookup_offer(index, 4).branched

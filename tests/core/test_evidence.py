@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from tests.support.tiny_models import tiny_pair
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import Counts, Evidence, confidence_band
+from uag.core.lookup import BAND_FLOORS
 from uag.costs import calibrate as calibration
 from uag.costs.profiles import (
     METHOD,
@@ -45,7 +47,7 @@ def fake_pair(target: str = "org/target", drafter: str = "org/drafter", dtype: s
 
 def learned() -> Evidence:
     evidence = Evidence(lookup=Counts([1.0], [2.0]), expansion=0.8, drafter_ms=3.0)
-    evidence.lookup_bands[3] = Counts([4.0, 3.0], [0.0, 1.0])
+    evidence.saw_copy(20, tried=8, kept=7)  # 7 tokens of a copy of 20-26 kept, the 8th (27) not: the 16-31 band
     evidence.saw_drafts([0.95, 0.5, 0.1], kept=1, proposed=3)  # the model's drafts: how sure, how they fared
     return evidence
 
@@ -82,6 +84,35 @@ def test_evidence_saved_before_lookup_had_bands_still_opens_a_run():
     back = Evidence.from_dict(saved)
     assert back.lookup == learned().lookup and back.lookup_bands == Evidence().lookup_bands
     assert back.confidence == Evidence().confidence and back.mean_chance() is None  # as if the model never drafted
+
+
+def test_evidence_saved_with_lookup_s_bands_per_position_keeps_their_first():
+    """Files saved before lookup's verdicts were per copied token held each band's counts per proposal position;
+    the first position is the same verdict (is the next token of a copy that long kept?), the others are not."""
+    saved = {**Evidence().to_dict(), "lookup_bands": [{"accepted": [4.0, 3.0], "rejected": [1.0, 1.0]}] * 6}
+    back = Evidence.from_dict(saved)
+    assert back.lookup_bands == [Counts([4.0], [1.0])] * 6
+
+
+def test_a_copy_s_token_is_judged_by_the_length_the_copy_has_reached():
+    """Position i of a proposal from a match of m tokens continues a copy of m + i: a 2-token guess whose first
+    token is kept is a 3-token match at its second, and past 8 a copy (docs/how-it-works.md, auto)."""
+    evidence = Evidence()
+    evidence.saw_copy(2, tried=16, kept=3)  # lengths 2, 3 (band 0), 4 kept; 5 rejected (band 1)
+    assert [(c.accepted, c.rejected) for c in evidence.lookup_bands[:3]] == [
+        ([pytest.approx(1.9)], [0.0]),
+        ([pytest.approx(0.9)], [1.0]),  # length 4 kept, then (decayed) length 5 rejected
+        ([], []),
+    ]
+    short = (1.9 + 0.5) / (1.9 + 1)  # band 0's verdicts and the prior's one pseudo-observation
+    assert evidence.copy_chances(2, 3, 0.5) == pytest.approx([short, short, (0.9 + short) / (1.9 + 1)])
+    rejected = Evidence()
+    for _ in range(4):
+        rejected.saw_copy(2, tried=8, kept=0)
+    chances = rejected.copy_chances(2, 16, 0.5, BAND_FLOORS)
+    assert chances[:6] == pytest.approx([0.0 + 0.5 * 1 / (rejected.lookup_bands[0].rejected[0] + 1)] * 6)
+    assert chances[6:14] == pytest.approx([0.8] * 8) and chances[14:] == pytest.approx([0.9] * 2)  # floors: 8+, 16+
+    assert rejected.copy_chances(2, 16, 0.5) == pytest.approx([chances[0]] * 16)  # no floors: leaning on band 0
 
 
 def test_a_draft_s_chance_is_its_confidence_until_the_target_s_verdicts_on_its_band_say_otherwise():
@@ -291,3 +322,17 @@ def test_in_a_batch_a_pass_is_priced_and_learned_by_the_tokens_of_the_whole_pass
     assert plain == 130.0 and draft == 500.0  # 4 × 1 and 4 × 16 tokens: the batch's pass at either width
     assert prices.evidence.verify_ms == {64: 480.0}  # the pass it ran in: 4 × 16 (the widest other), in 480 ms
     assert prices.target_ms(1) != 500.0  # outside the batch's context: priced alone again
+
+
+def test_a_tree_pass_is_timed_at_the_rows_it_read():
+    """A tree pass reads every branch's nodes: its time is that width's, not the kept branch's (a 16-row pass on a
+    CPU whose curve dips at 16 would otherwise be priced as a 23-row one)."""
+    from uag.core.evidence import Prices
+    from uag.core.records import Cycle
+
+    prices = Prices(None, Evidence())
+    tree = Cycle(index=0, k=15, draft_ids=[], proposed_ids=list(range(15)), accepted=15, emitted=16,
+                 verify_ms=1900.0, source="lookup", branches=3, nodes=22)  # fmt: skip
+    prices.time_verify(tree)
+    prices.time_verify(replace(tree, branches=1, nodes=0, verify_ms=1000.0))
+    assert prices.evidence.verify_ms == {23: 1900.0, 16: 1000.0}

@@ -247,22 +247,27 @@ def test_a_lookup_match_that_runs_far_back_drafts_long_and_a_short_one_does_not(
     assert policy.choose(Offer({"lookup": 8}, match=2)) == ("", 0)
     assert policy.choose(Offer({"lookup": 8, "model": 8}, match=3)) != ("lookup", 8)
     bands = policy.evidence.lookup_bands
-    assert bands[0].rejected[0] > 4 and bands[3].accepted[7] > 4 and bands[1].accepted == bands[1].rejected == []
+    # each token in the band of the copy's length when judged: 2 (and never 3), 30-31, then 32-37
+    assert bands[0].rejected[0] > 4 and bands[3].accepted[0] > 4 and bands[4].accepted[0] > 4
+    assert bands[1].accepted == bands[1].rejected == [] and bands[0].accepted == [0.0]
 
 
-def test_a_lookup_band_with_no_evidence_of_its_own_judges_by_all_of_lookup_s():
+def test_a_lookup_band_with_no_verdicts_of_its_own_leans_on_the_shorter_one_s_or_its_floor():
+    """The 2-3 band leans on all of lookup's first position; each longer band on the one below it (a longer copy
+    breaks no more often), or on its floor where that is higher: from 8 tokens on, a match is a copy."""
     policy = AdaptiveK(k_max=8, profile=replace(CODER_CPU, drafter_ms=0.0), settings=PINNED)
     for kept in (8, 8, 0, 8):
         policy.evidence.lookup.add(8, kept)
-    assert policy.acceptances(8, "lookup", band=1) == policy.acceptances(8, "lookup")
-    assert policy.choose(Offer({"lookup": 8}, match=5)) == policy.choose({"lookup": 8})
+    first = policy.acceptances(1, "lookup")[0]
+    assert 0.5 < first < 0.8
+    assert policy.acceptances(8, "lookup", match=5) == pytest.approx([first] * 3 + [0.8] * 5)  # lengths 5-7, 8-12
 
 
 def test_failed_guesses_do_not_keep_auto_from_a_copy_until_copies_fail_too():
     """Found on an edit conversation's second turn: two 2-token lookup guesses failed in the first, lookup's
     pooled estimate fell to 0.17, and auto drafted by the model for the whole of a turn that rewrote a file
     (2.3 tok/s against 3.1 where it copied). A match of 16 tokens or more starts at its band's floor instead,
-    and its own failures still bring it down within four cycles."""
+    and its own failures still bring it down within four cycles (the first already shortens it)."""
     policy = AdaptiveK(k_max=8, profile=replace(CODER_CPU, drafter_ms=0.0), settings=PINNED)
     guess = lambda match, kept: replace(  # noqa: E731
         cycle(2, 2, kept, verify_ms=574.0, draft_ms=0.0), source="lookup", match=match, drafter_passes=0
@@ -271,9 +276,11 @@ def test_failed_guesses_do_not_keep_auto_from_a_copy_until_copies_fail_too():
     policy.observe(guess(3, 0))
     assert policy.acceptances(1, "lookup") < [0.2] and policy.choose({"lookup": 8}) == ("", 0)
     assert policy.choose(Offer({"lookup": 8}, match=30)) == ("lookup", 8)
-    for _ in range(4):  # copies that fail at once: a plain step is worth more after four
-        assert policy.choose(Offer({"lookup": 8}, match=30)) == ("lookup", 8)
-        policy.observe(replace(guess(30, 0), k=8, proposed_ids=list(range(8))))
+    for _ in range(4):  # copies that fail at once: shorter after one, a plain step worth more within four
+        source, k = policy.choose(Offer({"lookup": 8}, match=30))
+        if source != "lookup":
+            break
+        policy.observe(replace(guess(30, 0), k=k, proposed_ids=list(range(k))))
     assert policy.choose(Offer({"lookup": 8}, match=30)) == ("", 0)
 
 
@@ -540,3 +547,29 @@ def test_a_copy_grows_past_k_as_far_as_the_verify_curve_pays_and_a_guess_stays_s
     flat.begin(0, 1000)
     assert flat.choose(Offer({"lookup": 64}, match=80), 1000)[1] <= 16
     assert policy.choose(Offer({"lookup": 64}, match=2), 1000)[1] <= 4  # a guess (the prior's 0.5 a token)
+
+
+def test_a_proposal_that_brings_other_continuations_pays_for_their_rows():
+    """A short match that occurred before followed otherwise brings up to k // 2 more rows into its pass
+    (lookup.branch_room). On a CPU whose verify curve dips at 16 rows (OpenBLAS: 16 rows cost less than 8, 24 rows
+    nearly twice 16), auto proposes 15 alone but 10 with branches (10 + 1 + 5 = 16 rows), not 15 and a 23-row pass."""
+    jagged = CostProfile({1: 700.0, 8: 1300.0, 16: 1000.0, 24: 1900.0, 33: 1700.0, 65: 3000.0}, drafter_ms=0.0)
+    policy = AdaptiveK(k_max=16, profile=jagged, settings=PINNED)
+    for _ in range(10):
+        policy.evidence.saw_copy(2, tried=16, kept=15)
+    assert policy.choose(Offer({"lookup": 64}, match=2)) == ("lookup", 15)
+    assert policy.choose(Offer({"lookup": 64}, match=2, branched=True)) == ("lookup", 10)
+
+
+def test_a_copy_grows_with_how_far_its_match_runs_back():
+    """Slow start (AdaptiveK.copy_reach): past k a proposal reaches at most twice its match, however much the
+    evidence of long copies says. Off, a 4-token match that held in whole-file copies proposes a whole pass."""
+    steep = CostProfile({1: 420.0, 17: 930.0, 33: 1200.0, 65: 1300.0}, drafter_ms=0.0)
+    on, off = AdaptiveK(k_max=16, profile=steep, settings=PINNED), switched_off("slow_start", profile=steep)
+    off.k_max = 16
+    for policy in (on, off):
+        for _ in range(10):
+            policy.evidence.saw_copy(4, tried=64, kept=64)  # copies from 4-token matches that held throughout
+    assert on.copy_reach(64, 4) == 16 and on.copy_reach(64, 20) == 40 and on.copy_reach(64, 40) == 64
+    assert on.choose(Offer({"lookup": 64}, match=4))[1] <= 16 and on.choose(Offer({"lookup": 64}, match=40))[1] > 32
+    assert off.choose(Offer({"lookup": 64}, match=4))[1] > 32

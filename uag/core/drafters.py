@@ -84,6 +84,7 @@ class Draft:
     proposal: Proposal | None = None  # the translator's proposal (model drafts), for the loss anatomy
     match: int = 0  # a lookup proposal: how many tokens its match ran back (uag.core.lookup)
     branches: list[list[int]] = field(default_factory=list)  # lookup's other continuations (a tree pass: engine)
+    nodes: int = 0  # the tree pass's nodes, once verified as one (engine); 0: verified alone
     shared_index: bool = False  # a lookup proposal from earlier requests' text (LookupDrafter.shared)
     confidence: list[float] = field(default_factory=list)  # the drafter's probability of each draft it made
     #                                                        (a stop rule's run; draft_ids are those proposed)
@@ -120,6 +121,7 @@ class Draft:
             loss={name: n for name, n in loss.as_dict().items() if n},
             match=self.match,
             branches=1 + len(self.branches),
+            nodes=self.nodes,
             confidence=self.confidence,
             shared_index=self.shared_index,
         )
@@ -159,7 +161,9 @@ class Drafter(Protocol):
 def lookup_offer(index: NgramIndex, k_max: int) -> Offer:
     """What prompt lookup can draft now: up to LOOKUP_REACH tokens (k_max where more; a fixed k takes k of them,
     auto as many as its verify curve pays for) and how far its match runs back, or nothing without a match."""
-    return Offer() if index.match is None else Offer({LOOKUP: max(k_max, LOOKUP_REACH)}, match=index.match_length())
+    if index.match is None:
+        return Offer()
+    return Offer({LOOKUP: max(k_max, LOOKUP_REACH)}, match=index.match_length(), branched=index.branching())
 
 
 class LookupDrafter:
@@ -179,7 +183,10 @@ class LookupDrafter:
 
     def offer(self, k_max: int) -> Offer:
         match, recalled = recall(self.shared, self.index, max(k_max, LOOKUP_REACH))
-        return Offer({LOOKUP: len(recalled)}, match=match) if recalled else lookup_offer(self.index, k_max)
+        if not recalled:
+            return lookup_offer(self.index, k_max)
+        # the request's own continuation, where it has a match, may go beside the recalled one (lookup.proposal)
+        return Offer({LOOKUP: len(recalled)}, match=match, branched=self.index.match is not None)
 
     def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         tic = time.perf_counter()  # the source that matches further back; the other's continuation a branch
@@ -406,7 +413,7 @@ class HybridDrafter:
 
     def offer(self, k_max: int) -> Offer:
         lookup = self.lookup.offer(k_max)
-        return Offer({**lookup, **self.model.offer(k_max)}, match=lookup.match)
+        return Offer({**lookup, **self.model.offer(k_max)}, match=lookup.match, branched=lookup.branched)
 
     def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         return (self.lookup if source == LOOKUP else self.model).propose(source, k, budget, stop)

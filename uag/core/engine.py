@@ -186,7 +186,7 @@ class Speculation:
         proposed, branches = draft.proposed, [draft.proposed, *draft.branches]
         if draft.branches and tree_ready(self.target.model, self.cache, self.sampling):
             tree = verify_tree(self.target.model, self.cache, self.committed[-1], branches, self.sampling.choose)
-            draft.proposed, self.seen = branches[tree.branch], self.seen + 1 + len(tree.path)
+            draft.proposed, draft.nodes, self.seen = branches[tree.branch], tree.nodes, self.seen + 1 + len(tree.path)
             return tree.verdict
         draft.branches = []  # verified alone
         logits = self.target.model(mx.array([self.committed[-1], *proposed])[None], cache=self.cache)[0]

@@ -18,7 +18,7 @@ from typing import Any
 
 from uag.core.config import LOOKUP
 from uag.core.costmodel import LOOKUP_MS, CostProfile
-from uag.core.lookup import MATCH_BANDS
+from uag.core.lookup import MATCH_BANDS, MATCH_CAP, match_band
 from uag.core.records import Cycle, Rehearsal, sharing
 
 MODEL = "model"
@@ -26,7 +26,7 @@ MODEL = "model"
 EMA = 0.2  # weight of a new timing in the running cost estimates
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
-BAND_WEIGHT = 1.0  # pseudo-observations pulling a lookup match band's estimate toward all of lookup's
+BAND_WEIGHT = 1.0  # pseudo-observations pulling a lookup match band's estimate toward the shorter band's
 # Bands of a model draft's confidence (the drafter's probability of the token it drafted): where each ends.
 # What the target keeps follows it closely (docs/how-it-works.md#auto-draft-only-as-far-as-pays).
 CONFIDENCE_BANDS = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)
@@ -86,19 +86,6 @@ class Counts:
             out.append(prior)
         return out
 
-    def chances_toward(self, priors: list[float]) -> list[float]:
-        """Like `chances`, but each position shrunk toward its own `priors[i]` (a broader estimate of the same
-        position) with BAND_WEIGHT pseudo-observations.
-
-        Example: no counts -> priors; 4 rejected at position 0, priors [0.8] -> [0.8 / 5] = [0.16]
-        """
-        out = []
-        for i, prior in enumerate(priors):
-            a = self.accepted[i] if i < len(self.accepted) else 0.0
-            b = self.rejected[i] if i < len(self.rejected) else 0.0
-            out.append((a + BAND_WEIGHT * prior) / (a + b + BAND_WEIGHT))
-        return out
-
     def valid(self) -> bool:
         """One accepted and one rejected count per position, each finite and non-negative."""
         counts = [*self.accepted, *self.rejected]
@@ -119,8 +106,11 @@ class Evidence:
     in place, so a caller that keeps it starts the next run with what this one learned."""
 
     lookup: Counts = field(default_factory=Counts)
-    # lookup's, per band of how far its match ran back (uag.core.lookup.match_band): its drafts from a
-    # match of 2-3 tokens fare worse than from one of 16; each band leans on `lookup` until it has its own
+    # lookup's per copied token, by the band of how far the copy ran back when the target judged it
+    # (uag.core.lookup.match_band): a proposal from a 2-token match whose first token is kept is a 3-token match
+    # at its second, and one from a 16-token match is at 23 by its eighth. The verdicts (one position each: is the
+    # next token of a copy that long kept?) are `copy_chances`'s; a token from a 2-3-token match is kept far less
+    # often than one from a 16-token match
     lookup_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
     # the model's, per band of the drafter's confidence in a draft (`confidence_band`): whether the target kept
     # a draft of that confidence, wherever in its proposal it stood; and how often drafts fall in each band
@@ -133,6 +123,31 @@ class Evidence:
     overhead_ms: float | None = None  # translate + re-sync per drafting cycle
     lookup_ms: float = LOOKUP_MS
     scale: float = 1.0  # this machine's target passes now ÷ the profile's
+
+    def copy_chances(self, match: int, n: int, prior: float, floors: Sequence[float] | None = None) -> list[float]:
+        """P(position i of a lookup proposal kept | the ones before it kept) for i < n, where the proposal's match
+        runs `match` tokens back: position i continues a copy of match + i tokens, and has the chance of that
+        length's band. A band's chance is its verdicts leaning on the next shorter band's (a longer copy breaks no
+        more often), the shortest on `prior`, and on its floor where that is higher (`floors`, one a band; None:
+        none), until its own verdicts say otherwise.
+
+        Example: no verdicts, prior 0.5 -> [0.5] * n;  the 2-3 band rejected 4, prior 0.5, floors BAND_FLOORS
+                 -> match 2: [0.1] * 6 + [0.8] * 8 + [0.9, …] (0.5 / 5 for lengths 2-3, the 4-7 band leaning on
+                 it, 0.8 the floor for 8-15)
+        """
+        chances, lean = [], prior
+        for band, counts in enumerate(self.lookup_bands):
+            lean = max(lean, floors[band]) if floors else lean
+            a, r = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
+            lean = (a + BAND_WEIGHT * lean) / (a + r + BAND_WEIGHT)
+            chances.append(lean)
+        return [chances[match_band(min(match + i, MATCH_CAP))] for i in range(n)]
+
+    def saw_copy(self, match: int, tried: int, kept: int) -> None:
+        """A lookup proposal's verdicts: of the `tried` tokens it proposed from a match of `match` tokens, the first
+        `kept` were kept, the next one not (later ones were never judged), each in its length's band."""
+        for i in range(min(tried, kept + 1)):
+            self.lookup_bands[match_band(min(match + i, MATCH_CAP))].add(1, int(i < kept))
 
     def kept_chance(self, q: float, bands: bool = True) -> float:
         """The chance that the target keeps a model draft of confidence q (its position's earlier drafts kept):
@@ -220,7 +235,9 @@ class Evidence:
         evidence = cls(lookup=lookup, expansion=expansion)
         bands = data.get("lookup_bands")  # absent in files saved before the bands: they start empty
         if bands is not None:
-            bands = [Counts.from_dict(b) for b in bands]
+            # each band's first position: files from before the per-token verdicts counted a band per proposal
+            # and position, and position 0 was the same verdict (the next token of a copy that long)
+            bands = [Counts(c.accepted[:1], c.rejected[:1]) for c in map(Counts.from_dict, bands)]
             # a file from before the longer bands (4 of them, 16+ the last): what it learned for 16+ stays with
             # 16-31, the longer bands start empty
             if len(bands) not in (4, len(MATCH_BANDS) + 1) or not all(c.valid() for c in bands):
@@ -341,8 +358,9 @@ class Prices:
 
     # --- learning from the run's own timings ------------------------------------------------------------
     def time_verify(self, cycle: Cycle) -> None:
-        """The run's own target timings, and how they compare with the profile's (`Evidence.scale`)."""
-        evidence, w, ms = self.evidence, len(cycle.proposed_ids) + 1, cycle.verify_ms
+        """The run's own target timings, and how they compare with the profile's (`Evidence.scale`); a tree pass's
+        at the width it read (every branch's nodes), not the kept branch's."""
+        evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
         if (shared := sharing()) is not None and shared.size > 1 and shared.pass_ms is not None:
             w, ms = shared.computed(w), shared.pass_ms  # the batch's pass, not the wait for the other requests
         if self.learn or not (self.profile and w in self.profile.target_ms):

@@ -41,6 +41,9 @@ BAND_FLOORS = (0.0, 0.0, 0.8, 0.9, 0.95, 0.97)
 # The most one lookup proposal holds under auto, whatever k (k bounds a model's drafts): as far as the verify
 # curve says a pass pays, up to the width where, on the CPU, a pass costs about three target steps.
 LOOKUP_REACH = 64
+# How far past k a proposal reaches under auto, as a multiple of how far its match runs back (uag.core.policy
+# AdaptiveK.copy_reach): a copy's proposals double as it goes on, and a guess stays within k.
+COPY_GROWTH = 2
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -156,6 +159,14 @@ class NgramIndex:
         while len(out) < k:
             out.append(out[-period])
         return out
+
+    def branching(self) -> bool:
+        """Whether a proposal from the match now comes with other continuations (`branches`): a match shorter
+        than 8 tokens whose n-gram occurred before followed otherwise (within `LOOKUP_REACH` tokens).
+
+        Example: ids [1, 2, 3, 1, 2, 4, 1, 2] -> True;  ids [1, 2, 3, 1, 2] -> False
+        """
+        return match_band(self.match_length()) < 2 and len(self.continuations(LOOKUP_REACH, 2)) > 1
 
     def branches(self, k: int) -> list[list[int]]:
         """The other continuations worth verifying beside `propose(k)` in the same pass, as a tree (uag.core.verify),

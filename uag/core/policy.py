@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from uag.core.config import GRAMMAR, LOOKUP
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import MODEL, Evidence, Prices, ema, expected_tokens
-from uag.core.lookup import BAND_FLOORS, match_band
+from uag.core.lookup import BAND_FLOORS, COPY_GROWTH, branch_room, match_band
 from uag.core.records import Cycle, Offer, Rehearsal
 
 if TYPE_CHECKING:
@@ -42,11 +42,13 @@ class AutoSettings:
     stop_rule: bool = True  # the drafter stops where one more draft is not worth it (off: it drafts the k chosen)
     rehearsals: bool = True  # parked, the drafter now and then catches up and shows whether drafting would pay
     band_floors: bool = True  # a long lookup match is trusted at least its band's floor (lookup.BAND_FLOORS)
+    slow_start: bool = True  # a lookup proposal past k reaches at most COPY_GROWTH times its match (off: as far
+    #   as the verify curve pays, LOOKUP_REACH)
     carried: bool = True  # a run opens from what earlier runs of the pair taught (off: from the prior)
 
 
 # The names --ablate takes (benchmarks/policy_replay.py, auto_vs_fixed.py): the switches of `AutoSettings`.
-MECHANISMS = ("confidence_bands", "stop_rule", "rehearsals", "band_floors", "carried")
+MECHANISMS = ("confidence_bands", "stop_rule", "rehearsals", "band_floors", "slow_start", "carried")
 
 # Asked by a model drafter after each draft, with its confidence in every draft so far: None to draft on, or how
 # many of them to propose (`AdaptiveK.enough`). Without one, a drafter drafts the k asked, pipelined.
@@ -171,18 +173,19 @@ class AdaptiveK:
         self.rehearsal_gap = self.settings.rehearse_every
 
     # --- what a proposal earns and costs -----------------------------------------------------------------
-    def acceptances(self, n: int, source: str = MODEL, band: int | None = None) -> list[float]:
+    def acceptances(self, n: int, source: str = MODEL, match: int | None = None) -> list[float]:
         """Estimated P(position i accepted | positions before it accepted) for i = 0..n−1. The model's: the
         chance its drafter's confidence gives a draft not yet made (`Evidence.mean_chance`), per target token;
-        the prior before it has drafted. Lookup's: its counts per position, for a match of a known `band`
-        (uag.core.lookup.match_band) that band's, leaning on all of lookup's, or on the band's floor if higher."""
+        the prior before it has drafted. Lookup's: its counts per position; for a match of known length, the
+        chance of the copy's length at each position (`Evidence.copy_chances`: the 2-3-token band leaning on
+        lookup's first position, each longer band on the shorter one's or its floor, `lookup.BAND_FLOORS`)."""
         if source == MODEL:
             mean = self.evidence.mean_chance(self.settings.confidence_bands)
             return [self.settings.prior if mean is None else mean ** (1 / self.evidence.expansion)] * n
         chances = self.evidence.lookup.chances(n, self.settings.prior)
-        if band is not None:
-            floor = BAND_FLOORS[band] if self.settings.band_floors else 0.0
-            return self.evidence.lookup_bands[band].chances_toward([max(p, floor) for p in chances])
+        if match is not None and n:
+            floors = BAND_FLOORS if self.settings.band_floors else None
+            return self.evidence.copy_chances(match, n, chances[0], floors)
         return chances
 
     def acceptance(self, i: int, source: str = MODEL) -> float:
@@ -209,18 +212,33 @@ class AdaptiveK:
             out = {k: rate if k == 0 else self.remaining / (backlog + self.remaining / rate) for k, rate in out.items()}
         return out
 
-    def lookup_rates(self, k_max: int, band: int | None = None) -> dict[int, float]:
+    def lookup_rates(self, k_max: int, match: int | None = None, branched: bool = False) -> dict[int, float]:
         """Expected tokens per millisecond of a lookup proposal of k tokens (it costs a lookup and the wider
-        pass), from a match of `band` (None: any)."""
-        acceptances = self.acceptances(k_max, LOOKUP, band)
+        pass), from a match of `match` tokens (None: unknown). A `branched` proposal's pass also reads its other
+        continuations (lookup.branch_room(k) rows), which it pays for by its own tokens: what a branch might
+        add is not counted, so they ride along only where the proposal pays for their rows."""
+        acceptances = self.acceptances(k_max, LOOKUP, match)
         out, expected, survive = {}, 1.0, 1.0  # expected_tokens(acceptances[:k]), grown one position at a time
         for k in range(1, k_max + 1):
             survive *= acceptances[k - 1]
             expected += survive
-            verify = self.prices.target_ms(k + 1)
+            verify = self.prices.target_ms(k + 1 + (branch_room(k) if branched else 0))
             if verify:
                 out[k] = expected / (self.evidence.lookup_ms + verify)
         return out
+
+    def copy_reach(self, offered: int, match: int | None) -> int:
+        """How far a lookup proposal may reach: past k_max (lookup.LOOKUP_REACH) only as far as COPY_GROWTH times
+        the tokens its match runs back, so that a copy's proposals grow as the copy goes on (a slow start: a match
+        of 4 proposes at most k_max, one of 20 up to 40, then 64) and a short match's guess never pays for a pass
+        as wide as a copy's. Where a band's evidence comes from copies of whole files, a 4-token match that
+        holds for 10 tokens in an edit's new lines looks like one of them (docs/how-it-works.md, auto).
+
+        Example: k_max 16: copy_reach(64, 4) -> 16;  copy_reach(64, 20) -> 40;  copy_reach(64, None) -> 16
+        """
+        if not self.settings.slow_start:
+            return offered
+        return min(offered, max(self.k_max, COPY_GROWTH * (match or 0)))
 
     # --- the decision ------------------------------------------------------------------------------------
     def best_k(self) -> int | None:
@@ -248,12 +266,13 @@ class AdaptiveK:
         cap = within((MODEL, reach), left)[1]
         self.declined_lookup = None
         if LOOKUP in offer:
-            band = match_band(offer.match) if isinstance(offer, Offer) and offer.match else None
-            lookup = self.lookup_rates(offer[LOOKUP], band)  # a copy reaches past k_max (lookup.LOOKUP_REACH)
+            match = offer.match if isinstance(offer, Offer) and offer.match else None
+            branched = isinstance(offer, Offer) and offer.branched
+            lookup = self.lookup_rates(self.copy_reach(offer[LOOKUP], match), match, branched)
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
             if k and lookup[k] > rates[model_k if cap else 0]:
                 return within((LOOKUP, k), left)
-            self.declined_lookup = -1 if band is None else band
+            self.declined_lookup = -1 if match is None else match_band(match)
         return (MODEL, cap) if cap else ("", 0)
 
     def stop_rule(self, source: str, k: int) -> StopRule | None:
@@ -380,7 +399,7 @@ class AdaptiveK:
                 self.prices.time_lookup(cycle)
                 evidence.lookup.add(len(cycle.proposed_ids), cycle.accepted)
                 if cycle.match:
-                    evidence.lookup_bands[match_band(cycle.match)].add(len(cycle.proposed_ids), cycle.accepted)
+                    evidence.saw_copy(cycle.match, len(cycle.proposed_ids), cycle.accepted)
             return
         self.unread, self.parked_for, self.rehearsal_gap = 0, 0, self.settings.rehearse_every
         self.prices.time_drafting(cycle)

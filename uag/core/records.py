@@ -69,6 +69,7 @@ class Cycle:
     shared_index: bool = False  # a lookup draft from earlier requests' text (uag.core.lookup.SharedIndex)
     branches: int = 1  # proposals its pass verified: more where lookup's continuations went as a tree (proposed_ids:
     #                    the one whose tokens were kept)
+    nodes: int = 0  # a tree pass: the tokens of all its proposals it read (shared prefixes once); 0: proposed_ids
     confidence: list[float] = field(default_factory=list)  # auto's model drafts: the drafter's probability of
     #   each draft it made, those it dropped after draft_ids included (k counts them all); [] where unmeasured
 
@@ -89,14 +90,15 @@ class Cycle:
 class Offer(dict[str, int]):
     """What can draft now, as a drafter tells its policy: source -> the most tokens it could propose; and
     `match`, where prompt lookup has a match, how many tokens that match runs back (uag.core.lookup: the
-    longer, the likelier its proposal holds), else 0.
+    longer, the likelier its proposal holds), else 0; `branched`, whether lookup's proposal would bring other
+    continuations into its pass (a tree: up to `lookup.branch_room(k)` more rows to pay for).
 
     Example: Offer({"lookup": 8, "model": 8}, match=23)
     """
 
-    def __init__(self, sources: dict[str, int] | None = None, match: int = 0):
+    def __init__(self, sources: dict[str, int] | None = None, match: int = 0, branched: bool = False):
         super().__init__(sources or {})
-        self.match = match
+        self.match, self.branched = match, branched
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,11 +124,12 @@ class Tree:
 @dataclass(frozen=True, slots=True)
 class TreeVerdict:
     """The outcome of a tree pass: the nodes kept (root's child first), the target's own next token, and the
-    proposal they lie on (the first given, where several share them)."""
+    proposal they lie on (the first given, where several share them), and how many nodes the pass read."""
 
     path: list[int]
     token: int
     branch: int
+    nodes: int = 0
 
     @property
     def verdict(self) -> Verdict:
@@ -141,7 +142,7 @@ def accept_tree(tree: Tree, choices: Sequence[int]) -> TreeVerdict:
     `choices[i + 1]` node i's. Following a child only where it equals the target's draw from that row commits
     exactly what the target alone would: greedy or sampled, each row is drawn once, by the target.
 
-    Example: Tree.of([[5, 6], [7, 8]]), choices [7, 0, 0, 8, 3] -> path [2, 3], token 3, branch 1
+    Example: Tree.of([[5, 6], [7, 8]]), choices [7, 0, 0, 8, 3] -> path [2, 3], token 3, branch 1, nodes 4
     """
     path, row = [], 0
     while True:
@@ -152,7 +153,7 @@ def accept_tree(tree: Tree, choices: Sequence[int]) -> TreeVerdict:
         path.append(child)
         row = child + 1
     branch = next(b for b, nodes in enumerate(tree.paths) if nodes[: len(path)] == path)
-    return TreeVerdict(path, int(choices[row]), branch)
+    return TreeVerdict(path, int(choices[row]), branch, len(tree))
 
 
 class IdMap:
