@@ -71,3 +71,16 @@ def test_rank_0_drafts_by_its_auto_policy_stop_rule_and_every_rank_hears_the_dra
     # the third draft is hardly ever kept: rank 0 proposes two, and k says the three it drafted
     assert policy.choose({"model": 8}, left=50) == ("model", 3) and leader.pending.proposed == [0, 1]
     assert policy.stop_rule("model", 8) is None  # the engine's drafter only hands over what rank 0 drafted
+
+
+def test_rank_0_prices_a_lookup_proposal_without_branches_since_the_ranks_verify_one():
+    """Lookup's offer says when its proposal would bring other continuations (priced by the rows they add,
+    uag.core.policy.AdaptiveK.lookup_rates); the ranks send and verify one proposal, so rank 0's offer says not."""
+    from uag.core.drafters import LookupDrafter
+
+    inner = LookupDrafter(vocab=None)
+    inner.start([1, 2, 3, 1, 2, 4, 1, 2])  # "1 2" occurred twice, followed otherwise
+    assert inner.offer(4).branched
+    leader = LeaderDrafter(inner, watchdog=SimpleNamespace(progress=lambda: None))
+    offer = leader.offer(4)
+    assert not offer.branched and offer.match == inner.offer(4).match and dict(offer) == dict(inner.offer(4))

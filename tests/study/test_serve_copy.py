@@ -3,6 +3,7 @@ cycle carried from the replies into the summary, its targets, and the conditions
 index shared across requests."""
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import cold_read  # noqa: E402  (benchmarks/cold_read.py)
+import edit_cycles  # noqa: E402  (benchmarks/edit_cycles.py)
 import serve  # noqa: E402  (benchmarks/serve.py)
+import width_curve  # noqa: E402  (benchmarks/width_curve.py)
 
 
 def turn(condition, workload, item, number, *, tokens=101, seconds=10.0, ttft=1.0, lookup=None) -> dict:
@@ -68,3 +71,27 @@ def test_cold_read_asks_every_request_with_a_prefix_no_other_request_shares(caps
     with pytest.raises(SystemExit):
         cold_read.main(["--rounds", "7"])  # two openings a round: no prefix asked twice
     assert "--rounds: from 1 to 6" in capsys.readouterr().err
+
+
+def test_edit_cycles_takes_earlier_turns_from_a_serve_run_and_sums_each_source(tmp_path, capsys):
+    from uag.core.records import Cycle
+
+    rows = [turn("uag:lookup", "aider-whole", "edit-008", n) | {"server": "uag", "text": f"reply {n}"} for n in (2, 1)]
+    rows.append(turn("mlx_lm", "aider-whole", "edit-008", 1) | {"server": "mlx_lm", "text": "peer"})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(map(json.dumps, rows)), encoding="utf-8")
+    assert edit_cycles.saved_replies(path, "edit-008") == ["reply 1", "reply 2"]  # uag's, in turn order
+    copy = Cycle(index=3, k=15, draft_ids=[], proposed_ids=list(range(15)), accepted=15, emitted=16, verify_ms=1900.0,
+                 source="lookup", match=20, branches=2, nodes=22)  # fmt: skip
+    plain = Cycle.plain(4, verify_ms=800.0)
+    assert edit_cycles.by_source([copy, plain, plain]) == {"lookup": (1, 16, 1.9), "plain": (2, 2, 1.6)}
+    assert "rows  23" in edit_cycles.cycle_line(copy)  # the tree pass's rows: every branch's nodes and the pending
+    with pytest.raises(SystemExit):
+        edit_cycles.main(["--turns", "9"])
+    assert "turns run from 1 to" in capsys.readouterr().err
+
+
+def test_width_curve_takes_widths_and_ranges():
+    assert width_curve.widths(["1-3", "8", "2"]) == [1, 2, 3, 8]
+    with pytest.raises(ValueError):
+        width_curve.widths(["0-2"])

@@ -1,6 +1,7 @@
 """What a draft earns and costs, as auto knows it. `Evidence`, what it has learned of a pair: how often the target
 keeps a model draft per band of the drafter's confidence in it, and how sure its drafts tend to be; lookup's
-acceptance per position and per band of match length; target tokens per drafter token; the run's timings.
+acceptance per position, and per copied token by the length the copy had reached; target tokens per drafter
+token; the run's timings.
 `Prices`: what each phase of a cycle costs, from those timings and the pair's calibrated `CostProfile`.
 `uag.core.policy.AdaptiveK` decides by both and updates the evidence in place; a caller that keeps it (the
 server per pair, uag.costs.profiles per pair and machine) opens the next run with it. No mlx.

@@ -61,7 +61,9 @@ class LeaderDrafter:
         return self.inner.start(prompt)
 
     def offer(self, k_max: int) -> Offer:
-        return self.inner.offer(k_max)
+        offer = self.inner.offer(k_max)
+        offer.branched = False  # the ranks verify one proposal (`RankPolicy._decide` drops its branches)
+        return offer
 
     def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         draft, self.pending = self.pending, None
