@@ -28,6 +28,7 @@ import edit_formats  # benchmarks/, beside this script
 
 from uag.core.config import GenerationConfig
 from uag.core.records import Cycle, Run
+from uag.server.chat import render
 from uag.study.datasets import load_conversations
 
 
@@ -97,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if turn not in turns and replies:
             replay.answer(replies[turn - 1])
             continue
-        messages = replay.messages()
-        prompt = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        prompt = render(target.tokenizer, replay.messages())  # as uag serve reads the request
         tic = time.perf_counter()
         run = uag.generate(target, drafter, prompt, config)
         wall = time.perf_counter() - tic
