@@ -3,8 +3,9 @@
 
 On a CPU the curve is not smooth: OpenBLAS's matrix kernels make some widths cheap and their neighbours dear (on the
 2-core EPYC of docs/results.md, 16 rows cost less than 8, and 24 nearly twice 16), which is what auto prices a lookup
-proposal and its branches by (docs/how-it-works.md, auto). Each width is timed `--repeats` times, the cache cut back
-after each pass (`uag.core.passes.trim_to`); the least is printed.
+proposal and its branches by (docs/how-it-works.md, auto). Each width is timed as calibration times it
+(`uag.costs.calibrate.time_forward`: a verification pass over the context's last tokens, one warm-up, then
+`--repeats`, the cache rewound after each); the least is printed.
 
 Usage: python benchmarks/width_curve.py [--target coder-target] [--contexts 256 1400] [--widths 1-40 48 64 65]
        [--repeats 2]
@@ -14,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
 
 # isort: split
-import mlx.core as mx
-
-from uag.core.passes import prefill, trim_to
+from uag.costs.calibrate import filled_cache, time_forward
 
 
 def widths(specs: list[str]) -> list[int]:
@@ -35,17 +33,6 @@ def widths(specs: list[str]) -> list[int]:
     return sorted(out)
 
 
-def time_width(model, cache: list, held: int, width: int, repeats: int) -> float:
-    """The least milliseconds of `repeats` passes over `width` new tokens after `held` cached ones."""
-    best = float("inf")
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        mx.eval(model(mx.array([[200 + i for i in range(width)]]), cache=cache))
-        best = min(best, (time.perf_counter() - tic) * 1000)
-        trim_to(cache, held)
-    return best
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="coder-target")
@@ -57,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen = widths(args.widths)
     except ValueError as e:
         p.error(f"--widths: {e}")
+    if min(args.contexts) < chosen[-1]:
+        p.error(f"--contexts: each at least the widest width ({chosen[-1]}): a pass reads the context's last tokens")
     target = uag.load(args.target)
     for context in args.contexts:
-        cache = target.make_cache()
-        prefill(target.model, cache, [100 + i % 5000 for i in range(context)])
-        row = [f"{w}:{time_width(target.model, cache, context, w, args.repeats):.0f}" for w in chosen]
+        cache, ids = filled_cache(target, context)
+        row = [f"{w}:{time_forward(target, cache, ids, w, args.repeats):.0f}" for w in chosen]
         print(f"context {context}, ms per pass by width: {' '.join(row)}", flush=True)
     return 0
 
