@@ -153,10 +153,19 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="prompts per dataset")
     parser.add_argument("--ids", nargs="+", help="only these prompt ids of the datasets (e.g. code-001 code-025)")
     parser.add_argument("--hybrid", action="store_true", help="also auto over lookup + the drafter")
-    parser.add_argument("--ablate", nargs="*", default=[], choices=[*MECHANISMS, "all"],
-                        help="also auto with each of these switched off (with --hybrid: over the hybrid)")  # fmt: skip
-    parser.add_argument("--recalibrate", action="store_true", help="measure the pair's costs again (default: "
-                        "the saved profile, as auto uses it; calibrated and saved where there is none)")  # fmt: skip
+    parser.add_argument(
+        "--ablate",
+        nargs="*",
+        default=[],
+        choices=[*MECHANISMS, "all"],
+        help="also auto with each of these switched off (with --hybrid: over the hybrid)",
+    )
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure the pair's costs again (default: "
+        "the saved profile, as auto uses it; calibrated and saved where there is none)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4], help="fixed k to compare (none: auto only)")
     parser.add_argument("--k-max", type=int, default=8)
@@ -178,8 +187,11 @@ def main() -> None:
             ablate = MECHANISMS if "all" in args.ablate else args.ablate
             row = run_prompt(pair, prompt.text, args.ks, args.k_max, args.max_tokens, args.repeats, args.hybrid, ablate)
             rows.append({"id": prompt.id, **row})
-            print(f"[auto_vs_fixed] {prompt.id}: " + ", ".join(f"{c} {row[c] / row['baseline']:.2f}"
-                  for c in conditions_of(rows, args.ks)), flush=True)  # fmt: skip
+            print(
+                f"[auto_vs_fixed] {prompt.id}: "
+                + ", ".join(f"{c} {row[c] / row['baseline']:.2f}" for c in conditions_of(rows, args.ks)),
+                flush=True,
+            )
     summary = summarise(rows, args.ks)
     header = (
         f"auto vs fixed k — {date.today()}, {pair.target.name} ({pair.target.dtype}) ← {pair.drafter.name}, "

@@ -102,11 +102,14 @@ def report(table: dict, batches: list[int], widths: list[int]) -> str:
         lines.append(f"{b:<6}" + "".join(f"{table[b, w]:>9.1f} ({table[b, w] / step:4.2f})" for w in widths))
     lines.append("the same passes on caches merged once and kept (mlx-lm's BatchKVCache, no per-request caches):")
     for b in batches[1:]:
-        lines.append(f"{b:<6}" + "".join(f"{table[b, w, 'kept']:>9.1f} ({table[b, w, 'kept'] / step:4.2f})"
-                                         for w in widths))  # fmt: skip
+        lines.append(
+            f"{b:<6}" + "".join(f"{table[b, w, 'kept']:>9.1f} ({table[b, w, 'kept'] / step:4.2f})" for w in widths)
+        )
     lines.append("")
-    lines.append("tokens per target step, plain batched steps: " + ", ".join(
-        f"B={b}: {b * step / table[b, 1]:.2f}" for b in batches))  # fmt: skip
+    lines.append(
+        "tokens per target step, plain batched steps: "
+        + ", ".join(f"B={b}: {b * step / table[b, 1]:.2f}" for b in batches)
+    )
     pays = []
     for b in batches:
         fit = [w for w in widths if table[b, w] <= 2 * table[b, 1]]

@@ -98,14 +98,20 @@ def main() -> None:
             row = {"id": prompt.id, **run_prompt(target, conds, text, args.repeats, profile=profile)}
             rows.append(row)
             names = [c.name for c in conds[1:]]
-            print(f"  {prompt.id:<16} base {row['baseline']:5.2f} tok/s  "
-                  + "  ".join(f"{n} {row[n] / row['baseline']:.2f}" for n in names), flush=True)  # fmt: skip
+            print(
+                f"  {prompt.id:<16} base {row['baseline']:5.2f} tok/s  "
+                + "  ".join(f"{n} {row[n] / row['baseline']:.2f}" for n in names),
+                flush=True,
+            )
         mean = speedups(rows, names)
         results[dataset] = {"rows": rows, "mean": mean, "pooled": {n: pooled(rows, n) for n in names}}
         for n in names:
             a = mean_alpha(rows, n)
-            print(f"{dataset:<11} {n:<22} mean {mean[n]:.2f}×  pooled {results[dataset]['pooled'][n]:.2f}×  "
-                  f"α {'–' if a is None else f'{a:.0%}'}", flush=True)  # fmt: skip
+            print(
+                f"{dataset:<11} {n:<22} mean {mean[n]:.2f}×  pooled {results[dataset]['pooled'][n]:.2f}×  "
+                f"α {'–' if a is None else f'{a:.0%}'}",
+                flush=True,
+            )
     everything = [r for d in results.values() for r in d["rows"]]
     wrong = differing(everything, names)
     total = len(everything) * len(names)

@@ -61,15 +61,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--conversation: no {args.conversation!r} in the edit set")
     messages = edit_formats.Replay.of(found[0], args.edit_format).messages()
 
-    settings = argparse.Namespace(target=args.target, drafters=[args.drafter], max_tokens=2, ablate=None,
-                                  without_shared_index=False, peer_draft=None, num_draft_tokens=[],
-                                  only=[f"uag:{args.drafter}", "mlx_lm"])  # fmt: skip
+    settings = argparse.Namespace(
+        target=args.target,
+        drafters=[args.drafter],
+        max_tokens=2,
+        ablate=None,
+        without_shared_index=False,
+        peer_draft=None,
+        num_draft_tokens=[],
+        only=[f"uag:{args.drafter}", "mlx_lm"],
+    )
     logs = Path(f"cold-read-{time.strftime('%Y%m%d-%H%M%S')}.logs")
     with ExitStack() as stack:
-        servers = [stack.enter_context(serve.Server(c, logs / f"{c.name.replace(':', '-')}.log"))
-                   for c in serve.conditions(settings)]  # fmt: skip
-        clients = {s.condition.name: openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0,
-                                                   timeout=serve.REQUEST_S) for s in servers}  # fmt: skip
+        servers = [
+            stack.enter_context(serve.Server(c, logs / f"{c.name.replace(':', '-')}.log"))
+            for c in serve.conditions(settings)
+        ]
+        clients = {
+            s.condition.name: openai.OpenAI(
+                base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=serve.REQUEST_S
+            )
+            for s in servers
+        }
         for server in servers:  # mlx_lm.server loads its model on its first request
             first_token_s(server, clients[server.condition.name], [{"role": "user", "content": "Hi"}])
         times: dict[str, list[float]] = {s.condition.name: [] for s in servers}
@@ -80,13 +93,17 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(first_token_s(server, clients[name], opened_with(messages, next(words))))
                 print(f"round {i + 1}, {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
     ours, peer = times[f"uag:{args.drafter}"], times["mlx_lm"]
-    print(f"cold read of {args.conversation} turn 1 as aider asks ({args.edit_format}), {args.target}, "
-          f"{args.rounds} rounds; time to first token, s")  # fmt: skip
+    print(
+        f"cold read of {args.conversation} turn 1 as aider asks ({args.edit_format}), {args.target}, "
+        f"{args.rounds} rounds; time to first token, s"
+    )
     for name, ts in times.items():
         listed = ", ".join(f"{t:.2f}" for t in ts)
         print(f"{name:24} median {statistics.median(ts):7.2f}  least {min(ts):7.2f}  [{listed}]")
-    print(f"uag / mlx_lm: medians {statistics.median(ours) / statistics.median(peer):.3f}, "
-          f"least {min(ours) / min(peer):.3f} (target <= {serve.COPY_GOALS['cold_ttft']})")  # fmt: skip
+    print(
+        f"uag / mlx_lm: medians {statistics.median(ours) / statistics.median(peer):.3f}, "
+        f"least {min(ours) / min(peer):.3f} (target <= {serve.COPY_GOALS['cold_ttft']})"
+    )
     return 0
 
 

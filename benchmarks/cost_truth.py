@@ -78,9 +78,11 @@ def priced(run: Run, profile: CostProfile) -> Priced:
         verify_ms=sum(c.verify_ms for c in cycles),
         verify_predicted_ms=sum(verify_predicted),
         draft_ms=sum(c.draft_ms for c in cycles),
-        draft_predicted_ms=sum(profile.price(c) - v - (profile.translate_ms if c.k and c.source == "model" else 0.0)
-                               for c, v in zip(cycles, verify_predicted)),
-    )  # fmt: skip
+        draft_predicted_ms=sum(
+            profile.price(c) - v - (profile.translate_ms if c.k and c.source == "model" else 0.0)
+            for c, v in zip(cycles, verify_predicted)
+        ),
+    )
 
 
 def median_run(runs: list[Run]) -> Run:
@@ -114,21 +116,27 @@ def summarise(rows: list[dict], profiles: dict[str, CostProfile]) -> list[dict]:
             tokens, cycles = sum(p.tokens for p in parts), sum(p.cycles for p in parts)
             step_predicted = profiles[drafter].target_at(1)
             runs = [r["runs"][name] for r in subset]
-            out.append({
-                "dataset": dataset, "condition": name, "prompts": len(subset), "cycles": cycles,
-                "alpha": sum(r.accepted for r in runs) / max(1, sum(r.proposed for r in runs)),
-                "same": all(r["runs"][name].token_ids == r["runs"]["baseline"].token_ids for r in subset),
-                "cycle_ms": sum(p.wall_ms for p in parts) / cycles,
-                "cycle_phases_ms": sum(p.phases_ms for p in parts) / cycles,
-                "cycle_predicted_ms": sum(p.predicted_ms for p in parts) / cycles,
-                "speedup": (tokens / sum(p.wall_ms for p in parts)) / (base_tokens / base_ms),
-                "speedup_predicted": (tokens / sum(p.predicted_ms for p in parts)) * step_predicted,
-                "step_ms": base_ms / base_tokens, "step_predicted_ms": step_predicted,
-                "verify_ms": sum(p.verify_ms for p in parts) / cycles,
-                "verify_predicted_ms": sum(p.verify_predicted_ms for p in parts) / cycles,
-                "draft_ms": sum(p.draft_ms for p in parts) / cycles,
-                "draft_predicted_ms": sum(p.draft_predicted_ms for p in parts) / cycles,
-            })  # fmt: skip
+            out.append(
+                {
+                    "dataset": dataset,
+                    "condition": name,
+                    "prompts": len(subset),
+                    "cycles": cycles,
+                    "alpha": sum(r.accepted for r in runs) / max(1, sum(r.proposed for r in runs)),
+                    "same": all(r["runs"][name].token_ids == r["runs"]["baseline"].token_ids for r in subset),
+                    "cycle_ms": sum(p.wall_ms for p in parts) / cycles,
+                    "cycle_phases_ms": sum(p.phases_ms for p in parts) / cycles,
+                    "cycle_predicted_ms": sum(p.predicted_ms for p in parts) / cycles,
+                    "speedup": (tokens / sum(p.wall_ms for p in parts)) / (base_tokens / base_ms),
+                    "speedup_predicted": (tokens / sum(p.predicted_ms for p in parts)) * step_predicted,
+                    "step_ms": base_ms / base_tokens,
+                    "step_predicted_ms": step_predicted,
+                    "verify_ms": sum(p.verify_ms for p in parts) / cycles,
+                    "verify_predicted_ms": sum(p.verify_predicted_ms for p in parts) / cycles,
+                    "draft_ms": sum(p.draft_ms for p in parts) / cycles,
+                    "draft_predicted_ms": sum(p.draft_predicted_ms for p in parts) / cycles,
+                }
+            )
     return out
 
 

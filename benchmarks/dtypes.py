@@ -188,12 +188,19 @@ def main() -> int:
     started = time.perf_counter()
     results = [measure_dtype(args, dtype, prompts) for dtype in args.dtypes]
     machine = f"{device_name()} ({backend()}, MLX {mx.__version__}, {blas()}), {date.today()}"
-    print(f"\n{args.target} with {args.drafter}, k <= {args.k}, {args.max_tokens} tokens, {len(prompts)} prompts "
-          f"({', '.join(args.datasets)}); {machine}; {time.perf_counter() - started:.0f} s\n")  # fmt: skip
+    print(
+        f"\n{args.target} with {args.drafter}, k <= {args.k}, {args.max_tokens} tokens, {len(prompts)} prompts "
+        f"({', '.join(args.datasets)}); {machine}; {time.perf_counter() - started:.0f} s\n"
+    )
     print(report(results))
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine, "args": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=1, default=str))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {"machine": machine, "args": vars(args) | {"json": str(args.json)}, "results": results},
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 

@@ -36,10 +36,13 @@ def saved_replies(path: Path, conversation: str) -> list[str]:
     """The uag replies of a `serve.py` run's `aider-whole` turns for `conversation`, in turn order."""
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     turns = [
-        r for r in rows
-        if r.get("kind") == "turn" and r.get("server") == "uag" and r.get("workload") == "aider-whole"
+        r
+        for r in rows
+        if r.get("kind") == "turn"
+        and r.get("server") == "uag"
+        and r.get("workload") == "aider-whole"
         and r.get("item") == conversation
-    ]  # fmt: skip
+    ]
     return [r["text"] for r in sorted(turns, key=lambda r: r["turn"])]
 
 

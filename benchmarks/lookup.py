@@ -87,8 +87,11 @@ def main() -> None:
         for prompt in load_bundled(dataset, args.n):
             row = {"id": prompt.id, **run_prompt(target, conds, prompt.text, args.repeats, profile=profile)}
             rows.append(row)
-            print(f"  {prompt.id:<16} base {row['baseline']:6.2f} tok/s  "
-                  + "  ".join(f"{n} {row[n] / row['baseline']:.2f}" for n in names), flush=True)  # fmt: skip
+            print(
+                f"  {prompt.id:<16} base {row['baseline']:6.2f} tok/s  "
+                + "  ".join(f"{n} {row[n] / row['baseline']:.2f}" for n in names),
+                flush=True,
+            )
         mean = speedups(rows, names)
         results[dataset] = {"rows": rows, "mean": mean, "pooled": {n: pooled(rows, n) for n in names}}
         print(f"{dataset}: mean speedup " + "  ".join(f"{n} {mean[n]:.2f}×" for n in names))
@@ -109,8 +112,10 @@ def main() -> None:
         fixed = [n for n in names if not n.startswith("auto")]
         mean = speedups(rows, names)
         best = max(fixed, key=mean.get)
-        print(f"target: other sets, auto hybrid pooled {pooled(rows, 'auto hybrid'):.2f}× (>= 0.97); mean "
-              f"{mean['auto hybrid']:.2f}× vs best fixed {best} {mean[best]:.2f}× (>=)")  # fmt: skip
+        print(
+            f"target: other sets, auto hybrid pooled {pooled(rows, 'auto hybrid'):.2f}× (>= 0.97); mean "
+            f"{mean['auto hybrid']:.2f}× vs best fixed {best} {mean[best]:.2f}× (>=)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1, default=str))
 

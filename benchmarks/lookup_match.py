@@ -101,16 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     for label, turns in (("turn 1 (the file given)", {1}), ("turns 2-3 (the file changed again)", {2, 3})):
         print(f"\n{label}")
-        print(f"{'n-grams':<18} {'band':>6} {'proposals':>10} {'rejected at 1st':>16} {'kept (mean)':>12} "
-              f"{'per token':>10}")  # fmt: skip
+        print(
+            f"{'n-grams':<18} {'band':>6} {'proposals':>10} {'rejected at 1st':>16} {'kept (mean)':>12} "
+            f"{'per token':>10}"
+        )
         for ngrams in sizes:
             bands = replay(rows, ngrams, args.k, turns)
             total = [sum(c[i] for c in bands.values()) for i in range(4)]
             for name, counts in [*((BAND_NAMES[b], bands[b]) for b in sorted(bands)), ("all", total)]:
                 if counts[0]:
-                    print(f"{','.join(map(str, ngrams)):<18} {name:>6} {counts[0]:>10} "
-                          f"{counts[1] / counts[0]:>16.0%} {counts[2] / counts[0]:>12.2f} "
-                          f"{counts[2] / max(1, counts[2] + counts[3]):>10.3f}")  # fmt: skip
+                    print(
+                        f"{','.join(map(str, ngrams)):<18} {name:>6} {counts[0]:>10} "
+                        f"{counts[1] / counts[0]:>16.0%} {counts[2] / counts[0]:>12.2f} "
+                        f"{counts[2] / max(1, counts[2] + counts[3]):>10.3f}"
+                    )
     return 0
 
 

@@ -258,12 +258,17 @@ def main() -> None:
             kept = sum(c["kept"][i] for c in counts if i < len(c["kept"]))
             shares.append(f"{kept / reached:.0%} of {reached}" if reached else "–")
         full = [sum(c[key][j] for c in counts) for key in ("after full", "after miss") for j in (0, 1)]
-        print(f"{'':<11} {widest}: P(position i kept | the ones before kept) " + ", ".join(shares)
-              + f"; first kept after a fully accepted cycle {full[1] / max(full[0], 1):.0%} of {full[0]}, "
-              f"after a miss {full[3] / max(full[2], 1):.0%} of {full[2]}")  # fmt: skip
+        print(
+            f"{'':<11} {widest}: P(position i kept | the ones before kept) "
+            + ", ".join(shares)
+            + f"; first kept after a fully accepted cycle {full[1] / max(full[0], 1):.0%} of {full[0]}, "
+            f"after a miss {full[3] / max(full[2], 1):.0%} of {full[2]}"
+        )
         table = confidence_table(heard.get(dataset, []))
-        print(f"{'':<11} {widest}: drafts kept by the drafter's confidence in them "
-              + ", ".join(f"{band} {share:.0%} of {n}" for band, n, share in table))  # fmt: skip
+        print(
+            f"{'':<11} {widest}: drafts kept by the drafter's confidence in them "
+            + ", ".join(f"{band} {share:.0%} of {n}" for band, n, share in table)
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -121,8 +121,19 @@ def folder(name: str) -> str:
 
 
 def conditions(args: argparse.Namespace) -> list[Condition]:
-    uag_serve = (sys.executable, "-m", "uag", "serve", "--target", args.target, "--no-ui",
-                 "--max-tokens", str(args.max_tokens), "--time-budget", str(REQUEST_S))  # fmt: skip
+    uag_serve = (
+        sys.executable,
+        "-m",
+        "uag",
+        "serve",
+        "--target",
+        args.target,
+        "--no-ui",
+        "--max-tokens",
+        str(args.max_tokens),
+        "--time-budget",
+        str(REQUEST_S),
+    )
     out = [
         Condition(f"uag:{d}", "uag", (*uag_serve, "--drafter", d, "--drafters", d, "--strategy", "auto"), args.target)
         for d in args.drafters
@@ -138,8 +149,18 @@ def conditions(args: argparse.Namespace) -> list[Condition]:
         out += [replace(c, name=f"{c.name}:noshare", argv=(*c.argv, "--lookup-memory", "0")) for c in list(out)]
     out.append(Condition("uag:off", "uag", (*uag_serve, "--drafter", "off"), args.target, {"speculative": False}))
     target = folder(args.target)
-    mlx = (sys.executable, "-m", "mlx_lm", "server", "--model", target, "--max-tokens", str(args.max_tokens),
-           "--log-level", "WARNING")  # fmt: skip
+    mlx = (
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        target,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--log-level",
+        "WARNING",
+    )
     out.append(Condition("mlx_lm", "mlx_lm", mlx, "default_model"))
     if args.peer_draft:
         draft = folder(args.peer_draft)
@@ -727,15 +748,22 @@ def copy_targets(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | 
             proposed = sum(m["lookup_proposed_tokens"] for m in edits.values())
             kept = ratio(sum(m["lookup_accepted_tokens"] for m in edits.values()), cycles)
             what = f"{workload} tokens kept per lookup cycle ({fmt(ratio(proposed, cycles), '.1f')} proposed), {name}"
-            out.append(verdict(what, kept, COPY_GOALS["kept_per_cycle"], unit="") if whole else
-                       (what, kept, "(diff)", None))  # fmt: skip
+            out.append(
+                verdict(what, kept, COPY_GOALS["kept_per_cycle"], unit="") if whole else (what, kept, "(diff)", None)
+            )
         value = ratio(cold_read(table), cold_read(alone))
         out.append(verdict(f"cold read TTFT, {name} / mlx_lm", value, COPY_GOALS["cold_ttft"], at_most=True))
         plain = tables.get(f"{name}:noshare") if not name.endswith(":noshare") else None
         if plain is not None:
             keys = select(table, "retry").keys() & select(plain, "retry").keys()
-            out.append((f"retries tokens/s, {name} / {name}:noshare", ratio(pooled_tps(table, keys),
-                        pooled_tps(plain, keys)), "(shared index)", None))  # fmt: skip
+            out.append(
+                (
+                    f"retries tokens/s, {name} / {name}:noshare",
+                    ratio(pooled_tps(table, keys), pooled_tps(plain, keys)),
+                    "(shared index)",
+                    None,
+                )
+            )
     return out
 
 
@@ -754,11 +782,13 @@ def ablation(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None
             continue
         keys = select(table, "edit", (2, 3)).keys() & select(full, "edit", (2, 3)).keys()
         e2e = [(table[k]["e2e_s"], full[k]["e2e_s"]) for k in keys if table[k]["e2e_s"] and full[k]["e2e_s"]]
-        out.append((
-            name,
-            ratio(pooled_tps(table, keys), pooled_tps(full, keys)),
-            ratio(sum(f for _, f in e2e), sum(t for t, _ in e2e)) if e2e else None,
-        ))  # fmt: skip
+        out.append(
+            (
+                name,
+                ratio(pooled_tps(table, keys), pooled_tps(full, keys)),
+                ratio(sum(f for _, f in e2e), sum(t for t, _ in e2e)) if e2e else None,
+            )
+        )
     return out
 
 
@@ -810,7 +840,7 @@ def summary(rows: list[dict]) -> str:
                 (f"{w} t{turns}", select(table, w, {"1": (1,), "2-3": (2, 3)}[turns]))
                 for w in EDIT_WORKLOADS.values()
                 for turns in ("1", "2-3")
-            ),  # fmt: skip
+            ),
             ("chat", select(table, "chat")),
             ("retry t2", select(table, "retry")),
         ):
@@ -950,8 +980,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each uag drafter also as uag:<drafter>:noshare, with `--lookup-memory 0`",
     )
-    parser.add_argument("--concurrency", type=int, nargs="+", metavar="C", help="the concurrency benchmark "
-                        "(benchmarks/serve_many.py): C requests at once, each C a level, e.g. 1 2 4 8")  # fmt: skip
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        metavar="C",
+        help="the concurrency benchmark (benchmarks/serve_many.py): C requests at once, each C a level, e.g. 1 2 4 8",
+    )
     parser.add_argument("--plot", metavar="PATH", help="with --concurrency: aggregate tokens/s against it, as PNG")
     args = parser.parse_args(argv)
     if args.summarize:

@@ -136,8 +136,9 @@ class Client:
 
     def chat(self, prompts: list[tuple[str, str]]) -> list[Sent]:
         start = time.perf_counter()
-        return at_once([lambda i=i, t=t: self.send(start, "chat", i, 1, [{"role": "user", "content": t}])
-                        for i, t in prompts])  # fmt: skip
+        return at_once(
+            [lambda i=i, t=t: self.send(start, "chat", i, 1, [{"role": "user", "content": t}]) for i, t in prompts]
+        )
 
 
 def level(
@@ -156,9 +157,18 @@ def level(
         client = Client(condition, server.url, args.max_tokens)
         ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
         warm = ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)
-        write({"kind": "warmup", "condition": condition.name, "repeat": repeat, "concurrency": concurrency,
-               "startup_s": server.startup_s, "openblas_mapped": server.openblas, "tokens": warm.completion_tokens,
-               "generation_tps": warm.generation_tps})  # fmt: skip
+        write(
+            {
+                "kind": "warmup",
+                "condition": condition.name,
+                "repeat": repeat,
+                "concurrency": concurrency,
+                "startup_s": server.startup_s,
+                "openblas_mapped": server.openblas,
+                "tokens": warm.completion_tokens,
+                "generation_tps": warm.generation_tps,
+            }
+        )
         say(f"{condition.name} C={concurrency}: up in {server.startup_s:.0f} s, OpenBLAS mapped: {server.openblas}")
         jobs = [(client.edit, wave, group) for wave, group in enumerate(waves(edit, concurrency))]
         jobs += [(client.chat, wave, group) for wave, group in enumerate(waves(chat, concurrency))]
@@ -290,9 +300,21 @@ def lossless(rows: Iterable[dict]) -> list[tuple[str, int, int]]:
     return out
 
 
-COLUMNS = (("condition", 30), ("workload", 11), ("C", 4), ("requests", 9), ("tokens", 8), ("wall s", 9),
-           ("tokens/s", 10), ("TTFT p50", 10), ("TTFT p95", 10), ("e2e p50", 9), ("e2e p95", 9), ("α", 6),
-           ("batch", 7))  # fmt: skip
+COLUMNS = (
+    ("condition", 30),
+    ("workload", 11),
+    ("C", 4),
+    ("requests", 9),
+    ("tokens", 8),
+    ("wall s", 9),
+    ("tokens/s", 10),
+    ("TTFT p50", 10),
+    ("TTFT p95", 10),
+    ("e2e p50", 9),
+    ("e2e p95", 9),
+    ("α", 6),
+    ("batch", 7),
+)
 
 
 def summary(rows: list[dict]) -> str:
@@ -307,10 +329,21 @@ def summary(rows: list[dict]) -> str:
     stats = levels(rows)
     order = list(stats)
     for (name, part, c), s in sorted(stats.items(), key=lambda kv: (kv[0][1] != EDIT, order.index(kv[0]))):
-        cells = (name, part, str(c), str(len(s.e2e_s)), str(s.tokens), fmt(s.wall_s, ".1f"), fmt(s.tps, ".2f"),
-                 fmt(percentile(s.ttft_s, 50), ".2f"), fmt(percentile(s.ttft_s, 95), ".2f"),
-                 fmt(percentile(s.e2e_s, 50), ".1f"), fmt(percentile(s.e2e_s, 95), ".1f"), fmt(s.alpha, ".2f"),
-                 fmt(sum(s.batch) / len(s.batch) if s.batch else None, ".2f"))  # fmt: skip
+        cells = (
+            name,
+            part,
+            str(c),
+            str(len(s.e2e_s)),
+            str(s.tokens),
+            fmt(s.wall_s, ".1f"),
+            fmt(s.tps, ".2f"),
+            fmt(percentile(s.ttft_s, 50), ".2f"),
+            fmt(percentile(s.ttft_s, 95), ".2f"),
+            fmt(percentile(s.e2e_s, 50), ".1f"),
+            fmt(percentile(s.e2e_s, 95), ".1f"),
+            fmt(s.alpha, ".2f"),
+            fmt(sum(s.batch) / len(s.batch) if s.batch else None, ".2f"),
+        )
         lines.append("".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, (_, w)) in enumerate(zip(cells, COLUMNS))))
     lines += [
         "",
@@ -353,16 +386,28 @@ def figure(stats: dict[Level, Stats], title: str = ""):
         for col, part in enumerate(panels, start=1):
             points = sorted((c, s.tps) for (n, w, c), s in stats.items() if n == name and w == part and s.tps)
             fig.add_trace(
-                go.Scatter(x=[c for c, _ in points], y=[t for _, t in points], name=name, legendgroup=name,
-                           showlegend=col == 1, mode="lines+markers",
-                           line={"color": colour, "dash": "dash" if name != family(name) else "solid"}),
-                row=1, col=col,
-            )  # fmt: skip
+                go.Scatter(
+                    x=[c for c, _ in points],
+                    y=[t for _, t in points],
+                    name=name,
+                    legendgroup=name,
+                    showlegend=col == 1,
+                    mode="lines+markers",
+                    line={"color": colour, "dash": "dash" if name != family(name) else "solid"},
+                ),
+                row=1,
+                col=col,
+            )
     fig.update_xaxes(type="log", tickvals=levels_c, ticktext=[str(c) for c in levels_c], title="concurrent requests")
     fig.update_yaxes(title="aggregate tokens/s", rangemode="tozero", col=1)
     fig.update_yaxes(rangemode="tozero")
-    fig.update_layout(title=title, template="plotly_white", width=1000, height=460,
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.22})  # fmt: skip
+    fig.update_layout(
+        title=title,
+        template="plotly_white",
+        width=1000,
+        height=460,
+        legend={"orientation": "h", "yanchor": "top", "y": -0.22},
+    )
     return fig
 
 
@@ -404,10 +449,15 @@ def pools(args: argparse.Namespace) -> tuple[list[Conversation], list[tuple[str,
     if edit and len(edit) < most:
         problems.append(f"--conversations {len(edit)}: concurrency {most} needs {most} (the edit set has {len(every)})")
     if chat and len(chat) < most:
-        problems.append(f"--chat-prompts {args.chat_prompts} gives {len(chat)} prompts (Polish and English): "
-                        f"concurrency {most} needs --chat-prompts {math.ceil(most / 2)}")  # fmt: skip
-    problems += [f"{flag}: not with --concurrency" for flag, on in (("--together", args.together),
-                                                                    ("--ablate", args.ablate)) if on]  # fmt: skip
+        problems.append(
+            f"--chat-prompts {args.chat_prompts} gives {len(chat)} prompts (Polish and English): "
+            f"concurrency {most} needs --chat-prompts {math.ceil(most / 2)}"
+        )
+    problems += [
+        f"{flag}: not with --concurrency"
+        for flag, on in (("--together", args.together), ("--ablate", args.ablate))
+        if on
+    ]
     if problems:
         raise SystemExit("; ".join(problems))
     return edit, chat
@@ -424,12 +474,22 @@ def main(args: argparse.Namespace) -> int:
     logs = out.with_suffix(".logs")
     from uag.machine import backend, blas, device_name
 
-    meta = {"kind": "meta", "date": datetime.now().isoformat(timespec="seconds"), "machine": device_name(),
-            "backend": backend(), "blas": blas(), "cpus": os.cpu_count(), "target": args.target,
-            "max_tokens": args.max_tokens, "repeats": args.repeats, "concurrency": args.concurrency,
-            "conversations": [c.id for c in work[0]], "chat": [i for i, _ in work[1]],
-            "conditions": [{"name": c.name, "argv": list(c.argv), "extra_body": c.extra_body} for c in conds],
-            "versions": {p: serve.version(p) for p in ("mlx", "mlx-lm", "openai", "uag")}}  # fmt: skip
+    meta = {
+        "kind": "meta",
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "machine": device_name(),
+        "backend": backend(),
+        "blas": blas(),
+        "cpus": os.cpu_count(),
+        "target": args.target,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "concurrency": args.concurrency,
+        "conversations": [c.id for c in work[0]],
+        "chat": [i for i, _ in work[1]],
+        "conditions": [{"name": c.name, "argv": list(c.argv), "extra_body": c.extra_body} for c in conds],
+        "versions": {p: serve.version(p) for p in ("mlx", "mlx-lm", "openai", "uag")},
+    }
     with serve.rows_file(out, meta) as (rows, write):
         for repeat in range(args.repeats):
             shift = repeat % len(conds)

@@ -41,8 +41,16 @@ from pathlib import Path
 
 import httpx
 
-PROMPTS = ["Stolica Polski to", "def add(a, b):", "Lista: jeden, dwa, trzy,", "The capital of France is",
-           "for i in range(10):", "Kraków leży nad", "import numpy as", "Dzień dobry, nazywam się"]  # fmt: skip
+PROMPTS = [
+    "Stolica Polski to",
+    "def add(a, b):",
+    "Lista: jeden, dwa, trzy,",
+    "The capital of France is",
+    "for i in range(10):",
+    "Kraków leży nad",
+    "import numpy as",
+    "Dzień dobry, nazywam się",
+]
 STARTUP_S = 600
 
 
@@ -55,8 +63,12 @@ def free_port() -> int:
 def fresh_profile(python: str, cache: Path) -> dict:
     """The demo pair's costs measured now (`uag calibrate`, this checkout) into `cache`; the saved JSON."""
     env = {**os.environ, "UAG_CACHE_DIR": str(cache)}
-    subprocess.run([python, "-m", "uag", "calibrate", "--target", "demo-target", "--drafter", "demo-drafter"],
-                   env=env, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [python, "-m", "uag", "calibrate", "--target", "demo-target", "--drafter", "demo-drafter"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     (path,) = (cache / "profiles").glob("demo-target-demo-drafter-*.json")
     return json.loads(path.read_text())
 
@@ -75,8 +87,11 @@ def stale(profile: dict, factor: float) -> dict:
 
 def chat(url: str, i: int, max_tokens: int) -> tuple[int, float]:
     """(status, seconds) of one non-streamed chat request."""
-    body = {"model": "demo-target", "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}  # fmt: skip
+    body = {
+        "model": "demo-target",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+    }
     tic = time.perf_counter()
     try:
         status = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).status_code
@@ -142,10 +157,19 @@ def probe(checkout: Path, python: str, models: Path, profile: dict, args) -> dic
         (cache / "profiles").mkdir()
         env = {**os.environ, "UAG_CACHE_DIR": str(cache), "PYTHONPATH": str(checkout)}
         where = subprocess.run(  # where this checkout looks for the profile (a digest of its key)
-            [python, "-c", "import json,sys; from uag.costs.profiles import profile_path; "
-             "print(profile_path(json.loads(sys.argv[1])))", json.dumps(profile["key"])],
-            cwd=checkout, env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                python,
+                "-c",
+                "import json,sys; from uag.costs.profiles import profile_path; "
+                "print(profile_path(json.loads(sys.argv[1])))",
+                json.dumps(profile["key"]),
+            ],
+            cwd=checkout,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         Path(where.stdout.strip()).write_text(json.dumps(profile))
         port, log_path = free_port(), cache / "server.log"
         log = open(log_path, "w")
@@ -154,8 +178,14 @@ def probe(checkout: Path, python: str, models: Path, profile: dict, args) -> dic
             hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(args.server_fd_limit, hard), hard))
 
-        server = subprocess.Popen([python, "-m", "uag", "serve", "--port", str(port), "--no-ui"], cwd=checkout,
-                                  env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=usual_fd_limit)  # fmt: skip
+        server = subprocess.Popen(
+            [python, "-m", "uag", "serve", "--port", str(port), "--no-ui"],
+            cwd=checkout,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=usual_fd_limit,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + STARTUP_S
@@ -166,8 +196,9 @@ def probe(checkout: Path, python: str, models: Path, profile: dict, args) -> dic
                 except httpx.HTTPError:
                     pass
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"{checkout}: the server did not come up; its log:\n"
-                                     + log_path.read_text()[-3000:])  # fmt: skip
+                    raise SystemExit(
+                        f"{checkout}: the server did not come up; its log:\n" + log_path.read_text()[-3000:]
+                    )
                 time.sleep(1)
             time.sleep(args.gap)
             times = stale_costs(url, args)
@@ -197,8 +228,13 @@ def main() -> int:
     p.add_argument("--stale", type=float, default=3.0, help="the saved times, as a multiple of today's")
     p.add_argument("--stall", type=float, default=5.0, help="a request over this many seconds stalled")
     p.add_argument("--flood", type=int, default=2100, help="idle connections opened at once")
-    p.add_argument("--server-fd-limit", type=int, default=1024, help="the servers' soft limit on open files as "
-                   "they start (1024: Linux's usual; the hard limit is left as it is)")  # fmt: skip
+    p.add_argument(
+        "--server-fd-limit",
+        type=int,
+        default=1024,
+        help="the servers' soft limit on open files as "
+        "they start (1024: Linux's usual; the hard limit is left as it is)",
+    )
     args = p.parse_args()
     checkouts = [c.resolve() for c in (args.checkout or [Path(__file__).resolve().parent.parent])]
     python = sys.executable
@@ -218,9 +254,11 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for checkout, r in results.items():
         times = r["times"]
-        print(f"| {checkout} | {', '.join(f'{t:.1f}' for t in times)} | {statistics.median(times):.2f} | "
-              f"{max(times):.2f} | {sum(t > args.stall for t in times)} | {r['statuses']} in {r['together_s']:.1f} s "
-              f"| {r['health']} | {r['lines']} |")  # fmt: skip
+        print(
+            f"| {checkout} | {', '.join(f'{t:.1f}' for t in times)} | {statistics.median(times):.2f} | "
+            f"{max(times):.2f} | {sum(t > args.stall for t in times)} | {r['statuses']} in {r['together_s']:.1f} s "
+            f"| {r['health']} | {r['lines']} |"
+        )
     if len(results) > 1:
         first = next(iter(results.values()))
         for checkout, r in list(results.items())[1:]:

@@ -31,19 +31,56 @@ from uag.machine import backend, blas, device_name
 
 SHAPES = {
     # speakleash/Bielik-11B-v3.0-Instruct: Mistral architecture, 8-bit (the study's target)
-    "bielik-11b-8bit": (llama, 8, dict(model_type="mistral", hidden_size=4096, num_hidden_layers=50,
-                                       intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                                       vocab_size=32128, rms_norm_eps=1e-5, rope_theta=1e6,
-                                       tie_word_embeddings=False)),
-    "qwen2.5-1.5b-4bit": (qwen2, 4, dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28,
-                                         intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
-                                         vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
-                                         tie_word_embeddings=True)),
-    "llama-3.2-1b-4bit": (llama, 4, dict(model_type="llama", hidden_size=2048, num_hidden_layers=16,
-                                         intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-                                         head_dim=64, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=5e5,
-                                         tie_word_embeddings=True)),
-}  # fmt: skip
+    "bielik-11b-8bit": (
+        llama,
+        8,
+        dict(
+            model_type="mistral",
+            hidden_size=4096,
+            num_hidden_layers=50,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32128,
+            rms_norm_eps=1e-5,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2.5-1.5b-4bit": (
+        qwen2,
+        4,
+        dict(
+            model_type="qwen2",
+            hidden_size=1536,
+            num_hidden_layers=28,
+            intermediate_size=8960,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-3.2-1b-4bit": (
+        llama,
+        4,
+        dict(
+            model_type="llama",
+            hidden_size=2048,
+            num_hidden_layers=16,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            rms_norm_eps=1e-5,
+            rope_theta=5e5,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
 TARGET = "bielik-11b-8bit"
 STUDY_R, STUDY_C = 0.07, 0.185
 KS = (1, 2, 4, 6, 8)

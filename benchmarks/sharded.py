@@ -89,25 +89,41 @@ def rank_main(args) -> int:
                         drafter = lookup if mode == "lookup" else None
                         run = generate_sharded(target, drafter, ids, configs[mode], ranks)
                         if ranks.rank == 0:
-                            print(f"rep {rep} link {latency} ms {prompt.id} {mode}: {run.tokens_per_second:.2f} tok/s",
-                                  file=sys.stderr, flush=True)  # fmt: skip
+                            print(
+                                f"rep {rep} link {latency} ms {prompt.id} {mode}: {run.tokens_per_second:.2f} tok/s",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                         runs.append(
                             {
-                                "rep": rep, "latency_ms": latency, "prompt": prompt.id, "mode": mode,
+                                "rep": rep,
+                                "latency_ms": latency,
+                                "prompt": prompt.id,
+                                "mode": mode,
                                 "generation_ms": (run.last_token_s - run.first_token_s) * 1000,
-                                "generated": run.generated, "passes": len(run.cycles),
+                                "generated": run.generated,
+                                "passes": len(run.cycles),
                                 "exchanges": len(run.cycles) if mode == "lookup" else 0,
-                                "accepted": sum(c.accepted for c in run.cycles), "token_ids": run.token_ids,
+                                "accepted": sum(c.accepted for c in run.cycles),
+                                "token_ids": run.token_ids,
                             }
-                        )  # fmt: skip
+                        )
     ranks.close()
     if ranks.rank == 0:
         meta = {
-            "date": date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-            "platform": platform.platform(), "target": args.target, "shard": args.shard, "ranks": ranks.size,
-            "layers": layers, "hops": collectives_per_pass(args.shard, layers, ranks.size), "k": args.k,
-            "max_tokens": args.max_tokens, "reps": args.reps, "prompts": len(prompts),
-        }  # fmt: skip
+            "date": date.today().isoformat(),
+            "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "platform": platform.platform(),
+            "target": args.target,
+            "shard": args.shard,
+            "ranks": ranks.size,
+            "layers": layers,
+            "hops": collectives_per_pass(args.shard, layers, ranks.size),
+            "k": args.k,
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "prompts": len(prompts),
+        }
         Path(args.json).write_text(json.dumps({"meta": meta, "curves": curves, "runs": runs}))
     return 0
 
@@ -123,9 +139,24 @@ def launch(args, out: Path) -> None:
             ports.append(s.getsockname()[1])
     hostfile = out.parent / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-    argv = ["--target", args.target, "--shard", args.shard, "--prompts", str(args.prompts), "--max-tokens",
-            str(args.max_tokens), "-k", str(args.k), "--reps", str(args.reps), "--curve-reps", str(args.curve_reps),
-            "--latencies", *map(str, args.latencies)]  # fmt: skip
+    argv = [
+        "--target",
+        args.target,
+        "--shard",
+        args.shard,
+        "--prompts",
+        str(args.prompts),
+        "--max-tokens",
+        str(args.max_tokens),
+        "-k",
+        str(args.k),
+        "--reps",
+        str(args.reps),
+        "--curve-reps",
+        str(args.curve_reps),
+        "--latencies",
+        *map(str, args.latencies),
+    ]
     procs = []
     for r in range(2):
         cmd = [sys.executable, __file__, *argv, "--json", str(out)]
@@ -164,30 +195,41 @@ def summarise(data: dict) -> dict:
         base_ms, spec_ms = total(lat, "baseline", "generation_ms"), total(lat, "lookup", "generation_ms")
         tokens = total(lat, "baseline", "generated") - len({r["prompt"] for r in runs})  # in the timed window
         predicted = sharded_speedup(
-            total(zero, "baseline", "generation_ms"), total(zero, "baseline", "passes"),
-            total(zero, "lookup", "generation_ms"), total(zero, "lookup", "passes"),
-            total(zero, "lookup", "exchanges"), meta["hops"], lat - zero,
-        )  # fmt: skip
-        curve = {w: statistics.median(c[str(w)] if str(w) in c else c[w] for c in data["curves"][str(lat)])
-                 for w in range(1, 17)}  # fmt: skip
+            total(zero, "baseline", "generation_ms"),
+            total(zero, "baseline", "passes"),
+            total(zero, "lookup", "generation_ms"),
+            total(zero, "lookup", "passes"),
+            total(zero, "lookup", "exchanges"),
+            meta["hops"],
+            lat - zero,
+        )
+        curve = {
+            w: statistics.median(c[str(w)] if str(w) in c else c[w] for c in data["curves"][str(lat)])
+            for w in range(1, 17)
+        }
         rows.append(
             {
-                "latency_ms": lat, "baseline_tps": tokens / base_ms * 1000, "lookup_tps": tokens / spec_ms * 1000,
-                "measured": base_ms / spec_ms, "predicted": predicted,
+                "latency_ms": lat,
+                "baseline_tps": tokens / base_ms * 1000,
+                "lookup_tps": tokens / spec_ms * 1000,
+                "measured": base_ms / spec_ms,
+                "predicted": predicted,
                 "passes_per_token": (total(lat, "lookup", "passes") + len({r["prompt"] for r in runs}))
                 / total(lat, "lookup", "generated"),
                 "curve": curve,
             }
-        )  # fmt: skip
+        )
     return {"meta": meta, "rows": rows}
 
 
 def print_summary(summary: dict) -> None:
     meta = summary["meta"]
-    print(f"# {meta['date']}, {meta['machine']} ({meta['platform']}); target {Path(meta['target']).name} "
-          f"({meta['layers']} layers) sharded by {meta['shard']} over {meta['ranks']} local ranks, one core each; "
-          f"{meta['hops']} collectives per pass; lookup k = {meta['k']}; {meta['prompts']} structured prompts × "
-          f"{meta['max_tokens']} tokens; medians of {meta['reps']} interleaved repetitions")  # fmt: skip
+    print(
+        f"# {meta['date']}, {meta['machine']} ({meta['platform']}); target {Path(meta['target']).name} "
+        f"({meta['layers']} layers) sharded by {meta['shard']} over {meta['ranks']} local ranks, one core each; "
+        f"{meta['hops']} collectives per pass; lookup k = {meta['k']}; {meta['prompts']} structured prompts × "
+        f"{meta['max_tokens']} tokens; medians of {meta['reps']} interleaved repetitions"
+    )
     print("\nverify cost (ms per target pass over w new tokens)")
     print("link ms | " + " ".join(f"{w:>6}" for w in (1, 2, 3, 4, 5, 8, 12, 16)))
     for row in summary["rows"]:
@@ -195,9 +237,11 @@ def print_summary(summary: dict) -> None:
     print("\nlink ms | baseline tok/s | lookup tok/s | passes/token | speedup measured | predicted (link term) | error")
     for row in summary["rows"]:
         error = row["predicted"] / row["measured"] - 1
-        print(f"{row['latency_ms']:>7} | {row['baseline_tps']:14.2f} | {row['lookup_tps']:12.2f} | "
-              f"{row['passes_per_token']:12.2f} | {row['measured']:15.2f}x | {row['predicted']:20.2f}x | "
-              f"{error:+.0%}")  # fmt: skip
+        print(
+            f"{row['latency_ms']:>7} | {row['baseline_tps']:14.2f} | {row['lookup_tps']:12.2f} | "
+            f"{row['passes_per_token']:12.2f} | {row['measured']:15.2f}x | {row['predicted']:20.2f}x | "
+            f"{error:+.0%}"
+        )
 
 
 def paper_prediction(tokens_per_pass_lookup: float) -> None:
@@ -206,17 +250,21 @@ def paper_prediction(tokens_per_pass_lookup: float) -> None:
 
     weights_gb, layers, bandwidth = 40.0, 80, 546 * 0.7  # Llama-3.3-70B 4-bit; M4 Max 546 GB/s at 70 %
     print("\n# paper prediction: Llama-3.3-70B-Instruct-4bit (≈40 GB, 80 layers) over two M4 Max (64 GB) Macs")
-    print(f"assumed: each Mac streams its weights at {bandwidth:.0f} GB/s (70 % of 546); a pass over w ≤ 16 tokens "
-          "costs 2 % more per extra token (memory-bound); a collective costs the link latency (0.05 ms RDMA/JACCL, "
-          "0.3 ms Thunderbolt ring, 1 ms Ethernet), compute and link do not overlap")  # fmt: skip
+    print(
+        f"assumed: each Mac streams its weights at {bandwidth:.0f} GB/s (70 % of 546); a pass over w ≤ 16 tokens "
+        "costs 2 % more per extra token (memory-bound); a collective costs the link latency (0.05 ms RDMA/JACCL, "
+        "0.3 ms Thunderbolt ring, 1 ms Ethernet), compute and link do not overlap"
+    )
     drafters = {  # name: (drafter ms per step on rank 0, translate ms, tokens per cycle at its k, k)
         "lookup": (0.0, 0.05, tokens_per_pass_lookup, 4),
         "Qwen2.5-1.5B-4bit (α 0.5, k 4)": (4.0, 1.5, 1 + 0.5 + 0.25 + 0.125 + 0.0625, 4),
         "Llama-3.2-1B-4bit (α 0.5, k 4)": (3.0, 1.5, 1 + 0.5 + 0.25 + 0.125 + 0.0625, 4),
     }
-    print("assumed: drafter steps 4 ms (1.5B) / 3 ms (1B) on rank 0, translation 1.5 ms, per-token acceptance "
-          f"0.5 for the model drafters (cross-family); lookup commits {tokens_per_pass_lookup:.2f} tokens per "
-          "pass (measured above on the structured set; assumed no worse for a 70B target)")  # fmt: skip
+    print(
+        "assumed: drafter steps 4 ms (1.5B) / 3 ms (1B) on rank 0, translation 1.5 ms, per-token acceptance "
+        f"0.5 for the model drafters (cross-family); lookup commits {tokens_per_pass_lookup:.2f} tokens per "
+        "pass (measured above on the structured set; assumed no worse for a 70B target)"
+    )
     print("shard    link ms | baseline tok/s | " + " | ".join(drafters))
     for shard in ("tensor", "pipeline"):
         per_rank = weights_gb / 2 if shard == "tensor" else weights_gb  # pipeline: the stages run one after another

@@ -41,8 +41,12 @@ STRING, INTEGER, NUMBER = {"type": "string"}, {"type": "integer"}, {"type": "num
 
 
 def obj(required: dict, **optional) -> dict:
-    return {"type": "object", "properties": {**required, **optional}, "required": list(required),
-            "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": {**required, **optional},
+        "required": list(required),
+        "additionalProperties": False,
+    }
 
 
 def array(items: dict) -> dict:
@@ -161,8 +165,9 @@ def fits(text: str, schema: dict) -> bool:
 
 def run_task(pair, name: str, args) -> dict:
     prompt, schema = TASKS[name]
-    constraint = response_format_constraint({"type": "json_schema", "json_schema": {"name": name, "schema": schema,
-                                                                                    "strict": True}})  # fmt: skip
+    constraint = response_format_constraint(
+        {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    )
     common = dict(max_tokens=args.max_tokens, chat=pair.target.tokenizer.has_chat_template)
     conditions = {
         "off": (None, GenerationConfig.parse(strategy="baseline", constraint=constraint, **common)),
@@ -215,12 +220,17 @@ def main() -> None:
     for name in args.tasks:
         row = run_task(pair, name, args)
         rows.append(row)
-        print(f"[structured_output] {name}: {row['tokens']} tokens, off {row['off tok/s']:.2f}, auto "
-              f"{row['auto tok/s']:.2f} ({row['auto tok/s'] / row['off tok/s']:.2f}×), free {row['free tok/s']:.2f} "
-              f"tok/s; lossless {row['lossless']}, fits {row['fits']}, grammar cycles {row['grammar cycles']} "
-              f"(kept {row['grammar kept']}), α {row['alpha'] or 0:.2f}", flush=True)  # fmt: skip
-    pooled = {c: sum(r["tokens"] for r in rows) / sum(r["tokens"] / r[f"{c} tok/s"] for r in rows)
-              for c in ("off", "auto", "free")}  # fmt: skip
+        print(
+            f"[structured_output] {name}: {row['tokens']} tokens, off {row['off tok/s']:.2f}, auto "
+            f"{row['auto tok/s']:.2f} ({row['auto tok/s'] / row['off tok/s']:.2f}×), free {row['free tok/s']:.2f} "
+            f"tok/s; lossless {row['lossless']}, fits {row['fits']}, grammar cycles {row['grammar cycles']} "
+            f"(kept {row['grammar kept']}), α {row['alpha'] or 0:.2f}",
+            flush=True,
+        )
+    pooled = {
+        c: sum(r["tokens"] for r in rows) / sum(r["tokens"] / r[f"{c} tok/s"] for r in rows)
+        for c in ("off", "auto", "free")
+    }
     grammar = sum(r["grammar ms/token"] * r["tokens"] for r in rows) / sum(
         r["off ms/token"] * r["tokens"] for r in rows
     )

@@ -58,22 +58,82 @@ def folders(tmp_path_factory):
 GENERATE = ["-m", "uag", "generate", "--strategy", "baseline"]
 # (id, argv after the interpreter with {placeholders} from `folders`, stdin bytes, what the message must say)
 CASES = [
-    ("negative-seed", [*GENERATE, "--seed", "-1", "--temp", "0.5", "Ala"], None, "--seed: seed must be a whole number from 0 to 2147483647 (got -1)"),
-    ("infinite-temperature", [*GENERATE, "--temp", "inf", "Ala"], None, "--temp: temperature must be a number from 0 to 2 (got inf)"),
+    (
+        "negative-seed",
+        [*GENERATE, "--seed", "-1", "--temp", "0.5", "Ala"],
+        None,
+        "--seed: seed must be a whole number from 0 to 2147483647 (got -1)",
+    ),
+    (
+        "infinite-temperature",
+        [*GENERATE, "--temp", "inf", "Ala"],
+        None,
+        "--temp: temperature must be a number from 0 to 2 (got inf)",
+    ),
     ("nan-temperature", [*GENERATE, "--temp", "nan", "Ala"], None, "--temp: temperature must be a number from 0 to 2"),
-    ("huge-window", [*GENERATE, "--window", "1000000000", "Ala"], None, "--window: context window W must be a whole number from 0 to 64"),
-    ("huge-max-tokens", [*GENERATE, "--max-tokens", "1000000000", "Ala"], None, "--max-tokens: max tokens must be a whole number from 1 to 4096"),
+    (
+        "huge-window",
+        [*GENERATE, "--window", "1000000000", "Ala"],
+        None,
+        "--window: context window W must be a whole number from 0 to 64",
+    ),
+    (
+        "huge-max-tokens",
+        [*GENERATE, "--max-tokens", "1000000000", "Ala"],
+        None,
+        "--max-tokens: max tokens must be a whole number from 1 to 4096",
+    ),
     ("expression-max-tokens", [*GENERATE, "--max-tokens", "10**9", "Ala"], None, "(got '10**9')"),
-    ("fractional-k", [*GENERATE, "-k", "2.5", "Ala"], None, "-k: k (draft length) must be a whole number from 1 to 32 (got 2.5)"),
+    (
+        "fractional-k",
+        [*GENERATE, "-k", "2.5", "Ala"],
+        None,
+        "-k: k (draft length) must be a whole number from 1 to 32 (got 2.5)",
+    ),
     ("word-seed", [*GENERATE, "--seed", "abc", "Ala"], None, "--seed: seed must be a whole number"),
-    ("unknown-strategy", [*GENERATE[:-2], "--strategy", "exact", "Ala"], None, "--strategy: strategy must be one of baseline"),
-    ("unknown-k-policy", [*GENERATE, "--k-policy", "sometimes", "Ala"], None, "--k-policy: k policy must be one of fixed, adaptive (got 'sometimes')"),
-    ("auto-with-fixed-k", [*GENERATE[:-2], "--strategy", "auto", "--k-policy", "fixed", "Ala"], None, "--strategy, --k-policy: strategy 'auto' means k policy adaptive, not 'fixed'"),
-    ("baseline-with-adaptive-k", [*GENERATE, "--k-policy", "adaptive", "Ala"], None, "--strategy, --k-policy: k policy adaptive needs a drafter"),
+    (
+        "unknown-strategy",
+        [*GENERATE[:-2], "--strategy", "exact", "Ala"],
+        None,
+        "--strategy: strategy must be one of baseline",
+    ),
+    (
+        "unknown-k-policy",
+        [*GENERATE, "--k-policy", "sometimes", "Ala"],
+        None,
+        "--k-policy: k policy must be one of fixed, adaptive (got 'sometimes')",
+    ),
+    (
+        "auto-with-fixed-k",
+        [*GENERATE[:-2], "--strategy", "auto", "--k-policy", "fixed", "Ala"],
+        None,
+        "--strategy, --k-policy: strategy 'auto' means k policy adaptive, not 'fixed'",
+    ),
+    (
+        "baseline-with-adaptive-k",
+        [*GENERATE, "--k-policy", "adaptive", "Ala"],
+        None,
+        "--strategy, --k-policy: k policy adaptive needs a drafter",
+    ),
     ("unknown-flag", [*GENERATE, "--temperature", "0.5", "Ala"], None, "unrecognized arguments: --temperature"),
-    ("invalid-utf8-argv", [*GENERATE, b"Zaz\xf3\xb3\xe6 \xff"], None, "the prompt is not valid UTF-8: byte 0xf3 at character 4"),
-    ("invalid-utf8-stdin", [*GENERATE, "-"], b"Ala \xff\xfe ma kota", "the prompt on stdin is not valid UTF-8: byte 0xff at byte 5"),
-    ("invalid-utf8-file", [*GENERATE, "--prompt-file", "{bad_file}"], None, "bad.txt' is not valid UTF-8: byte 0xff at byte 21"),
+    (
+        "invalid-utf8-argv",
+        [*GENERATE, b"Zaz\xf3\xb3\xe6 \xff"],
+        None,
+        "the prompt is not valid UTF-8: byte 0xf3 at character 4",
+    ),
+    (
+        "invalid-utf8-stdin",
+        [*GENERATE, "-"],
+        b"Ala \xff\xfe ma kota",
+        "the prompt on stdin is not valid UTF-8: byte 0xff at byte 5",
+    ),
+    (
+        "invalid-utf8-file",
+        [*GENERATE, "--prompt-file", "{bad_file}"],
+        None,
+        "bad.txt' is not valid UTF-8: byte 0xff at byte 21",
+    ),
     ("missing-prompt-file", [*GENERATE, "--prompt-file", "{missing}"], None, "nothing-here': no such file"),
     ("prompt-file-is-a-folder", [*GENERATE, "--prompt-file", "{folder}"], None, "is a folder; give a text file"),
     ("two-prompts", [*GENERATE, "--prompt-file", "{bad_file}", "Ala"], None, "give the prompt once"),
@@ -82,25 +142,84 @@ CASES = [
     ("model-folder-missing", [*GENERATE, "--target", "{missing}", "Ala"], None, "no model directory at"),
     ("config-without-model-type", [*GENERATE, "--target", "{no_type}", "Ala"], None, "model_type"),
     ("truncated-weights", [*GENERATE, "--target", "{truncated}", "Ala"], None, "incomplete or"),
-    ("json-schema-not-json", [*GENERATE, "--json-schema", "{bad_file}", "Ala"], None, "--json-schema: cannot read a JSON Schema from"),
+    (
+        "json-schema-not-json",
+        [*GENERATE, "--json-schema", "{bad_file}", "Ala"],
+        None,
+        "--json-schema: cannot read a JSON Schema from",
+    ),
     ("json-schema-bad-type", [*GENERATE, "--json-schema", "{schema}", "Ala"], None, "--json-schema: schema: "),
-    ("json-schema-and-object", [*GENERATE, "--json-schema", "{schema}", "--json-object", "Ala"], None, "not allowed with argument --json-schema"),
-    ("empty-lookup-drafter", ["-m", "uag", "generate", "--drafter", "lookup+", "Ala"], None, "after lookup+ name a drafter model"),
+    (
+        "json-schema-and-object",
+        [*GENERATE, "--json-schema", "{schema}", "--json-object", "Ala"],
+        None,
+        "not allowed with argument --json-schema",
+    ),
+    (
+        "empty-lookup-drafter",
+        ["-m", "uag", "generate", "--drafter", "lookup+", "Ala"],
+        None,
+        "after lookup+ name a drafter model",
+    ),
     (
         "prompt-beyond-drafter-context",
-        ["-m", "uag", "generate", "--target", "{good}", "--drafter", "{short_drafter}", "Ala ma kota, a kot ma Alę. " * 4],
+        [
+            "-m",
+            "uag",
+            "generate",
+            "--target",
+            "{good}",
+            "--drafter",
+            "{short_drafter}",
+            "Ala ma kota, a kot ma Alę. " * 4,
+        ],
         None,
         "whose context is 16 tokens: shorten the prompt, pick a drafter with a longer context",
     ),
-    ("analyze-word-for-r", ["-m", "uag", "analyze", "--model-only", "--r", "abc"], None, "argument --r: must be a finite number (got 'abc')"),
+    (
+        "analyze-word-for-r",
+        ["-m", "uag", "analyze", "--model-only", "--r", "abc"],
+        None,
+        "argument --r: must be a finite number (got 'abc')",
+    ),
     ("analyze-missing-file", ["-m", "uag", "analyze", "{missing}"], None, "no results file at"),
-    ("bench-word-for-n", ["-m", "uag", "bench", "--target", "t", "--drafters", "d", "--n", "few", "--out", "{root}/r.db"], None, "argument --n: must be a whole number"),
-    ("bench-out-is-a-folder", ["-m", "uag", "bench", "--target", "t", "--drafters", "d", "--n", "1", "--out", "{folder}"], None, "is a directory, not a results file"),
-    ("calibrate-word-for-repeats", ["-m", "uag", "calibrate", "--repeats", "many"], None, "argument --repeats: must be a whole number"),
-    ("unknown-command", ["-m", "uag", "generat", "Ala"], None, "unknown command 'generat': choose one of generate, serve, app"),
-    ("app-word-for-port", ["-m", "uag", "app", "--port", "abc"], None, "argument --port: must be a whole number (got 'abc')"),
-    ("bench-through-uag-word-for-n", ["-m", "uag", "bench", "--target", "t", "--drafters", "d", "--n", "few", "--out", "{root}/r.db"], None, "argument --n: must be a whole number"),
-]  # fmt: skip
+    (
+        "bench-word-for-n",
+        ["-m", "uag", "bench", "--target", "t", "--drafters", "d", "--n", "few", "--out", "{root}/r.db"],
+        None,
+        "argument --n: must be a whole number",
+    ),
+    (
+        "bench-out-is-a-folder",
+        ["-m", "uag", "bench", "--target", "t", "--drafters", "d", "--n", "1", "--out", "{folder}"],
+        None,
+        "is a directory, not a results file",
+    ),
+    (
+        "calibrate-word-for-repeats",
+        ["-m", "uag", "calibrate", "--repeats", "many"],
+        None,
+        "argument --repeats: must be a whole number",
+    ),
+    (
+        "unknown-command",
+        ["-m", "uag", "generat", "Ala"],
+        None,
+        "unknown command 'generat': choose one of generate, serve, app",
+    ),
+    (
+        "app-word-for-port",
+        ["-m", "uag", "app", "--port", "abc"],
+        None,
+        "argument --port: must be a whole number (got 'abc')",
+    ),
+    (
+        "bench-through-uag-word-for-n",
+        ["-m", "uag", "bench", "--target", "t", "--drafters", "d", "--n", "few", "--out", "{root}/r.db"],
+        None,
+        "argument --n: must be a whole number",
+    ),
+]
 
 
 def _argv(template: list, folders: dict) -> list:
@@ -131,8 +250,12 @@ def test_bad_input_is_one_error_line_with_exit_2(folders, tmp_path, argv, stdin,
 def test_json_schema_makes_the_reply_fit_the_schema(folders, tmp_path):
     """The flag reaches the engine: a tiny random model (Llama-3.2's real tokenizer) writes what the schema
     allows, with speculation as without, the schema given bare or as response_format's json_schema object."""
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     bare, wrapped = tmp_path / "bare.json", tmp_path / "wrapped.json"
     bare.write_text(json.dumps(schema))
     wrapped.write_text(json.dumps({"name": "answer", "schema": schema, "strict": True}))
@@ -140,10 +263,29 @@ def test_json_schema_makes_the_reply_fit_the_schema(folders, tmp_path):
     replies = []
     for path, strategy in ((bare, "baseline"), (wrapped, "auto")):
         done = subprocess.run(
-            [sys.executable, "-m", "uag", "generate", "--target", folders["good"], "--drafter", "lookup",
-             "--strategy", strategy, "--json-schema", str(path), "--max-tokens", "12", "--json", "Ala"],
-            cwd=tmp_path, env=env, capture_output=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "uag",
+                "generate",
+                "--target",
+                folders["good"],
+                "--drafter",
+                "lookup",
+                "--strategy",
+                strategy,
+                "--json-schema",
+                str(path),
+                "--max-tokens",
+                "12",
+                "--json",
+                "Ala",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr.decode()
         replies.append(json.loads(done.stdout)["text"])
     assert replies[0] == replies[1] and replies[0].startswith('{"ok": ')

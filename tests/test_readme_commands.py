@@ -85,19 +85,47 @@ def test_runnable_commands_are_found_and_made_small():
     text = "```sh runnable\npython -m uag generate -k 2 \\\n  'Ala ma'  # note\n```\n```sh\npython -m uag x\n```\n"
     assert runnable_commands(text) == ["python -m uag generate -k 2 'Ala ma'  # note"]
     assert small(runnable_commands(text)[0]) == [
-        "python", "-m", "uag", "generate", "--max-tokens", "4", "-k", "2", "Ala ma"
-    ]  # fmt: skip
+        "python",
+        "-m",
+        "uag",
+        "generate",
+        "--max-tokens",
+        "4",
+        "-k",
+        "2",
+        "Ala ma",
+    ]
     assert small("python -m uag bench --k 1 2 4 --n 4 --max-tokens 48 --out r.db") == [
-        "python", "-m", "uag", "bench", "--k", "1", "--n", "1", "--max-tokens", "4", "--out", "r.db"
-    ]  # fmt: skip
+        "python",
+        "-m",
+        "uag",
+        "bench",
+        "--k",
+        "1",
+        "--n",
+        "1",
+        "--max-tokens",
+        "4",
+        "--out",
+        "r.db",
+    ]
 
 
 def test_the_uag_form_is_found_and_made_small_the_same_way():
     text = "```sh runnable\nuag calibrate --target demo-target\nmake app\nuagx generate\n```\n"
     assert runnable_commands(text) == ["uag calibrate --target demo-target"]
     assert small("uag calibrate --target demo-target --repeats 5") == [
-        "uag", "calibrate", "--context", "16", "--max-width", "2", "--target", "demo-target", "--repeats", "1"
-    ]  # fmt: skip
+        "uag",
+        "calibrate",
+        "--context",
+        "16",
+        "--max-width",
+        "2",
+        "--target",
+        "demo-target",
+        "--repeats",
+        "1",
+    ]
     assert small("uag generate 'Ala ma'") == ["uag", "generate", "--max-tokens", "4", "Ala ma"]
 
 

@@ -38,9 +38,19 @@ _EXPORTS = {
     "CostProfile": "uag.core.costmodel",
 }
 __all__ = [
-    "CostProfile", "Cycle", "DrafterSpec", "GenerationConfig", "Run", "UserError",
-    "generate", "load", "load_drafter", "saved_profile", "stream", "__version__",
-]  # fmt: skip
+    "CostProfile",
+    "Cycle",
+    "DrafterSpec",
+    "GenerationConfig",
+    "Run",
+    "UserError",
+    "generate",
+    "load",
+    "load_drafter",
+    "saved_profile",
+    "stream",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from uag.api import generate, load, load_drafter, saved_profile, stream

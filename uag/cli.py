@@ -94,15 +94,23 @@ def run_generate(args: argparse.Namespace) -> int:
     drafter_dtype = parse_dtype(args.drafter_dtype, flag="--drafter-dtype")
     if getattr(args, "shard", None):  # a target split over the ranks of mlx.launch
         if target_dtype or drafter_dtype or args.compare or config.constraint:
-            raise InputError("--shard loads the models as stored and runs once, unconstrained: drop --*-dtype, "
-                             "--compare, --json-schema and --json-object")  # fmt: skip
+            raise InputError(
+                "--shard loads the models as stored and runs once, unconstrained: drop --*-dtype, "
+                "--compare, --json-schema and --json-object"
+            )
         return _print_run(args, *_generate_sharded(args, config, prompt))
     if args.compare and not config.speculative:
         raise InputError("--compare sets a speculative run against the target alone: pick a --strategy but baseline")
     say_progress = None if args.json else progress
     drafter = args.drafter if config.speculative else None
-    loaded = open_pair(ModelStore(), args.target, drafter, target_dtype=target_dtype, drafter_dtype=drafter_dtype,
-                       progress=say_progress)  # fmt: skip
+    loaded = open_pair(
+        ModelStore(),
+        args.target,
+        drafter,
+        target_dtype=target_dtype,
+        drafter_dtype=drafter_dtype,
+        progress=say_progress,
+    )
     ids = prompt_ids_for(loaded, prompt, config)  # the target's template and context, the drafter's room
     if config.speculative and (note := slow_dtype_note(loaded.target.dtype, backend())):
         say(f"note: {note}")  # before the run: it may take a while

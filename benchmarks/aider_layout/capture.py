@@ -30,9 +30,15 @@ def aider_coder(edit_format: str, name: str, content: str) -> Coder:
     os.chdir(tempfile.mkdtemp())
     with open(name, "w") as f:
         f.write(content)
-    return Coder.create(main_model=Model("openai/coder-target"), edit_format=edit_format,
-                        io=InputOutput(yes=True, pretty=False), fnames=[name], use_git=False, map_tokens=0,
-                        stream=True)  # fmt: skip
+    return Coder.create(
+        main_model=Model("openai/coder-target"),
+        edit_format=edit_format,
+        io=InputOutput(yes=True, pretty=False),
+        fnames=[name],
+        use_git=False,
+        map_tokens=0,
+        stream=True,
+    )
 
 
 def layout(edit_format: str) -> dict:
@@ -54,7 +60,7 @@ def layout(edit_format: str) -> dict:
         "applied": [
             {"role": "user", "content": prompts.files_content_gpt_edits_no_repo},
             {"role": "assistant", "content": "Ok."},
-        ],  # fmt: skip
+        ],
     }
 
 

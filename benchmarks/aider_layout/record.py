@@ -41,8 +41,13 @@ class Recorder(BaseHTTPRequestHandler):
         Recorder.sent.append(body["messages"])
         text = Recorder.replies[min(len(Recorder.sent), len(Recorder.replies)) - 1]
         delta = {"role": "assistant", "content": text}
-        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}  # fmt: skip
+        chunk = {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": body["model"],
+            "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+        }
         done = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -71,8 +76,13 @@ def record(edit_format: str) -> list:
 if __name__ == "__main__":
     path = os.path.abspath(sys.argv[1])  # aider prints to stdout: the record goes to a file
     formats = {f: {"replies": REPLIES[f], "sent": record(f)} for f in ("whole", "diff")}
-    out = {"aider": metadata.version("aider-chat"), "file": FILE, "content": CONTENT, "requests": REQUESTS,
-           "formats": formats}  # fmt: skip
+    out = {
+        "aider": metadata.version("aider-chat"),
+        "file": FILE,
+        "content": CONTENT,
+        "requests": REQUESTS,
+        "formats": formats,
+    }
     with open(path, "w") as f:
         json.dump(out, f, indent=1, ensure_ascii=False)
         f.write("\n")

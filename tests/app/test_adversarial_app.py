@@ -71,7 +71,7 @@ CASES = [
         ["Hej", *_with(target="speakleash/Bielik-11B-v3.0-Instruct-MLX-8bit")],
         REMOTE,
         "not available to remote users",
-    ),  # fmt: skip
+    ),
     ("remote: any hub id", ["Hej", *_with(target="org/anything")], REMOTE, "not available to remote users"),
 ]
 

@@ -123,8 +123,9 @@ def test_penalties_and_the_grammar_together_stay_the_target_alones(demo_pair):
     target, model = demo_pair
     settings = dict(constraint=ANY_OBJECT, repetition_penalty=1.2)
     base = generate(target, None, PROMPT, GenerationConfig.parse(strategy="baseline", max_tokens=24, **settings))
-    spec = generate(target, DrafterChoice(True, model), PROMPT, GenerationConfig.parse(strategy="auto", max_tokens=24,
-                                                                                        **settings))  # fmt: skip
+    spec = generate(
+        target, DrafterChoice(True, model), PROMPT, GenerationConfig.parse(strategy="auto", max_tokens=24, **settings)
+    )
     assert spec.token_ids == base.token_ids and base.text.lstrip().startswith("{")
 
 

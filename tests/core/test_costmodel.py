@@ -273,7 +273,7 @@ def test_reading_n_tokens_is_one_batched_pass_not_n_steps():
         (recorded(2, 2, read=41), 2 * 12.0 + (16.5 + 31 * 12 / 32 - 12.5) + 1.0 + 125.0),
         (recorded(3, 3, source="lookup"), 0.02 + 137.5),  # a lookup and the pass over w = 4
     ],
-)  # fmt: skip
+)
 def test_a_profile_prices_each_recorded_cycle_as_the_run_spent_it(cycle, ms):
     assert MEASURED.price(cycle) == pytest.approx(ms)
 
@@ -290,8 +290,24 @@ def test_measured_costs_give_the_break_even_of_the_k_that_ran():
 
 # Verification on the 2-core CPU, Qwen2.5-Coder-1.5B ← SmolLM2, float32 + OpenBLAS (uag calibrate, 2026-11-26,
 # least of 5 rounds): OpenBLAS prices 9-13 new tokens above 16.
-CODER_CPU = {1: 320.0, 2: 413.2, 3: 511.3, 4: 602.4, 5: 615.8, 6: 612.3, 7: 643.8, 8: 650.1, 9: 730.4, 10: 824.6,
-             11: 932.1, 12: 1031.6, 13: 921.2, 14: 791.4, 15: 684.5, 16: 571.6}  # fmt: skip
+CODER_CPU = {
+    1: 320.0,
+    2: 413.2,
+    3: 511.3,
+    4: 602.4,
+    5: 615.8,
+    6: 612.3,
+    7: 643.8,
+    8: 650.1,
+    9: 730.4,
+    10: 824.6,
+    11: 932.1,
+    12: 1031.6,
+    13: 921.2,
+    14: 791.4,
+    15: 684.5,
+    16: 571.6,
+}
 
 
 @pytest.mark.parametrize("monotone", [False, True])

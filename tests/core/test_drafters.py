@@ -206,9 +206,13 @@ def test_hybrid_leaves_both_caches_exact_after_a_run_and_an_early_stop(tiny, sto
     caches = (target.make_cache(), model.make_cache())
     choice = DrafterChoice(lookup=True, model=model)
     events = stream(
-        target, choice, prompt_ids(target, PROMPTS[0]), config,
-        caches=PromptCaches(target_cache=caches[0], drafter_cache=caches[1]), seams=Seams(translator=translator),
-    )  # fmt: skip
+        target,
+        choice,
+        prompt_ids(target, PROMPTS[0]),
+        config,
+        caches=PromptCaches(target_cache=caches[0], drafter_cache=caches[1]),
+        seams=Seams(translator=translator),
+    )
     for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
         if stop_after is not None and n == stop_after:
             break

@@ -147,9 +147,13 @@ def test_caches_hold_the_committed_sequences_after_a_run_and_after_an_early_stop
     translator = make_translator(strategy, target.vocab, drafter.vocab, window=config.window, shared=False)
     caches = (target.make_cache(), drafter.make_cache())
     events = stream(
-        target, drafter, prompt_ids(target, PROMPTS[2]), config,
-        caches=PromptCaches(target_cache=caches[0], drafter_cache=caches[1]), seams=Seams(translator=translator),
-    )  # fmt: skip
+        target,
+        drafter,
+        prompt_ids(target, PROMPTS[2]),
+        config,
+        caches=PromptCaches(target_cache=caches[0], drafter_cache=caches[1]),
+        seams=Seams(translator=translator),
+    )
     for n, event in enumerate(events):  # noqa: B007 (the last event is read below)
         if stop_after is not None and n == stop_after:
             break
@@ -359,9 +363,11 @@ def test_json_output_has_the_documented_fields(capsys, tiny):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "prompt, strategies",
-    [("Stolica Polski to", STRATEGIES),  # every strategy; the second prompt (a longer, diacritic-rich one)
-     ("Kraków – miasto w południowej Polsce, położone nad", ("context", "tli"))],  # the translating ones
-)  # fmt: skip
+    [
+        ("Stolica Polski to", STRATEGIES),  # every strategy; the second prompt (a longer, diacritic-rich one)
+        ("Kraków – miasto w południowej Polsce, położone nad", ("context", "tli")),
+    ],  # the translating ones
+)
 def test_demo_pair_every_strategy_and_k_reproduces_the_baseline(demo_pair, prompt, strategies):
     target, drafter = demo_pair
     expected = baseline_ids(target, prompt, 20)

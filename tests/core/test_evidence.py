@@ -331,8 +331,18 @@ def test_a_tree_pass_is_timed_at_the_rows_it_read():
     from uag.core.records import Cycle
 
     prices = Prices(None, Evidence())
-    tree = Cycle(index=0, k=15, draft_ids=[], proposed_ids=list(range(15)), accepted=15, emitted=16,
-                 verify_ms=1900.0, source="lookup", branches=3, nodes=22)  # fmt: skip
+    tree = Cycle(
+        index=0,
+        k=15,
+        draft_ids=[],
+        proposed_ids=list(range(15)),
+        accepted=15,
+        emitted=16,
+        verify_ms=1900.0,
+        source="lookup",
+        branches=3,
+        nodes=22,
+    )
     prices.time_verify(tree)
     prices.time_verify(replace(tree, branches=1, nodes=0, verify_ms=1000.0))
     assert prices.evidence.verify_ms == {23: 1900.0, 16: 1000.0}

@@ -327,7 +327,7 @@ def test_what_strict_refuses_a_lenient_schema_ignores():
         ([{"type": "function", "function": {}}], None, "tools[0].function must be an object with a name"),
         ([], None, "tool_choice requires a call, but tools declares no function"),
     ],
-)  # fmt: skip
+)
 def test_bad_tools_are_refused_naming_the_part(tools, name, message):
     with pytest.raises(InputError) as caught:
         tool_constraint(tools, name)

@@ -331,9 +331,11 @@ def test_choosing_ages_no_evidence_and_passing_lookup_over_ages_its_evidence_onc
 # The coder pair on a 2-core CPU (Qwen2.5-Coder-1.5B fp32, SmolLM2-135M): verification over w tokens, a drafter
 # step, and the drafter's one pass over n tokens (reading a prompt costs a pass, not n steps).
 CODER = CostProfile(
-    {1: 444.0, 2: 504.0, 3: 585.0, 4: 650.0, 5: 700.0, 9: 900.0, 16: 1400.0}, drafter_ms=55.0, translate_ms=2.0,
+    {1: 444.0, 2: 504.0, 3: 585.0, 4: 650.0, 5: 700.0, 9: 900.0, 16: 1400.0},
+    drafter_ms=55.0,
+    translate_ms=2.0,
     read_ms={1: 55.0, 8: 75.0, 32: 120.0, 128: 300.0, 512: 1000.0},
-)  # fmt: skip
+)
 # The demo pair: a drafter that costs half a target step cannot pay at a 50 % guess.
 DEMO = CostProfile({1: 20.0, 2: 21.0, 3: 22.5, 9: 28.0}, drafter_ms=10.0, translate_ms=0.5, read_ms={1: 10.0, 64: 20.0})
 

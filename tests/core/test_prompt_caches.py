@@ -278,9 +278,15 @@ def test_nbytes_counts_both_caches(tiny):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "drafter"),
-    [("baseline", None), ("context", "demo-drafter"), ("tli", "demo-drafter"), ("context", "lookup"),
-     ("context", "lookup+demo-drafter"), ("auto", "lookup+demo-drafter")],
-)  # fmt: skip
+    [
+        ("baseline", None),
+        ("context", "demo-drafter"),
+        ("tli", "demo-drafter"),
+        ("context", "lookup"),
+        ("context", "lookup+demo-drafter"),
+        ("auto", "lookup+demo-drafter"),
+    ],
+)
 def test_demo_pair_second_turn_with_reused_caches_equals_a_cold_run(demo_pair, store, strategy, drafter):
     from uag.core.loading import load_drafter_choice
 

@@ -27,9 +27,12 @@ def test_prompt_from_stdin_and_from_a_file(tmp_path):
 
 @pytest.mark.parametrize(
     ("argument", "prompt_file", "message"),
-    [(None, None, "no prompt given"), ("Ala", "x.txt", "give the prompt once"),
-     (None, "missing.txt", "'missing.txt': no such file")],
-)  # fmt: skip
+    [
+        (None, None, "no prompt given"),
+        ("Ala", "x.txt", "give the prompt once"),
+        (None, "missing.txt", "'missing.txt': no such file"),
+    ],
+)
 def test_prompt_source_mistakes(tmp_path, monkeypatch, argument, prompt_file, message):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(InputError, match=message):

@@ -23,8 +23,12 @@ from uag.core.verify import IdMap, accept_rejection, draft_distribution
 from uag.errors import InputError
 
 PROMPTS = ["Stolica Polski to", "W 1989 roku w Polsce", "Zażółć gęślą jaźń, a w winie 🙂"]
-PENALTIES = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8), dict(frequency_penalty=0.5),
-             dict(repetition_penalty=1.1, presence_penalty=-0.4, frequency_penalty=0.3)]  # fmt: skip
+PENALTIES = [
+    dict(repetition_penalty=1.3),
+    dict(presence_penalty=0.8),
+    dict(frequency_penalty=0.5),
+    dict(repetition_penalty=1.1, presence_penalty=-0.4, frequency_penalty=0.3),
+]
 NEW = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -51,8 +55,9 @@ def test_what_counts_as_processed():
 
 
 def test_settings_are_parsed_from_loose_input():
-    config = GenerationConfig.parse(top_p="0.9", top_k=40.0, min_p="0.05", repetition_penalty="1.1",
-                                    presence_penalty=-2, frequency_penalty="2")  # fmt: skip
+    config = GenerationConfig.parse(
+        top_p="0.9", top_k=40.0, min_p="0.05", repetition_penalty="1.1", presence_penalty=-2, frequency_penalty="2"
+    )
     assert (config.top_p, config.top_k, config.min_p) == (0.9, 40, 0.05)
     assert config.top_k.__class__ is int
     assert (config.repetition_penalty, config.presence_penalty, config.frequency_penalty) == (1.1, -2.0, 2.0)
@@ -83,8 +88,9 @@ def test_a_setting_out_of_bounds_is_refused_with_its_name_and_bounds(raw, messag
 
 def test_every_problem_is_listed_at_once():
     with pytest.raises(InputError) as err:
-        GenerationConfig.parse(top_p=2, top_k=-3, min_p=5, repetition_penalty=-1, presence_penalty=9,
-                               frequency_penalty=9, k=0)  # fmt: skip
+        GenerationConfig.parse(
+            top_p=2, top_k=-3, min_p=5, repetition_penalty=-1, presence_penalty=9, frequency_penalty=9, k=0
+        )
     message = str(err.value)
     assert all(f"{name} must be" in message for name in (*NEW, "k (draft length)"))
     with pytest.raises(InputError, match="top_k"):
@@ -102,8 +108,9 @@ def test_the_truncated_sampler_draws_what_mlx_lms_make_sampler_draws():
     for settings in (dict(top_k=5), dict(min_p=0.1), dict(top_p=0.8), dict(top_p=0.9, min_p=0.05, top_k=7)):
         config = GenerationConfig(temperature=0.8, **settings)
         ours = TargetSampling.of(config).sampler
-        theirs = make_sampler(0.8, top_p=config.top_p if config.top_p < 1 else 0.0, min_p=config.min_p,
-                              top_k=config.top_k)  # fmt: skip
+        theirs = make_sampler(
+            0.8, top_p=config.top_p if config.top_p < 1 else 0.0, min_p=config.min_p, top_k=config.top_k
+        )
         for seed in range(5):
             mx.random.seed(seed)
             a = ours(logprobs).tolist()

@@ -57,18 +57,43 @@ def serving(tmp: Path, target: str, *args: str) -> Iterator[tuple[str, list[subp
     port = free_ports(1)[0]
     # The costs measured over the shards at startup are kept beside the tiny models, not in the user's cache: the
     # first run measures them (every rank taking part), later runs find them, as a server's next start does.
-    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "UAG_API_KEY": KEY,
-           "UAG_CACHE_DIR": str(real_tokenizers.cache_root() / "serve-sharded")}  # fmt: skip
+    env = {
+        **os.environ,
+        "MLX_HOSTFILE": str(hostfile),
+        "UAG_API_KEY": KEY,
+        "UAG_CACHE_DIR": str(real_tokenizers.cache_root() / "serve-sharded"),
+    }
     pin = (
         shutil.which("taskset") and (os.cpu_count() or 1) >= 2
     )  # one core each (tests/distributed/test_sharded.py says why)
     procs = []
     for r in range(2):
-        cmd = [sys.executable, "-m", "uag", "serve", "--shard", "tensor", "--target", target, "--port", str(port),
-               "--shard-timeout", "30", *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "uag",
+            "serve",
+            "--shard",
+            "tensor",
+            "--target",
+            target,
+            "--port",
+            str(port),
+            "--shard-timeout",
+            "30",
+            *args,
+        ]
         cmd = ["taskset", "-c", str(r), *cmd] if pin else cmd
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env={**env, "MLX_RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + LAUNCH_LIMIT_S
     try:
@@ -106,8 +131,9 @@ def client(cluster):
 
 def ask(client, model: str, speculative=None, **kw):
     extra = None if speculative is None else {"speculative": speculative}
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
-                                          extra_body=extra, **kw)  # fmt: skip
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], extra_body=extra, **kw
+    )
 
 
 def unsharded_baseline(capsys, monkeypatch, store, target: str, *, chat: bool) -> str:
@@ -147,15 +173,24 @@ def test_greedy_replies_equal_the_target_alone_and_the_unsharded_target(cluster,
         assert spec["drafter"] == (speculative or {"drafter": "lookup"})["drafter"]
         assert spec["cycles"] > 0 or spec["strategy"] == "auto"  # auto may park (what earlier runs taught it)
         assert reply.usage.prompt_tokens_details.cached_tokens == 0  # no conversation caches across shards
-    completion = client.completions.create(model=target, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                           extra_body={"speculative": {"drafter": "lookup", "k": 3}})  # fmt: skip
+    completion = client.completions.create(
+        model=target, prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body={"speculative": {"drafter": "lookup", "k": 3}}
+    )
     assert completion.choices[0].text == unsharded_baseline(capsys, monkeypatch, store, target, chat=False)
 
 
 def test_a_streamed_reply_equals_the_whole_one(cluster, client):
     whole = ask(client, cluster.target, {"drafter": "lookup", "k": 3}, max_tokens=MAX_TOKENS)
-    chunks = list(ask(client, cluster.target, {"drafter": "lookup", "k": 3}, max_tokens=MAX_TOKENS, stream=True,
-                      stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        ask(
+            client,
+            cluster.target,
+            {"drafter": "lookup", "k": 3},
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
     with pytest.raises(openai.BadRequestError, match="--shard"):  # a near-tie check needs the whole target
@@ -192,10 +227,16 @@ def test_a_stop_string_and_a_client_that_leaves_end_the_run_on_every_rank(cluste
         assert cut.choices[0].message.content == full[: full.index(stop)], speculative
         assert cut.choices[0].finish_reason == "stop"
     for speculative in ({"drafter": "lookup", "k": 3}, False):  # stopped at a decision; at a token's go-on check
-        body = {"model": target, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4000,
-                "stream": True, "speculative": speculative}  # fmt: skip
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                          timeout=120) as response:  # fmt: skip
+        body = {
+            "model": target,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 4000,
+            "stream": True,
+            "speculative": speculative,
+        }
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+        ) as response:
             lines = []
             for line in response.iter_lines():  # the first content delta, then the client goes away
                 if '"content":"' in line and '"content":""' not in line:

@@ -147,8 +147,20 @@ def test_varied_text_parked_stretches_and_the_agreement_check(tmp_path, models, 
 
 
 def test_a_rank_killed_mid_run_makes_the_other_fail_fast_naming_it(tmp_path, models):
-    args = ["--target", models["tied"], "--shard", "tensor", "--max-tokens", "400", "--slow-ms", "50",
-            "--run", "context:lookup", "--timeout", "20"]  # fmt: skip
+    args = [
+        "--target",
+        models["tied"],
+        "--shard",
+        "tensor",
+        "--max-tokens",
+        "400",
+        "--slow-ms",
+        "50",
+        "--run",
+        "context:lookup",
+        "--timeout",
+        "20",
+    ]
     start = time.monotonic()
     procs = start_ranks(tmp_path, args)
     progress = tmp_path / "progress1"
@@ -177,8 +189,22 @@ def test_a_rank_that_never_connects_is_named_within_the_bound(tmp_path, models):
 
 
 def test_the_agreement_check_names_a_rank_that_diverged(tmp_path, models):
-    args = ["--target", models["varied"], "--shard", "tensor", "-k", "3", "--max-tokens", "24",
-            "--run", "context:" + models["drafter"], "--check-every", "1", "--tamper-at", "3"]  # fmt: skip
+    args = [
+        "--target",
+        models["varied"],
+        "--shard",
+        "tensor",
+        "-k",
+        "3",
+        "--max-tokens",
+        "24",
+        "--run",
+        "context:" + models["drafter"],
+        "--check-every",
+        "1",
+        "--tamper-at",
+        "3",
+    ]
     start = time.monotonic()
     ranks = finish(start_ranks(tmp_path, args), start + LAUNCH_LIMIT_S)
     for r, rank in enumerate(ranks):

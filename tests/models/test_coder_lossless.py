@@ -86,9 +86,21 @@ def test_sampling_every_emitted_token_is_one_the_target_sampled(coder, store):
     assert position == run.generated == MAX_TOKENS
 
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                           "additionalProperties": False}}}]  # fmt: skip
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city now",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
 
 
 def test_a_forced_tool_call_is_well_formed_and_lossless_under_speculation(coder, store):

@@ -96,8 +96,13 @@ def test_where_a_speculative_run_computed_each_token():
     run = Run("context", "t", "d", tokens=[Token(i, "", False) for i in range(6)])
     run.cycles = [cycle([7, 8, 9], 3), Cycle.plain(1, 0.0), cycle([4, 5], 2)]
     assert [speculative_pass(run, p) for p in range(6)] == [
-        (0, [7, 8, 9], 0), (0, [7, 8, 9], 1), (0, [7, 8, 9], 2), (3, [], 0), (4, [4, 5], 0), (4, [4, 5], 1),
-    ]  # fmt: skip
+        (0, [7, 8, 9], 0),
+        (0, [7, 8, 9], 1),
+        (0, [7, 8, 9], 2),
+        (3, [], 0),
+        (4, [4, 5], 0),
+        (4, [4, 5], 1),
+    ]
     run.tokens.append(Token(9, "", False))  # the prompt pass's plain token has no cycle: everything shifts by one
     assert speculative_pass(run, 0) == (0, [], 0) and speculative_pass(run, 1) == (1, [7, 8, 9], 0)
     run.tokens.append(Token(9, "", False))

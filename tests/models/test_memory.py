@@ -33,9 +33,12 @@ def write_model(folder, tensors: dict[str, tuple[str, tuple[int, ...]]], quantiz
 def test_bytes_in_each_dtype_from_a_float32_folder(tmp_path):
     folder = write_model(
         tmp_path / "m",
-        {"model.embed_tokens.weight": ("F32", (1000, 128)), "model.norm.weight": ("F32", (128,)),
-         "lm_head.weight": ("F32", (1000, 100))},  # 100 columns: not in 64-value groups, so never quantised
-    )  # fmt: skip
+        {
+            "model.embed_tokens.weight": ("F32", (1000, 128)),
+            "model.norm.weight": ("F32", (128,)),
+            "lm_head.weight": ("F32", (1000, 100)),
+        },  # 100 columns: not in 64-value groups, so never quantised
+    )
     assert stored_dtype(folder) == "float32"
     assert model_bytes(folder) == model_bytes(folder, "float32") == 4 * (128_000 + 128 + 100_000)
     assert model_bytes(folder, "bfloat16") == 2 * (128_000 + 128 + 100_000)
@@ -48,10 +51,14 @@ def test_a_quantized_folder_counts_the_values_it_packs(tmp_path):
     # a 4-bit 256 x 512 matrix: 512 * 4 / 32 = 64 uint32 words per row, 8 groups of 64 per row
     folder = write_model(
         tmp_path / "q",
-        {"model.up.weight": ("U32", (256, 64)), "model.up.scales": ("BF16", (256, 8)),
-         "model.up.biases": ("BF16", (256, 8)), "model.norm.weight": ("BF16", (512,))},
+        {
+            "model.up.weight": ("U32", (256, 64)),
+            "model.up.scales": ("BF16", (256, 8)),
+            "model.up.biases": ("BF16", (256, 8)),
+            "model.norm.weight": ("BF16", (512,)),
+        },
         quantization={"group_size": 64, "bits": 4},
-    )  # fmt: skip
+    )
     assert stored_dtype(folder) == "q4"
     assert {t.name: t.shape for t in parameters(folder)}["model.up.weight"] == (256, 512)
     assert model_bytes(folder) == 256 * 64 * 4 + 2 * 256 * 8 * 2 + 512 * 2  # as stored: the files' bytes

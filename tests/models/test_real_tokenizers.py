@@ -129,8 +129,11 @@ def test_sizes_bos_and_special_tokens():
     assert (mistral.eos_token_id, qwen.eos_token_id, llama.eos_token_id) == (2, 151645, 128009)
     qwen_added = added_tokens(qwen)
     assert [qwen_added[i] for i in (151643, 151656, 151657, 151664)] == [
-        ("<|endoftext|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("<|file_sep|>", False)
-    ]  # fmt: skip
+        ("<|endoftext|>", True),
+        ("<|video_pad|>", True),
+        ("<tool_call>", False),
+        ("<|file_sep|>", False),
+    ]
     assert len(added_tokens(llama)) == 256 and all(special for _, special in added_tokens(llama).values())
 
 

@@ -203,8 +203,11 @@ def test_a_failed_pass_reaches_its_members_job_and_the_others_go_on():
     batch.join(jobs["raises"])
     drained(batch)
     assert list(jobs["good"]) == [1, 1, 1]
-    for name, error, message in [("bad-read", RuntimeError, "bad-read"), ("bad", RuntimeError, "bad/drafter"),
-                                 ("raises", ValueError, "own failure")]:  # fmt: skip
+    for name, error, message in [
+        ("bad-read", RuntimeError, "bad-read"),
+        ("bad", RuntimeError, "bad/drafter"),
+        ("raises", ValueError, "own failure"),
+    ]:
         with pytest.raises(error, match=message):
             list(jobs[name])
 
@@ -227,8 +230,12 @@ def test_a_request_alone_runs_its_passes_at_once_and_waits_for_rounds_once_anoth
     batch.queued = lambda: bool(queue)
     alone = Job(passes, ("alone", [(target, 1)] * 2, log, Cache), "alone", shared=True)
     batch.join(alone)
-    assert alone.done.is_set() and list(alone) == [1, 1] and not batch and target.inner.calls == [
-        (1, "alone/target"), (1, "alone/target")]  # fmt: skip
+    assert (
+        alone.done.is_set()
+        and list(alone) == [1, 1]
+        and not batch
+        and target.inner.calls == [(1, "alone/target"), (1, "alone/target")]
+    )
     first = Job(passes, ("first", [(target, 1)] * 3, log, Cache), "first", shared=True)
     queue.append("second")
     batch.join(first)

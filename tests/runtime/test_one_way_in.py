@@ -66,8 +66,9 @@ def test_open_pair_checks_memory_first_then_loads_the_target_the_drafter_and_the
         said.append((role, list(keep)))
         return load_model(store, name, role=role, progress=progress, keep=keep, dtype=dtype)
 
-    loaded = open_pair(store, models["target"], f"lookup+{models['drafter']}", load=load,
-                       between=lambda: said.append(("between",)))  # fmt: skip
+    loaded = open_pair(
+        store, models["target"], f"lookup+{models['drafter']}", load=load, between=lambda: said.append(("between",))
+    )
     assert said == [
         ("memory", ("target", models["target"], None), ("drafter", models["drafter"], None)),
         ("target", []),
@@ -256,8 +257,9 @@ def test_the_apps_auto_opens_from_and_saves_the_pairs_evidence_as_the_clis(model
     save_evidence(key, Evidence.from_dict(opening))  # the app starts where the CLI's second run started
     session = Session(store=store, worker=MLXWorker(name="test-one-way-in"))
     try:
-        settings = Settings.parse(target=models["target"], drafter=models["drafter"], strategy="auto", k=4,
-                                  max_tokens=12)  # fmt: skip
+        settings = Settings.parse(
+            target=models["target"], drafter=models["drafter"], strategy="auto", k=4, max_tokens=12
+        )
         assert list(session.compare(PROMPT, settings))[-1].state == "done"
         assert len(policies) == 3  # the app's auto run was given evidence, as the CLI's two were
         app_taught, app_opened = policies[-1]
@@ -275,11 +277,25 @@ def test_the_apps_auto_opens_from_and_saves_the_pairs_evidence_as_the_clis(model
 def test_generate_json_records_what_ran(models, cache, cli):
     target, drafter = models["target"], models["drafter"]
     out = cli("--target", target, "--drafter", drafter, "--strategy", "tli", "-k", "3", "--max-tokens", "4")
-    assert out["ran"] == {"target": target, "target_dtype": "float32", "drafter": drafter,
-                          "drafter_dtype": "float32", "translation": "tli", "k_policy": "fixed", "k": 3}  # fmt: skip
+    assert out["ran"] == {
+        "target": target,
+        "target_dtype": "float32",
+        "drafter": drafter,
+        "drafter_dtype": "float32",
+        "translation": "tli",
+        "k_policy": "fixed",
+        "k": 3,
+    }
     alone = cli("--target", target, "--strategy", "baseline", "--max-tokens", "4")
-    assert alone["ran"] == {"target": target, "target_dtype": "float32", "drafter": None,
-                            "drafter_dtype": None, "translation": None, "k_policy": None, "k": None}  # fmt: skip
+    assert alone["ran"] == {
+        "target": target,
+        "target_dtype": "float32",
+        "drafter": None,
+        "drafter_dtype": None,
+        "translation": None,
+        "k_policy": None,
+        "k": None,
+    }
     compared = cli("--target", target, "--drafter", "lookup", "-k", "2", "--max-tokens", "6", "--compare")
     assert compared["ran"]["drafter"] == "lookup" and compared["ran"]["drafter_dtype"] is None
     assert compared["divergence"]["kind"] == "identical" and "measured_speedup" in compared["divergence"]

@@ -73,8 +73,16 @@ def test_chat_reports_usage_speculation_and_timings(client):
 
 def test_streaming_with_usage_matches_the_whole_reply(client):
     whole = say(client, PROMPT, max_tokens=6, extra_body={"speculative": False})
-    chunks = list(say(client, PROMPT, max_tokens=6, stream=True, stream_options={"include_usage": True},
-                      extra_body={"speculative": False}))  # fmt: skip
+    chunks = list(
+        say(
+            client,
+            PROMPT,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"speculative": False},
+        )
+    )
     assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
@@ -86,14 +94,16 @@ def test_completions_and_stop(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"speculative": False})
     text = full.choices[0].text
     word = text.split()[2]
-    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, stop=[word, "never appears"],
-                                    extra_body={"speculative": False})  # fmt: skip
+    cut = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, stop=[word, "never appears"], extra_body={"speculative": False}
+    )
     assert cut.choices[0].text == text[: text.index(word)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_a_seed_repeats_a_sampled_reply(client):
-    a, b = (say(client, PROMPT, max_tokens=6, temperature=1.0, seed=7, extra_body={"speculative": False})
-            for _ in range(2))  # fmt: skip
+    a, b = (
+        say(client, PROMPT, max_tokens=6, temperature=1.0, seed=7, extra_body={"speculative": False}) for _ in range(2)
+    )
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
@@ -108,8 +118,14 @@ def test_sse_framing_byte_for_byte_and_characters_never_split(served):
     url, service = served
     target = service.store.get(MODEL)
     prompt = "𝔘𝔞𝔤 𝔘𝔞𝔤 𝔘𝔞𝔤 𝔘𝔞𝔤 𝔘𝔞𝔤 𝔘𝔞𝔤"
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "stream": True,
-            "stream_options": {"include_usage": True}, "speculative": False}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "speculative": False,
+    }
     response = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     events = _events(response.content)
@@ -124,8 +140,13 @@ def test_sse_framing_byte_for_byte_and_characters_never_split(served):
     assert any(len(target.tokenizer.encode(ch, add_special_tokens=False)) > 1 for ch in text if ord(ch) > 0xFFFF)
     assert all("\ufffd" not in d for d in deltas)
     assert all(not (0xDC80 <= ord(ch) <= 0xDCFF) for ch in text)
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "stream": True,
-            "speculative": False}  # fmt: skip
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 3,
+        "stream": True,
+        "speculative": False,
+    }
     response = httpx.post(url + "/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {KEY}"})
     events = _events(response.content)
     chunks = [json.loads(e) for e in events[:-1]]
@@ -195,10 +216,16 @@ def test_lossless_on_a_first_turn_a_second_turn_and_after_an_eviction(served, cl
 
 def test_a_client_that_disconnects_frees_the_worker(served, client):
     url, service = served
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3000, "stream": True,
-            "speculative": False}  # fmt: skip
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=120) as response:  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 3000,
+        "stream": True,
+        "speculative": False,
+    }
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+    ) as response:
         for line in response.iter_lines():  # the first content delta, then the client goes away
             if '"content":"' in line and '"content":""' not in line:
                 break
@@ -294,7 +321,7 @@ BAD = [  # (name, path, body (dict or raw bytes), headers, status)
         b'{"model": "demo-target", "messages": [{"role": "user", "content": "\\ud800"}]}',
         None,
         400,
-    ),  # fmt: skip
+    ),
     ("max_tokens a string", CHAT, {**GOOD, "max_tokens": "10"}, None, 400),
     ("max_tokens 0", CHAT, {**GOOD, "max_completion_tokens": 0}, None, 400),
     ("temperature too high", CHAT, {**GOOD, "temperature": 5}, None, 400),
@@ -315,7 +342,7 @@ BAD = [  # (name, path, body (dict or raw bytes), headers, status)
         {**GOOD, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
         None,
         400,
-    ),  # fmt: skip
+    ),
     ("too long for the target", COMPLETIONS, {"model": MODEL, "prompt": "ja " * 33000}, None, 400),
     (
         "too long for the drafter",
@@ -323,7 +350,7 @@ BAD = [  # (name, path, body (dict or raw bytes), headers, status)
         {"model": MODEL, "prompt": "ja " * 9000, "speculative": {"drafter": "demo-drafter"}},
         None,
         400,
-    ),  # fmt: skip
+    ),
     ("completions without prompt", COMPLETIONS, {"model": MODEL}, None, 400),
     ("echo", COMPLETIONS, {"model": MODEL, "prompt": "x", "echo": True}, None, 400),
     ("GET on a POST route", CHAT, None, None, 405),

@@ -175,8 +175,21 @@ def served(store):
     from tests.support.server import serve_args, serving
     from uag.server.main import build
 
-    args, opts = serve_args("--max-batch", "8", "--per-client", "16", "--max-queue", "32", "--no-ui", "--cache-gb", "0",
-                            "--drafters", DRAFTERS, "--max-tokens", "40")  # fmt: skip
+    args, opts = serve_args(
+        "--max-batch",
+        "8",
+        "--per-client",
+        "16",
+        "--max-queue",
+        "32",
+        "--no-ui",
+        "--cache-gb",
+        "0",
+        "--drafters",
+        DRAFTERS,
+        "--max-tokens",
+        "40",
+    )
     app, service = build(args, opts, store=store)
     service.costs.close()  # auto learns its costs as it runs; nothing else takes the worker between the tests' jobs
     assert service.batched and service.runner.worker.max_batch == 8
@@ -289,8 +302,12 @@ def test_a_second_turn_after_its_conversation_cache_was_evicted(served, alone):
 
 
 # --- a forced tool call: a tiny random Qwen2.5 carries a template with tools ------------------------------------------
-CITY = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"],
-        "additionalProperties": False}  # fmt: skip
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Oslo", "Paris"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "description": "The weather now.", "parameters": CITY},
@@ -304,8 +321,23 @@ def tiny_served():
     from uag.server.main import build
 
     folder = str(build_tiny("qwen2", "qwen2.5"))
-    args, opts = serve_args("--target", folder, "--drafter", "off", "--drafters", "lookup", "--no-ui", "--cache-gb",
-                            "0", "--max-batch", "4", "--per-client", "8", "--max-tokens", "24")  # fmt: skip
+    args, opts = serve_args(
+        "--target",
+        folder,
+        "--drafter",
+        "off",
+        "--drafters",
+        "lookup",
+        "--no-ui",
+        "--cache-gb",
+        "0",
+        "--max-batch",
+        "4",
+        "--per-client",
+        "8",
+        "--max-tokens",
+        "24",
+    )
     app, service = build(args, opts)
     service.costs.close()
     with serving(app) as url:

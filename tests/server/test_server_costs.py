@@ -87,8 +87,9 @@ class Tokenizer:
 
 
 def fake_target(context: int = 4096):
-    return SimpleNamespace(name="org/target", dtype="float32", tokenizer=Tokenizer(), context_length=context,
-                           weight_bytes=1000)  # fmt: skip
+    return SimpleNamespace(
+        name="org/target", dtype="float32", tokenizer=Tokenizer(), context_length=context, weight_bytes=1000
+    )
 
 
 def calibration(profile: CostProfile, load: MachineLoad | None, target=None) -> Calibration:
@@ -136,8 +137,7 @@ def service(measure, stream, *, budget_s: float | None = 60.0, load_s: float = 0
     target, choice = fake_target(), DrafterChoice(lookup=True)
     defaults = ServerDefaults(model="org/target", drafter="lookup", drafters=("lookup",))
     runner = JobRunner(MLXWorker(), budget_s=budget_s)
-    served = Service(ModelStore(), runner, defaults, target="org/target", cache_bytes=0, stream=stream,
-                     measure=measure)  # fmt: skip
+    served = Service(ModelStore(), runner, defaults, target="org/target", cache_bytes=0, stream=stream, measure=measure)
 
     def load(job, drafter, progress=None):
         time.sleep(load_s)
@@ -373,8 +373,9 @@ def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising():
     with pytest.raises(APIError) as err:
         served.prompt(Loaded(target, None, None), request("x" * 41))
     assert err.value.status == 400 and err.value.code == "context_length_exceeded" and target.tokenizer.encoded == 0
-    chat = Request("chat", model="m", config=GenerationConfig(), drafter=None,
-                   messages=({"role": "user", "content": "y" * 41},))  # fmt: skip
+    chat = Request(
+        "chat", model="m", config=GenerationConfig(), drafter=None, messages=({"role": "user", "content": "y" * 41},)
+    )
     with pytest.raises(APIError, match="41 characters"):
         served.prompt(Loaded(target, None, None), chat)
     assert served.prompt(Loaded(target, None, None), request("x" * 36)) and target.tokenizer.encoded == 1

@@ -41,8 +41,16 @@ DEFAULTS = ServerDefaults(model="demo-target", drafter=HYBRID, drafters=("lookup
 
 
 def served(sources: dict, *, alpha=0.8, speedup=2.0, r=R_HYBRID, drafter=HYBRID, strategy="auto", k=8, **kw) -> Served:
-    fields = dict(time="10:21:23", model="demo-target", prompt_tokens=875, cached_tokens=874, completion_tokens=48,
-                  tokens_per_second=11.623920158817, saved_s=1.234, check=None)  # fmt: skip
+    fields = dict(
+        time="10:21:23",
+        model="demo-target",
+        prompt_tokens=875,
+        cached_tokens=874,
+        completion_tokens=48,
+        tokens_per_second=11.623920158817,
+        saved_s=1.234,
+        check=None,
+    )
     fields.update(kw)
     return Served(drafter=drafter, strategy=strategy, k=k, alpha=alpha, sources=sources, speedup=speedup, r=r, **fields)
 
@@ -133,8 +141,9 @@ def _run(cycles: list[Cycle], seconds: float) -> Run:
 
 
 def _drafting(source: str, accepted: int) -> Cycle:
-    return Cycle(index=0, k=4, draft_ids=[1] * 4, proposed_ids=[1] * 4, accepted=accepted, emitted=accepted + 1,
-                 source=source)  # fmt: skip
+    return Cycle(
+        index=0, k=4, draft_ids=[1] * 4, proposed_ids=[1] * 4, accepted=accepted, emitted=accepted + 1, source=source
+    )
 
 
 def test_time_saved_counts_only_rehearsals_for_a_request_that_never_drafted():
@@ -181,7 +190,7 @@ def test_the_table_keeps_what_a_request_did_in_compact_columns():
     rows = [
         served(
             {"lookup": 9, "model": 3, "plain": 30}, alpha=0.7551020408, speedup=2.345678, check="identical", batch=2.4
-        ),  # fmt: skip
+        ),
         served({}, drafter=None, strategy="baseline", k=0, alpha=None, speedup=None, r=None, saved_s=0.0),
         served(
             {"model": 5},
@@ -189,7 +198,7 @@ def test_the_table_keeps_what_a_request_did_in_compact_columns():
             strategy="context",
             k=4,
             check="diverged_near_tie",
-        ),  # fmt: skip
+        ),
     ]
     frame = requests_frame(rows)
     newest, baseline, oldest = (frame.iloc[i].to_dict() for i in range(3))
@@ -197,10 +206,19 @@ def test_the_table_keeps_what_a_request_did_in_compact_columns():
     assert baseline["drafter"] == "off" and baseline["sources"] == "" and pd.isna(baseline["speedup"])
     assert pd.isna(baseline["saved s"]) and pd.isna(baseline["α"]) and pd.isna(baseline["batch"])  # unbatched
     assert oldest == {
-        "time": "10:21:23", "model": "demo-target", "drafter": "lookup+demo-drafter auto k≤8", "tokens": 48,
-        "prompt (cached)": "875 (874)", "tok/s": 11.6, "batch": 2.4, "α": 0.76,
-        "sources": "lookup 9, model 3, plain 30", "speedup": 2.35, "saved s": 1.2, "check": "identical",
-    }  # fmt: skip
+        "time": "10:21:23",
+        "model": "demo-target",
+        "drafter": "lookup+demo-drafter auto k≤8",
+        "tokens": 48,
+        "prompt (cached)": "875 (874)",
+        "tok/s": 11.6,
+        "batch": 2.4,
+        "α": 0.76,
+        "sources": "lookup 9, model 3, plain 30",
+        "speedup": 2.35,
+        "saved s": 1.2,
+        "check": "identical",
+    }
 
 
 def test_the_column_widths_fill_the_table_without_overflowing_it():

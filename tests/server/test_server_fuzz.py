@@ -41,14 +41,29 @@ NUMBERS = st.one_of(
     st.integers(), st.floats(), st.sampled_from([10**400, -(10**30), 2**63, 1e308, 5e-324, float("nan")])
 )
 # Lone surrogates, control characters, numbers past what a float holds, empties.
-NASTY = ["\ud800", "a\udcff", "\udfff\ud800", ["\udc80"], {"\ud800": 1}, "\x00\x1b[31m\n", "\u2028", 10**400,
-         float("inf"), -1, True, "", [], {}]  # fmt: skip
+NASTY = [
+    "\ud800",
+    "a\udcff",
+    "\udfff\ud800",
+    ["\udc80"],
+    {"\ud800": 1},
+    "\x00\x1b[31m\n",
+    "\u2028",
+    10**400,
+    float("inf"),
+    -1,
+    True,
+    "",
+    [],
+    {},
+]
 LEAVES = st.one_of(st.sampled_from(NASTY), st.none(), st.booleans(), NUMBERS, HOSTILE)
 JUNK = st.one_of(
-    st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(HOSTILE, inner, max_size=3),
-                 max_leaves=8),
+    st.recursive(
+        LEAVES, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(HOSTILE, inner, max_size=3), max_leaves=8
+    ),
     st.integers(33, 300).map(_nested),  # deeper than MAX_DEPTH, within what json.loads reads
-)  # fmt: skip
+)
 PLAIN = st.recursive(  # valid JSON values, as tool arguments and metadata hold them
     st.one_of(st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.floats(allow_nan=False), TEXT),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
@@ -79,15 +94,25 @@ def _object(required: dict, optional: dict, junk: bool) -> st.SearchStrategy:
 # --- request fields -------------------------------------------------------------------------------------------------
 def _schemas(junk: bool) -> st.SearchStrategy:
     types = st.sampled_from(["string", "integer", "number", "boolean", "null", "array", "object"])
-    leaf = _object({}, {"type": types | st.lists(types, max_size=2), "enum": st.lists(PLAIN, max_size=3),
-                        "description": TEXT}, junk)  # fmt: skip
+    leaf = _object(
+        {},
+        {"type": types | st.lists(types, max_size=2), "enum": st.lists(PLAIN, max_size=3), "description": TEXT},
+        junk,
+    )
     return st.recursive(
         leaf,
-        lambda inner: _object({"type": st.just("object")}, {"properties": st.dictionaries(NAME, inner, max_size=3),
-                              "required": st.lists(NAME, max_size=2), "additionalProperties": st.booleans()}, junk)
+        lambda inner: _object(
+            {"type": st.just("object")},
+            {
+                "properties": st.dictionaries(NAME, inner, max_size=3),
+                "required": st.lists(NAME, max_size=2),
+                "additionalProperties": st.booleans(),
+            },
+            junk,
+        )
         | _object({"type": st.just("array")}, {"items": inner}, junk),
         max_leaves=4,
-    )  # fmt: skip
+    )
 
 
 def _tools(junk: bool) -> st.SearchStrategy:
@@ -97,22 +122,34 @@ def _tools(junk: bool) -> st.SearchStrategy:
 
 def _messages(junk: bool) -> st.SearchStrategy:
     arguments = st.dictionaries(TEXT, PLAIN, max_size=3)
-    call = _object({"function": _object({"name": NAME, "arguments": arguments | arguments.map(json.dumps)}, {}, junk)},
-                   {"id": TEXT, "type": st.just("function")}, junk)  # fmt: skip
+    call = _object(
+        {"function": _object({"name": NAME, "arguments": arguments | arguments.map(json.dumps)}, {}, junk)},
+        {"id": TEXT, "type": st.just("function")},
+        junk,
+    )
     part = _object({"type": st.just("text"), "text": TEXT}, {}, junk)
     content = TEXT | st.lists(part, max_size=2)
-    said = _object({"role": st.sampled_from([r for r in ROLES if r != "tool"]), "content": content},
-                   {"name": NAME}, junk)  # fmt: skip
-    calls = _object({"role": st.just("assistant"), "tool_calls": st.lists(call, min_size=1, max_size=2)},
-                    {"content": st.none() | content}, junk)  # fmt: skip
+    said = _object(
+        {"role": st.sampled_from([r for r in ROLES if r != "tool"]), "content": content}, {"name": NAME}, junk
+    )
+    calls = _object(
+        {"role": st.just("assistant"), "tool_calls": st.lists(call, min_size=1, max_size=2)},
+        {"content": st.none() | content},
+        junk,
+    )
     answer = _object({"role": st.just("tool"), "content": content}, {"tool_call_id": TEXT}, junk)
     message = said | calls | answer
     return st.lists(_or_junk(message, junk), min_size=1, max_size=3)
 
 
 def _speculative(junk: bool) -> st.SearchStrategy:
-    keys = {"drafter": st.sampled_from(DEFAULTS.allowed), "k": st.integers(1, DEFAULTS.k),
-            "strategy": st.sampled_from(SPECULATIVE), "window": st.integers(0, 64), "check": st.booleans()}  # fmt: skip
+    keys = {
+        "drafter": st.sampled_from(DEFAULTS.allowed),
+        "k": st.integers(1, DEFAULTS.k),
+        "strategy": st.sampled_from(SPECULATIVE),
+        "window": st.integers(0, 64),
+        "check": st.booleans(),
+    }
     return st.booleans() | _object({}, keys, junk)
 
 
@@ -214,8 +251,14 @@ class Replying:
     """A Service without models: each request is accepted and answered at once with fixed text, or with a call
     of its first tool, through the same `ReplyText` (stop sequences, tool calls) the real service uses."""
 
-    REPORT = {"usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4,
-                        "prompt_tokens_details": {"cached_tokens": 0}}}  # fmt: skip
+    REPORT = {
+        "usage": {
+            "prompt_tokens": 1,
+            "completion_tokens": 3,
+            "total_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+    }
 
     def __init__(self):
         from uag.runtime.jobs import JobRunner
@@ -303,9 +346,17 @@ def test_the_bodies_that_made_500s_are_answered(client, path, fields):
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xff", b"[" * 100_000, b'{"model": 1e999999}', b"NaN", b'"\\ud800"', b'{"\\ud800": 1}',
-     b'{"model": "demo-target", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}"],
-)  # fmt: skip
+    [
+        b"",
+        b"\xff",
+        b"[" * 100_000,
+        b'{"model": 1e999999}',
+        b"NaN",
+        b'"\\ud800"',
+        b'{"\\ud800": 1}',
+        b'{"model": "demo-target", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+    ],
+)
 def test_raw_bodies_are_answered_4xx(client, data):
     response = _post(client, "/v1/completions", data)
     assert 400 <= response.status_code < 500

@@ -34,11 +34,15 @@ MODEL = "fake-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hej"}], "max_tokens": 4}
 LOCAL = "http://127.0.0.1:8000"
 REPORT = {
-    "usage": {"prompt_tokens": 35, "completion_tokens": 64, "total_tokens": 99,
-              "prompt_tokens_details": {"cached_tokens": 20}},
+    "usage": {
+        "prompt_tokens": 35,
+        "completion_tokens": 64,
+        "total_tokens": 99,
+        "prompt_tokens_details": {"cached_tokens": 20},
+    },
     "speculative": {"drafter": "lookup", "acceptance_rate": 0.71, "estimated_speedup": 1.4},
     "timings": {"predicted_ms": 2000.0, "predicted_per_second": 32.0},
-}  # fmt: skip
+}
 
 
 class FakeService:
@@ -85,8 +89,10 @@ def _ui() -> Starlette:
 
     async def login(request):
         form = await request.form()
-        return JSONResponse({"success": True} if form.get("password") == KEY else {"detail": "no"},
-                            status_code=200 if form.get("password") == KEY else 400)  # fmt: skip
+        return JSONResponse(
+            {"success": True} if form.get("password") == KEY else {"detail": "no"},
+            status_code=200 if form.get("password") == KEY else 400,
+        )
 
     return Starlette(routes=[Route("/gradio_api/run", run, methods=["POST"]), Route("/login", login, methods=["POST"])])
 
@@ -101,8 +107,11 @@ def _app(fake, **options):
 def test_a_cross_site_text_plain_post_is_refused(fake):
     http = TestClient(_app(fake), base_url=LOCAL)
     # what a page on another site can send without asking (a CORS "simple" request): text/plain, its own Origin
-    response = http.post("/v1/chat/completions", content=json.dumps(CHAT), headers={**AUTH, "Content-Type":
-                         "text/plain", "Origin": "https://evil.example"})  # fmt: skip
+    response = http.post(
+        "/v1/chat/completions",
+        content=json.dumps(CHAT),
+        headers={**AUTH, "Content-Type": "text/plain", "Origin": "https://evil.example"},
+    )
     assert response.status_code == 403 and response.json()["error"]["code"] == "origin_not_allowed"
     response = http.post(
         "/v1/chat/completions", content=json.dumps(CHAT), headers={**AUTH, "Content-Type": "text/plain"}
@@ -150,12 +159,16 @@ def test_the_host_rule(bind, allowed, host, ok):
 
 
 def test_cors_is_off_unless_an_origin_is_given(fake):
-    preflight = {"Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    preflight = {
+        "Origin": "https://chat.example.com",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     closed = TestClient(_app(fake), base_url=LOCAL)
     assert "access-control-allow-origin" not in closed.options("/v1/chat/completions", headers=preflight).headers
-    opened = TestClient(_app(fake, perimeter=Perimeter.parse("127.0.0.1", cors_origins=["https://chat.example.com"])),
-                        base_url=LOCAL)  # fmt: skip
+    opened = TestClient(
+        _app(fake, perimeter=Perimeter.parse("127.0.0.1", cors_origins=["https://chat.example.com"])), base_url=LOCAL
+    )
     answer = opened.options("/v1/chat/completions", headers=preflight)
     assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "https://chat.example.com"
     posted = opened.post("/v1/chat/completions", json=CHAT, headers={**AUTH, "Origin": "https://chat.example.com"})
@@ -165,14 +178,18 @@ def test_cors_is_off_unless_an_origin_is_given(fake):
 def test_bad_perimeter_flags_are_named():
     from uag.errors import InputError
 
-    with pytest.raises(InputError, match="--trusted-proxy 'proxy' is not an IP.*--cors-origin 'chat.example.com' is "
-                       "not an origin.*--allowed-host 'https://uag.example.com' is not a host name"):  # fmt: skip
+    with pytest.raises(
+        InputError,
+        match="--trusted-proxy 'proxy' is not an IP.*--cors-origin 'chat.example.com' is "
+        "not an origin.*--allowed-host 'https://uag.example.com' is not a host name",
+    ):
         Perimeter.parse("127.0.0.1", ["https://uag.example.com"], ["chat.example.com"], ["proxy"])
 
 
 # --- who a request counts as --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("peer, trusted, counted", [("198.51.100.7", (), "198.51.100.7"),
-                                                    ("10.0.0.1", ("10.0.0.0/8",), "203.0.113.9")])  # fmt: skip
+@pytest.mark.parametrize(
+    "peer, trusted, counted", [("198.51.100.7", (), "198.51.100.7"), ("10.0.0.1", ("10.0.0.0/8",), "203.0.113.9")]
+)
 def test_forwarded_addresses_are_read_only_from_a_trusted_proxy(fake, caplog, peer, trusted, counted):
     perimeter = Perimeter.parse("0.0.0.0", trusted_proxies=trusted)
     http = TestClient(_app(fake, perimeter=perimeter), base_url=LOCAL, client=(peer, 40000))
@@ -209,7 +226,10 @@ def test_wrong_keys_then_a_wait_with_retry_after_also_at_the_app_login(fake):
 
     other = TestClient(_app(fake, backoff=KeyBackoff(free=2, first_s=60)), base_url=LOCAL)
     assert [other.post("/ui/login", data={"username": "x", "password": "no"}).status_code for _ in range(3)] == [
-        400, 400, 429]  # fmt: skip
+        400,
+        400,
+        429,
+    ]
     assert other.get("/v1/models", headers=AUTH).status_code == 429
 
 
@@ -260,8 +280,10 @@ def test_repeated_errors_are_logged_once_a_minute():
 
 
 # --- against a real uvicorn ---------------------------------------------------------------------------------------
-HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Authorization: Bearer " + KEY.encode() + b"\r\n")  # fmt: skip
+HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+)
 
 
 def _connect(url: str) -> socket.socket:
@@ -306,8 +328,9 @@ def test_the_sdk_passes_and_four_requests_at_once_from_one_client_all_answer(fak
     with serving(_app(fake)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         replies = []
-        threads = [threading.Thread(target=lambda: replies.append(client.chat.completions.create(**CHAT)))
-                   for _ in range(4)]  # fmt: skip
+        threads = [
+            threading.Thread(target=lambda: replies.append(client.chat.completions.create(**CHAT))) for _ in range(4)
+        ]
         for thread in threads:
             thread.start()
         for _ in range(200):  # bounded, not timed: all four admitted, two queued, two held back
@@ -326,8 +349,9 @@ def test_the_sdk_passes_and_four_requests_at_once_from_one_client_all_answer(fak
 def test_a_request_that_waits_too_long_gets_503_with_retry_after(fake):
     fake.release.clear()
     with serving(_app(fake, queue_wait_s=0.2)) as url:
-        first = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=CHAT, headers=AUTH,
-                                                           timeout=30))  # fmt: skip
+        first = threading.Thread(
+            target=lambda: httpx.post(url + "/v1/chat/completions", json=CHAT, headers=AUTH, timeout=30)
+        )
         first.start()
         while not fake.started.is_set():
             time.sleep(0.01)

@@ -139,8 +139,11 @@ def test_completions_take_one_prompt_string():
 
 def test_assistant_tool_calls_reach_the_template_as_objects():
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": "12 C"}]  # fmt: skip
+    messages = [
+        *HI,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12 C"},
+    ]
     request = chat(messages=messages, tools=[WEATHER])
     assert request.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert request.messages[2] == {"role": "tool", "content": "12 C", "tool_call_id": "c1"}
@@ -238,10 +241,13 @@ def test_other_text_stays_text(text):
         ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', 0, None),
         ('```json\n{"name": "get_weather", "arguments": {"city": "Os', 0, None),
         ('{"name": "get_weather", "arguments": {"city": "Oslo"}}\n{"name": "get_w', 0, None),
-        (f'<tool_call>{OSLO}</tool_call>\n<tool_call>\n{{"name": "get_weather", "argu', 1,
-         '<tool_call>\n{"name": "get_weather", "argu'),
+        (
+            f'<tool_call>{OSLO}</tool_call>\n<tool_call>\n{{"name": "get_weather", "argu',
+            1,
+            '<tool_call>\n{"name": "get_weather", "argu',
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_call_cut_off_is_no_call_and_its_text_stays(text, calls, content):
     """max_tokens cut the reply inside a call: no call is made of it, and its text is content, every character."""
     reply = parse_tool_calls(text, [WEATHER])
@@ -256,8 +262,11 @@ def test_no_tools_no_calls():
 
 
 def test_schema_fit():
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "xs": {"type": "array", "items": {"type":
-              "string"}}}, "required": ["n"]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "xs": {"type": "array", "items": {"type": "string"}}},
+        "required": ["n"],
+    }
     assert fits({"n": 1, "xs": ["a"]}, schema)
     assert not fits({"n": True}, schema) and not fits({"n": 1, "xs": [1]}, schema) and not fits({}, schema)
 
@@ -312,15 +321,30 @@ def test_streamed_content_is_the_whole_replys_content(text, size):
     whole = parse_tool_calls(text, [WEATHER])
     assert sent + tail == (text if whole is None else whole.content or "")
     assert hold.content == (text if whole is None else whole.content)
-    assert (calls is None) == (whole is None) and (whole is None or _names(whole) == [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls])  # fmt: skip
+    assert (calls is None) == (whole is None) and (
+        whole is None
+        or _names(whole) == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    )
 
 
 # --- structured output: response_format, tool_choice, parallel_tool_calls -------------------------------------------
-ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-       "a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}  # fmt: skip
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize(
@@ -348,8 +372,11 @@ def test_text_and_no_response_format_constrain_nothing():
 def test_a_forcing_tool_choice_is_the_configs_constraint(parallel):
     required = chat(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=parallel)
     assert required.config.constraint == tool_constraint([WEATHER, ADD], None, parallel)
-    named = chat(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                 parallel_tool_calls=parallel)  # fmt: skip
+    named = chat(
+        tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=parallel,
+    )
     assert named.config.constraint == tool_constraint([WEATHER, ADD], "get_weather", parallel)
     assert named.parallel_tool_calls is parallel and named.tools
 
@@ -374,20 +401,29 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
         ({"response_format": "json"}, "response_format", "must be an object"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
         ({"response_format": BAD_SCHEMA}, "response_format", "response_format.json_schema.schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON, "strict": 1}}},
-         "response_format", "strict must be true or false"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON, "strict": 1}}},
+            "response_format",
+            "strict must be true or false",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "tools declares none"),
         ({"tool_choice": NAMED}, "tool_choice", "tools declares none"),
         ({"tool_choice": NAMED, "tools": [WEATHER]}, "tool_choice", '"get_time"'),
         ({"tool_choice": {"type": "function"}}, "tool_choice", '"required" or {"type": "function"'),
         ({"tool_choice": "any"}, "tool_choice", '"auto", "none", "required"'),
-        ({"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}},
-         "response_format", "drop response_format to have the tool called, or tool_choice"),
-        ({"tool_choice": "required", "tools": [WEATHER, NOPE]}, "tools[1].function.parameters",
-         "tools[1].function.parameters"),
+        (
+            {"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}},
+            "response_format",
+            "drop response_format to have the tool called, or tool_choice",
+        ),
+        (
+            {"tool_choice": "required", "tools": [WEATHER, NOPE]},
+            "tools[1].function.parameters",
+            "tools[1].function.parameters",
+        ),
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
     ],
-)  # fmt: skip
+)
 def test_bad_structured_output_is_one_clear_error(fields, param, words):
     with pytest.raises(APIError) as caught:
         chat(**fields)
@@ -562,8 +598,14 @@ def test_serve_k_defaults_to_autos_longest_draft_and_the_studys_k_for_a_fixed_st
 
 
 # --- samplers, nulls, and values no error may echo raw ------------------------------------------------------------
-SAMPLING = {"top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
-            "frequency_penalty": -0.5}  # fmt: skip
+SAMPLING = {
+    "top_p": 0.9,
+    "top_k": 40,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+}
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])

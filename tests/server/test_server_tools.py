@@ -86,8 +86,11 @@ def test_a_tool_call_round_trip(tiny_server, client):
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
-    messages = [*ASK, choice.message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": "12 C"}]  # fmt: skip
+    messages = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "12 C"},
+    ]
     second = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER])
     prompt = _prompt(service, script)
     assert "<tool_response>\n12 C\n</tool_response>" in prompt and '"city": "Oslo"' in prompt
@@ -169,13 +172,21 @@ FENCED = '```json\n{"name": "get_weather", "arguments": {"city": "%s"}}\n```'
         (f"{CALL}\n{PARIS}", None, OSLO_PARIS),
         (FENCED % "Oslo", None, OSLO_PARIS[:1]),  # the reply: its text was content, a backtick short
         (f"Both cities.\n{FENCED % 'Oslo'}\n{FENCED % 'Paris'}", "Both cities.", OSLO_PARIS),
-        ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
-         '{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, OSLO_PARIS),
-        ('{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-         '{"name": "get_weather", "arguments": {"city": "Paris"}}', None, OSLO_PARIS),
+        (
+            '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+            None,
+            OSLO_PARIS,
+        ),
+        (
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+            None,
+            OSLO_PARIS,
+        ),
         (f"{CALL}\nI asked for Oslo.", "I asked for Oslo.", OSLO_PARIS[:1]),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_every_shape_of_calls_comes_back_as_tool_calls(tiny_server, client, reply, content, calls, stream):
     _, _, script, model = tiny_server
@@ -202,14 +213,21 @@ def test_a_call_cut_by_max_tokens_is_text_and_the_reply_says_length(tiny_server,
     tokens = (len(CALL) + 30) // 3  # a scripted token is 3 characters: the second call cut in its JSON
     cut = reply[: tokens * 3][len(CALL) :].lstrip()
     assert cut.startswith("<tool_call>") and ask(client, model, tools=[WEATHER], max_tokens=tokens) == (
-        cut, OSLO_PARIS[:1], "length")  # fmt: skip
+        cut,
+        OSLO_PARIS[:1],
+        "length",
+    )
     script.replies.append(CALL)
     assert ask(client, model, tools=[WEATHER], max_tokens=5) == (CALL[:15], [], "length")
 
 
 # --- structured output reaches the engine as the config's grammar -------------------------------------------------
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-          "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 
 
 def test_response_format_and_a_forced_call_reach_the_engine(tiny_server, client):
@@ -223,8 +241,9 @@ def test_response_format_and_a_forced_call_reach_the_engine(tiny_server, client)
     assert script.configs[-1].constraint == response_format_constraint(response_format)
     script.replies.append(CALL)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    forced = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice=named,
-                                            parallel_tool_calls=False)  # fmt: skip
+    forced = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER], tool_choice=named, parallel_tool_calls=False
+    )
     assert forced.choices[0].finish_reason == "tool_calls"
     assert script.configs[-1].constraint == tool_constraint([WEATHER], "get_weather", parallel=False)
     script.replies.append("Ala")
@@ -249,8 +268,12 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_the_part(tiny_server):
 
 
 # --- the demo pair under a JSON schema (slow: it loads the demo models) ---------------------------------------------
-CAPITAL = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 16}, "big": {"type": "boolean"}},
-           "required": ["capital", "big"], "additionalProperties": False}  # fmt: skip
+CAPITAL = {
+    "type": "object",
+    "properties": {"capital": {"type": "string", "maxLength": 16}, "big": {"type": "boolean"}},
+    "required": ["capital", "big"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -275,15 +298,23 @@ def test_a_json_schema_reply_on_the_demo_pair_fits_and_is_the_targets_own(demo_s
     from uag.server.chat import fits
 
     response_format = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL, "strict": True}}
-    ask = {"model": "demo-target", "messages": [{"role": "user", "content": "Poland's capital city, as JSON:"}],
-           "response_format": response_format}  # fmt: skip
+    ask = {
+        "model": "demo-target",
+        "messages": [{"role": "user", "content": "Poland's capital city, as JSON:"}],
+        "response_format": response_format,
+    }
     replies = []
     for speculative in (True, False):
         if stream:
-            chunks = list(demo_server.chat.completions.create(**ask, stream=True,
-                                                              extra_body={"speculative": speculative}))  # fmt: skip
-            replies.append(("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
-                            chunks[-1].choices[0].finish_reason))  # fmt: skip
+            chunks = list(
+                demo_server.chat.completions.create(**ask, stream=True, extra_body={"speculative": speculative})
+            )
+            replies.append(
+                (
+                    "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                    chunks[-1].choices[0].finish_reason,
+                )
+            )
         else:
             choice = demo_server.chat.completions.create(**ask, extra_body={"speculative": speculative}).choices[0]
             replies.append((choice.message.content, choice.finish_reason))

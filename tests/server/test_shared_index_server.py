@@ -104,8 +104,13 @@ def test_the_lookup_summary_counts_proposed_and_kept_tokens_per_lookup_cycle():
 
     cycle = lambda source, proposed, kept: SimpleNamespace(source=source, proposed_ids=[0] * proposed, accepted=kept)  # noqa: E731
     summary = lookup_summary([cycle("lookup", 16, 16), cycle("model", 4, 1), cycle("lookup", 40, 31)])
-    assert summary == {"cycles": 2, "proposed_tokens": 56, "accepted_tokens": 47, "proposed_per_cycle": 28.0,
-                       "kept_per_cycle": 23.5}  # fmt: skip
+    assert summary == {
+        "cycles": 2,
+        "proposed_tokens": 56,
+        "accepted_tokens": 47,
+        "proposed_per_cycle": 28.0,
+        "kept_per_cycle": 23.5,
+    }
     assert lookup_summary([cycle("model", 4, 1)])["kept_per_cycle"] is None
 
 
@@ -129,11 +134,17 @@ def test_text_the_detokenizer_holds_back_to_the_end_reaches_the_reply(store, tar
                 last.tokens[-1] = replaced(last.tokens[-1], text=last.tokens[-1].text + " !")
 
     defaults = ServerDefaults(model=target_dir, drafter="lookup", drafters=("lookup",), strategy="context", k=8)
-    served = Service(store, JobRunner(MLXWorker(), budget_s=120), defaults, target=target_dir, cache_bytes=0,
-                     stream=stream)  # fmt: skip
+    served = Service(
+        store, JobRunner(MLXWorker(), budget_s=120), defaults, target=target_dir, cache_bytes=0, stream=stream
+    )
     served.costs.close()
-    request = Request("completion", model=served.target_name, config=GenerationConfig(k=8, max_tokens=8),
-                      drafter="lookup", prompt=PROMPT)  # fmt: skip
+    request = Request(
+        "completion",
+        model=served.target_name,
+        config=GenerationConfig(k=8, max_tokens=8),
+        drafter="lookup",
+        prompt=PROMPT,
+    )
     items = list(served.runner.run(served.job, request, None, label="an API request"))
     done = next(item for item in items if isinstance(item, Done))
     streamed = "".join(item.text for item in items if isinstance(item, Delta)) + done.tail

@@ -49,9 +49,11 @@ def db_with(tmp_path, prompts) -> str:
 def test_tables_2_3_4_mean_and_pooled(tmp_path):
     path = db_with(
         tmp_path,
-        [("w1", 10.0, {("d", "context", 2): (2, 2, 12.0), ("d", "context", 4): (3, 4, 11.0)}, "wiki"),
-         ("w2", 20.0, {("d", "context", 2): (2, 8, 10.0), ("d", "context", 4): (1, 4, 16.0)}, "wiki")],
-    )  # fmt: skip
+        [
+            ("w1", 10.0, {("d", "context", 2): (2, 2, 12.0), ("d", "context", 4): (3, 4, 11.0)}, "wiki"),
+            ("w2", 20.0, {("d", "context", 2): (2, 8, 10.0), ("d", "context", 4): (1, 4, 16.0)}, "wiki"),
+        ],
+    )
     result = analyze(load_runs(path))
     assert result.k == 2
     alpha = result.tables["table2_alpha"].iloc[0]
@@ -105,9 +107,11 @@ def test_table5_break_even_matches_a_direct_computation(tmp_path):
 def test_table6_buckets_per_drafter(tmp_path):
     path = db_with(
         tmp_path,
-        [("w1", 10.0, {("d1", "context", 2): (12, 100, 8.0), ("d2", "context", 2): (55, 100, 11.0)}, "wiki"),
-         ("w2", 10.0, {("d1", "context", 2): (18, 100, 10.0)}, "wiki")],
-    )  # fmt: skip
+        [
+            ("w1", 10.0, {("d1", "context", 2): (12, 100, 8.0), ("d2", "context", 2): (55, 100, 11.0)}, "wiki"),
+            ("w2", 10.0, {("d1", "context", 2): (18, 100, 10.0)}, "wiki"),
+        ],
+    )
     buckets = analyze(load_runs(path)).tables["table6_buckets"]
     rows = {(r.drafter, r.bucket): (r.n, r.mean_speedup) for r in buckets.itertuples()}
     assert rows == {
@@ -177,16 +181,24 @@ def test_model_only_reproduces_table7_of_the_paper(capsys):
 
 
 def test_outputs(tmp_path, capsys):
-    runs = [{("org/d", "none", 2): (10 * i, 100, 9.0 + i), ("org/d", "context", 2): (10 * i + 5, 100, 10 + i)}
-            for i in range(4)]  # fmt: skip
+    runs = [
+        {("org/d", "none", 2): (10 * i, 100, 9.0 + i), ("org/d", "context", 2): (10 * i + 5, 100, 10 + i)}
+        for i in range(4)
+    ]
     prompts = [(f"w{i}", 10.0, runs[i], "wiki") for i in range(4)]
     path = db_with(tmp_path, [*prompts, ("x1", None, {("org/d", "context", 2): (50, 100, 10.0)}, "wiki")])
     out = tmp_path / "report"
     assert main([str(path), "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["k"] == 2 and result["runs"] == 9
-    assert set(result["tables"]) == {"table2_alpha", "table3_speed", "table4_k", "table5_break_even",
-                                     "table6_buckets", "table7_model"}  # fmt: skip
+    assert set(result["tables"]) == {
+        "table2_alpha",
+        "table3_speed",
+        "table4_k",
+        "table5_break_even",
+        "table6_buckets",
+        "table7_model",
+    }
     assert result["machine"][0]["device"] == "Device(cpu, 0)"
     assert any("1 speculative runs have no baseline" in note for note in result["notes"])
     names = {p.name for p in out.iterdir()}
@@ -223,9 +235,14 @@ def only_baselines(path):
 
 @pytest.mark.parametrize(
     "make, message",
-    [(None, "no results file at"), (empty, "is empty"), (foreign, "foreign database"),
-     (not_sqlite, "not a SQLite database"), (only_baselines, "no speculative runs yet")],
-)  # fmt: skip
+    [
+        (None, "no results file at"),
+        (empty, "is empty"),
+        (foreign, "foreign database"),
+        (not_sqlite, "not a SQLite database"),
+        (only_baselines, "no speculative runs yet"),
+    ],
+)
 def test_bad_results_file_is_one_error_line(tmp_path, capsys, make, message):
     path = tmp_path / "results.db"
     if make:
@@ -312,20 +329,30 @@ def test_model_fits_leave_lookup_and_hybrid_runs_out(tmp_path):
 
 def test_hybrid_r_is_the_models_r_times_the_share_it_drafted():
     runs = pd.DataFrame(
-        {"drafter": ["lookup+org/d"] * 2, "drafter_bytes": [700] * 2, "target_bytes": [10_000] * 2,
-         "drafter_passes": [5, 5], "k": [2, 2], "cycles": [10, 10]}
-    )  # fmt: skip
+        {
+            "drafter": ["lookup+org/d"] * 2,
+            "drafter_bytes": [700] * 2,
+            "target_bytes": [10_000] * 2,
+            "drafter_passes": [5, 5],
+            "k": [2, 2],
+            "cycles": [10, 10],
+        }
+    )
     assert drafter_r(runs) == pytest.approx(0.07 * 5 / 20)
     assert drafter_r(runs.assign(drafter="lookup")) == 0.0 and drafter_r(runs.assign(drafter="org/d")) == 0.07
 
 
 @pytest.mark.parametrize(
     "drafters, expected",
-    [(["org/d", "lookup", "lookup+org/d", "lookup+org/e"],
-      {"org/d": ["org/d", "lookup", "lookup+org/d"], "lookup+org/e": ["lookup+org/e", "lookup"]}),
-     (["lookup"], {"lookup": ["lookup"]}),
-     (["a", "b"], {"a": ["a"], "b": ["b"]})],
-)  # fmt: skip
+    [
+        (
+            ["org/d", "lookup", "lookup+org/d", "lookup+org/e"],
+            {"org/d": ["org/d", "lookup", "lookup+org/d"], "lookup+org/e": ["lookup+org/e", "lookup"]},
+        ),
+        (["lookup"], {"lookup": ["lookup"]}),
+        (["a", "b"], {"a": ["a"], "b": ["b"]}),
+    ],
+)
 def test_planes(drafters, expected):
     assert planes(drafters) == expected
 

@@ -21,9 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def sweep(**change) -> bench.Sweep:
     settings = dict(
-        target="t", drafters=("d1", "d2"), strategies=("none", "context"), ks=(1, 2), datasets=("wiki",), n=2,
+        target="t",
+        drafters=("d1", "d2"),
+        strategies=("none", "context"),
+        ks=(1, 2),
+        datasets=("wiki",),
+        n=2,
         config=GenerationConfig(max_tokens=8, window=10),
-    )  # fmt: skip
+    )
     return bench.Sweep(**{**settings, **change})
 
 
@@ -35,16 +40,23 @@ def test_plan_runs_the_baseline_then_every_condition_per_prompt():
     assert len(jobs) == 2 * (1 + 2 * 2 * 2)
     first = [(j.prompt.id, j.spec.drafter, j.spec.strategy, j.spec.k) for j in jobs[:4]]
     assert all(j.spec.config.max_tokens == 8 and j.spec.config.window == 10 for j in jobs)
-    assert first == [("wiki-001", None, "baseline", 0), ("wiki-001", "d1", "none", 1), ("wiki-001", "d1", "none", 2),
-                     ("wiki-001", "d1", "context", 1)]  # fmt: skip
+    assert first == [
+        ("wiki-001", None, "baseline", 0),
+        ("wiki-001", "d1", "none", 1),
+        ("wiki-001", "d1", "none", 2),
+        ("wiki-001", "d1", "context", 1),
+    ]
     assert jobs[9].spec.strategy == "baseline" and jobs[9].prompt.id == "wiki-002"
     assert len({j.spec.key for j in jobs}) == len(jobs)
     assert [j.spec.key for j in bench.plan(sweep(), PROMPTS)] == [j.spec.key for j in jobs]  # stable: resumable
 
 
 def test_a_prompt_that_asks_for_the_chat_template_gets_it_where_the_target_has_one():
-    prompts = [Prompt("code-001", "code", "def f(x):", chat=False), Prompt("code-022", "code", "Write f", chat=True),
-               Prompt("wiki-001", "wiki", "Kraków to")]  # fmt: skip
+    prompts = [
+        Prompt("code-001", "code", "def f(x):", chat=False),
+        Prompt("code-022", "code", "Write f", chat=True),
+        Prompt("wiki-001", "wiki", "Kraków to"),
+    ]
     with_template, without = bench.plan(sweep(), prompts), bench.plan(sweep(), prompts, chat_template=False)
     chats = lambda jobs: {j.prompt.id: j.spec.config.chat for j in jobs}  # noqa: E731
     assert chats(with_template) == {"code-001": False, "code-022": True, "wiki-001": False}
@@ -57,11 +69,13 @@ def test_a_prompt_that_asks_for_the_chat_template_gets_it_where_the_target_has_o
 
 @pytest.mark.parametrize(
     "change, message",
-    [(dict(ks=(0,)), "k (draft length) must be a whole number from 1 to 32 (got 0)"),
-     (dict(strategies=("exact",)), "unknown strategy 'exact'"),
-     (dict(drafters=()), "give at least one drafter"),
-     (dict(drafters=("lookup+",)), "after lookup+ name a drafter model")],
-)  # fmt: skip
+    [
+        (dict(ks=(0,)), "k (draft length) must be a whole number from 1 to 32 (got 0)"),
+        (dict(strategies=("exact",)), "unknown strategy 'exact'"),
+        (dict(drafters=()), "give at least one drafter"),
+        (dict(drafters=("lookup+",)), "after lookup+ name a drafter model"),
+    ],
+)
 def test_bad_settings(change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         sweep(**change).validate()
@@ -74,14 +88,16 @@ def run_main(capsys, *argv) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize(
     "extra, message",
-    [(["--k", "1", "40"], "error: --k: k (draft length) must be a whole number from 1 to 32 (got 40)"),
-     (["--datasets", "wikii"], "error: unknown dataset 'wikii'"),
-     (["--datasets", "wiki", "--n", "500"], "error: dataset 'wiki' has 75 prompts; asked for 500"),
-     (["--max-tokens", "0"], "error: --max-tokens: max tokens must be a whole number from 1 to 4096 (got 0)"),
-     (["--temp", "inf"], "error: --temp: temperature must be a number from 0 to 2 (got inf)"),
-     (["--seed", "-1"], "error: --seed: seed must be a whole number from 0 to 2147483647 (got -1)"),
-     (["--window", "1000000000"], "error: --window: context window W must be a whole number from 0 to 64")],
-)  # fmt: skip
+    [
+        (["--k", "1", "40"], "error: --k: k (draft length) must be a whole number from 1 to 32 (got 40)"),
+        (["--datasets", "wikii"], "error: unknown dataset 'wikii'"),
+        (["--datasets", "wiki", "--n", "500"], "error: dataset 'wiki' has 75 prompts; asked for 500"),
+        (["--max-tokens", "0"], "error: --max-tokens: max tokens must be a whole number from 1 to 4096 (got 0)"),
+        (["--temp", "inf"], "error: --temp: temperature must be a number from 0 to 2 (got inf)"),
+        (["--seed", "-1"], "error: --seed: seed must be a whole number from 0 to 2147483647 (got -1)"),
+        (["--window", "1000000000"], "error: --window: context window W must be a whole number from 0 to 64"),
+    ],
+)
 def test_bad_input_is_one_error_line_before_any_model_or_file(tmp_path, capsys, extra, message):
     # The models do not exist: an error about them would mean they were looked at first.
     out = tmp_path / "r.db"
@@ -128,9 +144,23 @@ def test_malformed_line_of_a_user_dataset_is_reported_and_the_rest_used(tiny, tm
     target, drafter = tiny
     out = tmp_path / "r.db"
     code, err = run_main(
-        capsys, "--target", target, "--drafters", drafter, "--datasets", prompts, "--strategies", "context", "auto",
-        "--k", "2", "--max-tokens", "3", "--out", out,
-    )  # fmt: skip
+        capsys,
+        "--target",
+        target,
+        "--drafters",
+        drafter,
+        "--datasets",
+        prompts,
+        "--strategies",
+        "context",
+        "auto",
+        "--k",
+        "2",
+        "--max-tokens",
+        "3",
+        "--out",
+        out,
+    )
     assert code == 0
     assert any(line.startswith("warning:") and "skipped 1 bad line(s): line 2: invalid JSON" in line for line in err)
     with ResultsDB(out) as db:
@@ -156,10 +186,29 @@ def test_a_killed_sweep_resumes_without_losing_or_repeating_runs(tiny, tmp_path)
     target, drafter = tiny
     db = tmp_path / "r.db"
     argv = [
-        sys.executable, "-m", "uag", "bench", "--target", str(target), "--drafters", str(drafter),
-        "--strategies", "none", "context", "--k", "1", "2", "--datasets", "wiki", "--n", "3", "--max-tokens", "8",
-        "--out", str(db),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "uag",
+        "bench",
+        "--target",
+        str(target),
+        "--drafters",
+        str(drafter),
+        "--strategies",
+        "none",
+        "context",
+        "--k",
+        "1",
+        "2",
+        "--datasets",
+        "wiki",
+        "--n",
+        "3",
+        "--max-tokens",
+        "8",
+        "--out",
+        str(db),
+    ]
     expected = 3 * (1 + 2 * 2)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(tmp_path / "first.log", "w") as log:
@@ -192,10 +241,30 @@ def test_a_killed_sweep_resumes_without_losing_or_repeating_runs(tiny, tmp_path)
 
 def _sweep_argv(target, drafter, db, *extra) -> list[str]:
     return [
-        sys.executable, "-m", "uag", "bench", "--target", str(target), "--drafters", *drafter,
-        "--strategies", "none", "context", "--k", "1", "2", "--datasets", "wiki", "--n", "3", "--max-tokens", "8",
-        "--out", str(db), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "uag",
+        "bench",
+        "--target",
+        str(target),
+        "--drafters",
+        *drafter,
+        "--strategies",
+        "none",
+        "context",
+        "--k",
+        "1",
+        "2",
+        "--datasets",
+        "wiki",
+        "--n",
+        "3",
+        "--max-tokens",
+        "8",
+        "--out",
+        str(db),
+        *extra,
+    ]
 
 
 def test_two_identical_sweeps_on_one_file_share_the_work(tiny, tmp_path):

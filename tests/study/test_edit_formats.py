@@ -110,10 +110,25 @@ def test_an_edit_that_does_not_apply_leaves_the_file_and_no_update_in_the_histor
 
 def test_serve_counts_the_turns_whose_edits_applied_and_weighs_the_whole_format_against_its_goal():
     def turn(condition, workload, number, applied, seconds):
-        return {"kind": "turn", "condition": condition, "repeat": 0, "workload": workload, "item": "e1",
-                "turn": number, "prompt_tokens": 900, "cached_tokens": 0, "completion_tokens": 101, "ttft_s": 1.0,
-                "generation_s": seconds, "e2e_s": seconds + 1, "drafted": None, "accepted": None, "text": "x",
-                "lookup": {"cycles": 2, "proposed_tokens": 60, "accepted_tokens": 40}, "applied": applied}  # fmt: skip
+        return {
+            "kind": "turn",
+            "condition": condition,
+            "repeat": 0,
+            "workload": workload,
+            "item": "e1",
+            "turn": number,
+            "prompt_tokens": 900,
+            "cached_tokens": 0,
+            "completion_tokens": 101,
+            "ttft_s": 1.0,
+            "generation_s": seconds,
+            "e2e_s": seconds + 1,
+            "drafted": None,
+            "accepted": None,
+            "text": "x",
+            "lookup": {"cycles": 2, "proposed_tokens": 60, "accepted_tokens": 40},
+            "applied": applied,
+        }
 
     rows = [
         turn("uag:lookup", "aider-whole", 1, True, 2.0),

@@ -103,12 +103,32 @@ def test_a_run_must_match_its_spec(db):
 
 
 BASE = RunSpec("t", "d", GenerationConfig("context", 2, window=16, max_tokens=32), "wiki", "wiki-001")
-SPEC_CHANGES = [dict(target="t2"), dict(drafter="d2"), dict(drafter="lookup+d"), dict(dataset="alpaca"),
-                dict(prompt_id="wiki-002"), dict(target_dtype="q8"), dict(drafter_dtype="q4")]  # fmt: skip
-CONFIG_CHANGES = [dict(translation="naive"), dict(k_policy="adaptive"), dict(k=4), dict(window=8), dict(max_tokens=64),
-                  dict(temperature=0.7), dict(seed=1), dict(chat=True), dict(top_p=0.9), dict(top_k=40),
-                  dict(min_p=0.1), dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
-                  dict(frequency_penalty=0.5), dict(constraint='{"kind":"json_object"}')]  # fmt: skip
+SPEC_CHANGES = [
+    dict(target="t2"),
+    dict(drafter="d2"),
+    dict(drafter="lookup+d"),
+    dict(dataset="alpaca"),
+    dict(prompt_id="wiki-002"),
+    dict(target_dtype="q8"),
+    dict(drafter_dtype="q4"),
+]
+CONFIG_CHANGES = [
+    dict(translation="naive"),
+    dict(k_policy="adaptive"),
+    dict(k=4),
+    dict(window=8),
+    dict(max_tokens=64),
+    dict(temperature=0.7),
+    dict(seed=1),
+    dict(chat=True),
+    dict(top_p=0.9),
+    dict(top_k=40),
+    dict(min_p=0.1),
+    dict(repetition_penalty=1.2),
+    dict(presence_penalty=0.5),
+    dict(frequency_penalty=0.5),
+    dict(constraint='{"kind":"json_object"}'),
+]
 
 
 @pytest.mark.parametrize("change", SPEC_CHANGES + CONFIG_CHANGES)
@@ -188,9 +208,14 @@ def test_baselines_join_on_the_decoding_settings(tmp_path):
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "Qwen2.5-1.5B-Instruct-4bit"), ("/m/drafter/", "drafter"),
-     ("demo-drafter", "demo-drafter"), ("lookup", "lookup"), ("lookup+org/d-1B", "lookup+d-1B")],
-)  # fmt: skip
+    [
+        ("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "Qwen2.5-1.5B-Instruct-4bit"),
+        ("/m/drafter/", "drafter"),
+        ("demo-drafter", "demo-drafter"),
+        ("lookup", "lookup"),
+        ("lookup+org/d-1B", "lookup+d-1B"),
+    ],
+)
 def test_short_name(name, expected):
     assert short_name(name) == expected
 

@@ -19,10 +19,24 @@ import width_curve  # noqa: E402  (benchmarks/width_curve.py)
 
 def turn(condition, workload, item, number, *, tokens=101, seconds=10.0, ttft=1.0, lookup=None) -> dict:
     """A turn row as serve.py writes it, with the fields the summary reads."""
-    return {"kind": "turn", "condition": condition, "repeat": 0, "workload": workload, "item": item, "turn": number,
-            "prompt_tokens": 500, "cached_tokens": 0, "completion_tokens": tokens, "ttft_s": ttft,
-            "generation_s": seconds, "e2e_s": seconds + ttft, "drafted": None, "accepted": None, "text": "x",
-            "lookup": lookup}  # fmt: skip
+    return {
+        "kind": "turn",
+        "condition": condition,
+        "repeat": 0,
+        "workload": workload,
+        "item": item,
+        "turn": number,
+        "prompt_tokens": 500,
+        "cached_tokens": 0,
+        "completion_tokens": tokens,
+        "ttft_s": ttft,
+        "generation_s": seconds,
+        "e2e_s": seconds + ttft,
+        "drafted": None,
+        "accepted": None,
+        "text": "x",
+        "lookup": lookup,
+    }
 
 
 def test_copy_targets_weigh_every_edit_turn_lookup_s_kept_tokens_and_the_cold_read():
@@ -46,16 +60,29 @@ def test_copy_targets_weigh_every_edit_turn_lookup_s_kept_tokens_and_the_cold_re
 
 
 def test_a_row_carries_lookup_s_figures_from_the_reply():
-    reply = serve.Reply("x", 0.1, 1.0, 1.2, usage={"completion_tokens": 3},
-                        speculative={"lookup": {"cycles": 1, "proposed_tokens": 2, "accepted_tokens": 2},
-                                     "shared_lookup_cycles": 1})  # fmt: skip
+    reply = serve.Reply(
+        "x",
+        0.1,
+        1.0,
+        1.2,
+        usage={"completion_tokens": 3},
+        speculative={"lookup": {"cycles": 1, "proposed_tokens": 2, "accepted_tokens": 2}, "shared_lookup_cycles": 1},
+    )
     row = serve.row(serve.Condition("uag:lookup", "uag", (), "t"), 0, "retry", "e1", 2, reply)
     assert row["lookup"]["accepted_tokens"] == 2 and row["shared_lookup_cycles"] == 1
 
 
 def test_without_shared_index_adds_a_noshare_condition_per_drafter():
-    args = argparse.Namespace(target="/models/t", drafters=["lookup"], max_tokens=8, peer_draft=None,
-                              num_draft_tokens=[2], only=None, ablate=[], without_shared_index=True)  # fmt: skip
+    args = argparse.Namespace(
+        target="/models/t",
+        drafters=["lookup"],
+        max_tokens=8,
+        peer_draft=None,
+        num_draft_tokens=[2],
+        only=None,
+        ablate=[],
+        without_shared_index=True,
+    )
     conds = {c.name: c for c in serve.conditions(args)}
     assert list(conds) == ["uag:lookup", "uag:lookup:noshare", "uag:off", "mlx_lm"]
     argv = conds["uag:lookup:noshare"].argv
@@ -81,8 +108,19 @@ def test_edit_cycles_takes_earlier_turns_from_a_serve_run_and_sums_each_source(t
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(map(json.dumps, rows)), encoding="utf-8")
     assert edit_cycles.saved_replies(path, "edit-008") == ["reply 1", "reply 2"]  # uag's, in turn order
-    copy = Cycle(index=3, k=15, draft_ids=[], proposed_ids=list(range(15)), accepted=15, emitted=16, verify_ms=1900.0,
-                 source="lookup", match=20, branches=2, nodes=22)  # fmt: skip
+    copy = Cycle(
+        index=3,
+        k=15,
+        draft_ids=[],
+        proposed_ids=list(range(15)),
+        accepted=15,
+        emitted=16,
+        verify_ms=1900.0,
+        source="lookup",
+        match=20,
+        branches=2,
+        nodes=22,
+    )
     plain = Cycle.plain(4, verify_ms=800.0)
     assert edit_cycles.by_source([copy, plain, plain]) == {"lookup": (1, 16, 1.9), "plain": (2, 2, 1.6)}
     assert "rows  23" in edit_cycles.cycle_line(copy)  # the tree pass's rows: every branch's nodes and the pending

@@ -20,15 +20,44 @@ from uag.study.datasets import Conversation  # noqa: E402
 UAG = Condition("uag:lookup", "uag", ("uag", "serve"), "demo-target")
 
 
-def request(condition, workload, concurrency, *, item="a", turn=2, wave=0, repeat=0, started=0.0, done=1.0,
-            tokens=10, ttft=0.5, text="x", drafted=None, accepted=None, batch=None) -> dict:  # fmt: skip
+def request(
+    condition,
+    workload,
+    concurrency,
+    *,
+    item="a",
+    turn=2,
+    wave=0,
+    repeat=0,
+    started=0.0,
+    done=1.0,
+    tokens=10,
+    ttft=0.5,
+    text="x",
+    drafted=None,
+    accepted=None,
+    batch=None,
+) -> dict:
     """A request row as serve_many writes it, with only the fields the summary reads."""
     return {
-        "kind": "request", "condition": condition, "workload": workload, "concurrency": concurrency, "item": item,
-        "turn": turn, "wave": wave, "repeat": repeat, "started_s": started, "done_s": done, "e2e_s": done - started,
-        "completion_tokens": tokens, "ttft_s": ttft, "text": text, "drafted": drafted, "accepted": accepted,
+        "kind": "request",
+        "condition": condition,
+        "workload": workload,
+        "concurrency": concurrency,
+        "item": item,
+        "turn": turn,
+        "wave": wave,
+        "repeat": repeat,
+        "started_s": started,
+        "done_s": done,
+        "e2e_s": done - started,
+        "completion_tokens": tokens,
+        "ttft_s": ttft,
+        "text": text,
+        "drafted": drafted,
+        "accepted": accepted,
         "speculative": None if batch is None else {"batch": {"mean": batch, "largest": 4}},
-    }  # fmt: skip
+    }
 
 
 def at(condition, workload, concurrency, tps, *, ttft=0.5, turn=2) -> list[dict]:
@@ -52,9 +81,13 @@ def test_percentile_of_nothing_is_none():
 
 @pytest.mark.parametrize(
     ("items", "size", "expected"),
-    [("abcde", 2, [["a", "b"], ["c", "d"]]), ("abcd", 4, [list("abcd")]), ("abc", 1, [["a"], ["b"], ["c"]]),
-     ("ab", 4, [])],
-)  # fmt: skip
+    [
+        ("abcde", 2, [["a", "b"], ["c", "d"]]),
+        ("abcd", 4, [list("abcd")]),
+        ("abc", 1, [["a"], ["b"], ["c"]]),
+        ("ab", 4, []),
+    ],
+)
 def test_waves_are_full_and_drop_the_rest(items, size, expected):
     assert sm.waves(items, size) == expected
 
@@ -84,8 +117,14 @@ def test_at_once_raises_a_calls_error():
 
 
 def test_request_row_times_are_from_the_wave_start():
-    reply = Reply("hi", ttft_s=0.25, generation_s=1.0, e2e_s=1.5, usage={"completion_tokens": 3, "prompt_tokens": 9},
-                  speculative={"acceptance_rate": 0.5, "batch": {"mean": 2.0, "largest": 2}})  # fmt: skip
+    reply = Reply(
+        "hi",
+        ttft_s=0.25,
+        generation_s=1.0,
+        e2e_s=1.5,
+        usage={"completion_tokens": 3, "prompt_tokens": 9},
+        speculative={"acceptance_rate": 0.5, "batch": {"mean": 2.0, "largest": 2}},
+    )
     r = sm.request_row(UAG, 1, 4, 2, sm.Sent("edit", "edit-001", 3, reply, 0.5))
     assert (r["kind"], r["condition"], r["concurrency"], r["wave"], r["repeat"]) == ("request", "uag:lookup", 4, 2, 1)
     assert (r["workload"], r["item"], r["turn"], r["completion_tokens"]) == ("edit", "edit-001", 3, 3)
@@ -225,9 +264,21 @@ def test_serve_summarize_hands_concurrency_rows_over(tmp_path, capsys):
 
 # --- conditions and pools ------------------------------------------------------------------------------------------
 def options(**changes) -> argparse.Namespace:
-    base = {"target": "/models/t", "drafters": ["lookup"], "max_tokens": 8, "peer_draft": None,
-            "num_draft_tokens": [2], "only": None, "ablate": [], "concurrency": [1, 4], "ids": None,
-            "conversations": 4, "chat_prompts": 2, "together": False, "without_shared_index": False}  # fmt: skip
+    base = {
+        "target": "/models/t",
+        "drafters": ["lookup"],
+        "max_tokens": 8,
+        "peer_draft": None,
+        "num_draft_tokens": [2],
+        "only": None,
+        "ablate": [],
+        "concurrency": [1, 4],
+        "ids": None,
+        "conversations": 4,
+        "chat_prompts": 2,
+        "together": False,
+        "without_shared_index": False,
+    }
     return argparse.Namespace(**{**base, **changes})
 
 
@@ -286,8 +337,13 @@ def test_edit_sends_each_conversations_turns_in_order_after_every_turn_1(monkeyp
     monkeypatch.setattr(sm, "ask", fake_ask)
     sents = sm.Client(UAG, "http://127.0.0.1:9", 8).edit(conversations)
     assert [(s.item, s.turn) for s in sents] == [
-        ("edit-a", 1), ("edit-b", 1), ("edit-a", 2), ("edit-a", 3), ("edit-b", 2), ("edit-b", 3)
-    ]  # fmt: skip
+        ("edit-a", 1),
+        ("edit-b", 1),
+        ("edit-a", 2),
+        ("edit-a", 3),
+        ("edit-b", 2),
+        ("edit-b", 3),
+    ]
     assert all(len(m) == 1 for m in seen[:2])  # both turn 1s before any turn 2
     third = [m for m in seen if len(m) == 5]
     assert len(third) == 2 and all([t["content"] for t in m[1::2]] == ["reply 1", "reply 2"] for m in third)

@@ -41,21 +41,47 @@ LLAMA3_PATTERN = (
 
 # Qwen2.5's added tokens from id 151643 on; only the first 14 are special (skipped when decoding).
 QWEN_ADDED = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>",
-)  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
 QWEN_SPECIAL = 14
 
 # Llama-3's 256 special tokens from id 128000 on (llama_models/llama3/tokenizer.py).
 LLAMA3_SPECIAL = (
-    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-    "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-    "<|eot_id|>", "<|python_tag|>", "<|image|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+    "<|image|>",
     *(f"<|reserved_special_token_{i}|>" for i in range(2, 246)),
-)  # fmt: skip
+)
 
 VOCAB_SIZES = {"mistral-v1": 32000, "qwen2.5": 151665, "llama-3.2": 128256}  # added tokens included
 # What the released instruct models put in config.json's eos_token_id (mlx-lm stops on any of them).

@@ -20,8 +20,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", required=True)
     parser.add_argument("--shard", required=True)
-    parser.add_argument("--run", action="append", required=True, metavar="STRATEGY:DRAFTER",
-                        help="a generation, e.g. context:lookup, auto:lookup+DIR, baseline: (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        metavar="STRATEGY:DRAFTER",
+        help="a generation, e.g. context:lookup, auto:lookup+DIR, baseline: (repeatable)",
+    )
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--prompt", default="Ala ma kota, a kot ma Alę. Ala ma kota, a kot")
@@ -76,8 +81,9 @@ def _generate(args, ranks, target, drafter, ids, config, progress: Path) -> dict
         if args.slow_ms:
             time.sleep(args.slow_ms / 1000)
 
-    run = generate_sharded(target, drafter, ids, config, ranks, cache=cache, on_event=on_event,
-                           check_every=args.check_every)  # fmt: skip
+    run = generate_sharded(
+        target, drafter, ids, config, ranks, cache=cache, on_event=on_event, check_every=args.check_every
+    )
     return {
         "rank": ranks.rank,
         "token_ids": run.token_ids,

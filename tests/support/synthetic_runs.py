@@ -36,9 +36,14 @@ def spec(prompt_id: str, drafter: str | None = None, strategy: str = "baseline",
     """The spec of a baseline (no drafter) or a speculative run with the sweep's fixed settings."""
     if drafter is None:
         return RunSpec.baseline(
-            target=TARGET, max_tokens=GENERATED, temperature=0.0, seed=None, chat=False, dataset=dataset,
+            target=TARGET,
+            max_tokens=GENERATED,
+            temperature=0.0,
+            seed=None,
+            chat=False,
+            dataset=dataset,
             prompt_id=prompt_id,
-        )  # fmt: skip
+        )
     config = GenerationConfig.parse(strategy=strategy, k=k, window=16, max_tokens=GENERATED)  # "auto" too
     return RunSpec(TARGET, drafter, config, dataset, prompt_id)
 

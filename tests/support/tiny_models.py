@@ -30,15 +30,27 @@ ARCH_CONFIGS = {
     "qwen2": {"model_type": "qwen2", **TINY, "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6},
     # Every other layer slides over the last 8 tokens, so windowing shows up within a few dozen tokens.
     "gemma3_text": {
-        "model_type": "gemma3_text", **TINY, "intermediate_size": 128, "head_dim": 16, "query_pre_attn_scalar": 16,
-        "sliding_window": 8, "sliding_window_pattern": 2,
+        "model_type": "gemma3_text",
+        **TINY,
+        "intermediate_size": 128,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
     },
     # State-space model: its cache (ArraysCache) cannot be trimmed, so mlx-lm's speculative decoding refuses it.
     "mamba": {
-        "model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "state_size": 16, "conv_kernel": 4, "time_step_rank": 4, "use_bias": False, "use_conv_bias": True,
+        "model_type": "mamba",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "state_size": 16,
+        "conv_kernel": 4,
+        "time_step_rank": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
     },
-}  # fmt: skip
+}
 ARCHS = tuple(ARCH_CONFIGS)
 NON_TRIMMABLE_ARCH = "mamba"
 # transformers 5 loads any model_type="qwen2" tokenizer as Qwen2Tokenizer, which rebuilds Qwen's own

@@ -21,10 +21,30 @@ from uag.costs.fit import fit_c_from_speedups
 from uag.study.plots import STUDY_C, STUDY_R, speedup_vs_alpha
 
 HISTORY_COLUMNS = (
-    "time", "prompt", "target", "drafter", "target_dtype", "drafter_dtype", "strategy", "k", "window", "max_tokens",
-    "temperature", "seed", "chat",
-    "tokens", "alpha", "mean_accepted", "cycles", "tps", "tps_base", "speedup", "identical", "r", "group",
-)  # fmt: skip
+    "time",
+    "prompt",
+    "target",
+    "drafter",
+    "target_dtype",
+    "drafter_dtype",
+    "strategy",
+    "k",
+    "window",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "chat",
+    "tokens",
+    "alpha",
+    "mean_accepted",
+    "cycles",
+    "tps",
+    "tps_base",
+    "speedup",
+    "identical",
+    "r",
+    "group",
+)
 K_CHOICES = (1, 2, 3, 4, 6, 8)  # draft lengths the plot can draw S(α, k) for
 C_FITTED = "fitted from this session's runs"
 C_STUDY = f"the study's c = {STUDY_C}"

@@ -217,24 +217,36 @@ class Session:
         if store.has(name, dtype):
             return load_model(store, name, role=role, keep=keep, dtype=dtype)
         if name in DEMO_NAMES and not demo.is_ready(name):
-            tell(job, f"First use: converting the offline demo model {name} from its packaged GGUF file, once "
-                   "(about a minute on a CPU; later starts take seconds)…")  # fmt: skip
+            tell(
+                job,
+                f"First use: converting the offline demo model {name} from its packaged GGUF file, once "
+                "(about a minute on a CPU; later starts take seconds)…",
+            )
         else:
             tell(job, f"Loading the {role} {name}…")
         tic = time.perf_counter()
         model = load_model(
             store, name, role=role, progress=lambda msg: tell(job, f"{role}: {msg}…"), keep=keep, dtype=dtype
         )
-        tell(job, f"Loaded the {role} {name} ({model.dtype}, {model.weight_bytes / 1e6:.0f} MB) "
-               f"in {time.perf_counter() - tic:.0f} s.")  # fmt: skip
+        tell(
+            job,
+            f"Loaded the {role} {name} ({model.dtype}, {model.weight_bytes / 1e6:.0f} MB) "
+            f"in {time.perf_counter() - tic:.0f} s.",
+        )
         return model
 
     def _prepare(self, job: Job, settings: Settings) -> Loaded:
         """Load the target and the drafter (reporting progress) and check the pair (uag.runtime.pair.open_pair, as
         every front end), then warm it up once."""
         t_dtype, d_dtype = settings.target_dtype, settings.drafter_dtype
-        loaded = open_pair(self.store, settings.target, settings.drafter, target_dtype=t_dtype, drafter_dtype=d_dtype,
-                           load=partial(self._load, job))  # fmt: skip
+        loaded = open_pair(
+            self.store,
+            settings.target,
+            settings.drafter,
+            target_dtype=t_dtype,
+            drafter_dtype=d_dtype,
+            load=partial(self._load, job),
+        )
         key = (settings.target, settings.drafter)
         if t_dtype or d_dtype:  # a pair in other dtypes is another pair (its r, its costs, its warm-up)
             key = (settings.target, settings.drafter, t_dtype, d_dtype)
@@ -270,8 +282,14 @@ class Session:
             yield Started(mode)
             drafter = None if mode == "baseline" else loaded.drafter
             learns = auto is not None and mode != "baseline"
-            events = stream(loaded.target, drafter, ids, settings.config(mode), cancel=job.cancelled,
-                            **(auto.engine_kwargs() if learns else {}))  # fmt: skip
+            events = stream(
+                loaded.target,
+                drafter,
+                ids,
+                settings.config(mode),
+                cancel=job.cancelled,
+                **(auto.engine_kwargs() if learns else {}),
+            )
             run = None
             try:
                 for event in events:

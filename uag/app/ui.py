@@ -83,10 +83,12 @@ def _control(field, value: Any):
     label = field.label[0].upper() + field.label[1:]
     if field.name == "strategy":
         return gr.Radio(
-            list(SPECULATIVE), value=value, label=label,
+            list(SPECULATIVE),
+            value=value,
+            label=label,
             info="how drafter tokens become target tokens; auto = context with k re-decided each cycle (k is then "
             "the maximum; tli+auto: tli with it). The target alone always runs first.",
-        )  # fmt: skip
+        )
     if field.name == "chat":
         return gr.Checkbox(value, label=label, info=field.help)
     if field.name == "seed":
@@ -138,12 +140,13 @@ def _compare_tab(page: SimpleNamespace, session: Session) -> None:
                 page.target_dtype, page.drafter_dtype = (
                     gr.Dropdown(
                         [AS_STORED, *DTYPES] if served is None else [getattr(defaults, f"{role}_dtype") or AS_STORED],
-                        value=getattr(defaults, f"{role}_dtype") or AS_STORED, interactive=served is None,
+                        value=getattr(defaults, f"{role}_dtype") or AS_STORED,
+                        interactive=served is None,
                         label=f"{role.capitalize()} dtype",
                         info="as stored (offline models: float32), a cast, or q8 / q4 (mlx-lm's quantisation)",
                     )
                     for role in ("target", "drafter")
-                )  # fmt: skip
+                )
             page.decoding = {}
             for field in FIELDS:
                 if field.name not in SAMPLING:

@@ -434,9 +434,14 @@ def over_link(profile: CostProfile, hops: int, latency_ms: float, exchanges: int
 
 
 def sharded_speedup(
-    baseline_ms: float, baseline_passes: float, speculative_ms: float, speculative_passes: float,
-    exchanges: float, hops: float, latency_ms: float,
-) -> float:  # fmt: skip
+    baseline_ms: float,
+    baseline_passes: float,
+    speculative_ms: float,
+    speculative_passes: float,
+    exchanges: float,
+    hops: float,
+    latency_ms: float,
+) -> float:
     """Speedup over a slower link predicted from two runs measured over a fast one: each run's time grows
     by its link term (speculation also pays one exchange per decision).
 

@@ -94,9 +94,16 @@ class Draft:
         return self.passes if self.confidence else asked
 
     def cycle(
-        self, k: int, accepted: int, emitted: int, *, verify_ms: float, resync_ms: float, resync_absorbed: bool,
+        self,
+        k: int,
+        accepted: int,
+        emitted: int,
+        *,
+        verify_ms: float,
+        resync_ms: float,
+        resync_absorbed: bool,
         loss: Loss,
-    ) -> Cycle:  # fmt: skip
+    ) -> Cycle:
         """The record of the cycle this draft went into, asked for k drafts (its length: `length`), once verified
         (`accepted` of it, `emitted` tokens committed) and committed (`resync_ms`, `resync_absorbed`: the
         drafter's re-sync after the commit, to which its catch-up before drafting adds)."""
@@ -192,8 +199,9 @@ class LookupDrafter:
         tic = time.perf_counter()  # the source that matches further back; the other's continuation a branch
         ids, match, branches, recalled = proposal(self.index, self.shared, min(k, budget))
         ms = (time.perf_counter() - tic) * 1000
-        return Draft(LOOKUP, ids, list(ids), list(ids), draft_ms=ms, match=match, branches=branches,
-                     shared_index=recalled)  # fmt: skip
+        return Draft(
+            LOOKUP, ids, list(ids), list(ids), draft_ms=ms, match=match, branches=branches, shared_index=recalled
+        )
 
     def loss(self, draft: Draft, accepted: int, written: Sequence[int]) -> Loss:
         if accepted >= len(draft.proposed):

@@ -99,17 +99,26 @@ def token_budget(target: LoadedModel, n_prompt: int, max_tokens: int) -> int:
 
 
 def baseline_steps(
-    target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, cache: list, cached: int, budget: int,
+    target: LoadedModel,
+    prompt: Sequence[int],
+    config: GenerationConfig,
+    cache: list,
+    cached: int,
+    budget: int,
     grammar: Matcher | None = None,
-) -> Iterator[Step]:  # fmt: skip
+) -> Iterator[Step]:
     """The target alone, through mlx-lm's `generate_step`, reading the prompt after the `cached` tokens the
     cache holds; the cache is left holding every committed token but the newest. Its penalties see the whole
     committed sequence, the cached tokens included, as speculation's do; the grammar masks every step."""
     sampling = TargetSampling.of(config, grammar=grammar)
     steps = generate_step(
-        mx.array(prompt[cached:]), target.model, max_tokens=budget, sampler=sampling.sampler,
-        logits_processors=sampling.with_prefix(prompt[:cached], len(prompt) - cached) or None, prompt_cache=cache,
-    )  # fmt: skip
+        mx.array(prompt[cached:]),
+        target.model,
+        max_tokens=budget,
+        sampler=sampling.sampler,
+        logits_processors=sampling.with_prefix(prompt[:cached], len(prompt) - cached) or None,
+        prompt_cache=cache,
+    )
     generated = 0
     try:
         tic = time.perf_counter()
@@ -133,9 +142,17 @@ class Speculation:
     held, after every step every committed token but the newest."""
 
     def __init__(
-        self, target: LoadedModel, prompt: Sequence[int], config: GenerationConfig, drafter: Drafter, cache: list,
-        cached: int = 0, *, sampler: Sampler | None = None, grammar: Matcher | None = None,
-    ):  # fmt: skip
+        self,
+        target: LoadedModel,
+        prompt: Sequence[int],
+        config: GenerationConfig,
+        drafter: Drafter,
+        cache: list,
+        cached: int = 0,
+        *,
+        sampler: Sampler | None = None,
+        grammar: Matcher | None = None,
+    ):
         self.target, self.config, self.drafter, self.cache = target, config, drafter, cache
         self.sampling = TargetSampling.of(config, sampler, grammar)
         self.grammar = grammar  # the constraint's matcher: it has consumed every generated committed token
@@ -175,9 +192,14 @@ class Speculation:
         resync_absorbed = self._commit(draft, new)
         t2 = time.perf_counter()
         cycle = draft.cycle(
-            k, accepted, len(new), verify_ms=(t1 - t0) * 1000, resync_ms=(t2 - t1) * 1000,
-            resync_absorbed=resync_absorbed, loss=loss,
-        )  # fmt: skip
+            k,
+            accepted,
+            len(new),
+            verify_ms=(t1 - t0) * 1000,
+            resync_ms=(t2 - t1) * 1000,
+            resync_absorbed=resync_absorbed,
+            loss=loss,
+        )
         return Step(new, accepted, cycle)
 
     def _verify(self, draft: Draft):
@@ -356,8 +378,16 @@ def stream(
     else:
         drafting, notes, r = _drafter(target, drafter, config, caches, seams.translator)
         policy = seams.policy or make_policy(config, profile, r, evidence, seams.auto)
-        run = Run(drafting.translation, target.name, drafting.name, k=config.k, window=config.window,
-                  notes=list(notes), policy=policy.name, **common)  # fmt: skip
+        run = Run(
+            drafting.translation,
+            target.name,
+            drafting.name,
+            k=config.k,
+            window=config.window,
+            notes=list(notes),
+            policy=policy.name,
+            **common,
+        )
     # Last, once nothing can refuse the run: the target's cache trimmed to what this prompt shares with it.
     held = caches.target_cache if caches.target_model in (None, target.name) else None
     cache, run.cached_tokens = reuse(held, caches.target_ids, ids, target.make_cache)
@@ -365,17 +395,22 @@ def stream(
     if config.strategy == "baseline":
         steps = baseline_steps(target, ids, config, cache, run.cached_tokens, budget, grammar)
     else:
-        spec = Speculation(target, ids, config, drafting, cache, run.cached_tokens, sampler=seams.sampler,
-                           grammar=grammar)  # fmt: skip
+        spec = Speculation(
+            target, ids, config, drafting, cache, run.cached_tokens, sampler=seams.sampler, grammar=grammar
+        )
         steps = speculative_steps(spec, policy, config.k, budget)
-    return _drive(run, steps, Pieces(target.tokenizer, target.eos_ids), target.eos_ids, config.seed, cancel, caches,
-                  grammar)  # fmt: skip
+    return _drive(
+        run, steps, Pieces(target.tokenizer, target.eos_ids), target.eos_ids, config.seed, cancel, caches, grammar
+    )
 
 
 def _drafter(
-    target: LoadedModel, drafter: DrafterChoice | LoadedModel | Drafter | None, config: GenerationConfig,
-    caches: PromptCaches, translator: Translator | None,
-) -> tuple[Drafter, tuple[str, ...], float]:  # fmt: skip
+    target: LoadedModel,
+    drafter: DrafterChoice | LoadedModel | Drafter | None,
+    config: GenerationConfig,
+    caches: PromptCaches,
+    translator: Translator | None,
+) -> tuple[Drafter, tuple[str, ...], float]:
     """The run's drafter, the pair's notes, and r (drafter/target bytes, auto's prior for the drafter's cost)."""
     if drafter is None:
         raise InputError(f"strategy {config.strategy!r} needs a drafter")
@@ -390,9 +425,15 @@ def _drafter(
 
 
 def _drive(
-    run: Run, steps: Iterator[Step], pieces: Pieces, eos: frozenset[int], seed: int | None,
-    cancel: threading.Event | None, caches: PromptCaches, grammar: Matcher | None = None,
-) -> Iterator[Event]:  # fmt: skip
+    run: Run,
+    steps: Iterator[Step],
+    pieces: Pieces,
+    eos: frozenset[int],
+    seed: int | None,
+    cancel: threading.Event | None,
+    caches: PromptCaches,
+    grammar: Matcher | None = None,
+) -> Iterator[Event]:
     """The one loop that turns steps into a run: timing, text, EOS, cancel, and the final record."""
     if seed is not None:
         mx.random.seed(seed)

@@ -91,8 +91,10 @@ def tool_constraint(tools: Sequence[Mapping], name: str | None = None, parallel:
         if not isinstance(parameters, Mapping):
             raise InputError(f"{where}.function.parameters must be a JSON Schema object (got {_shown(parameters)})")
         strict = function.get("strict") is True
-        _check(_schema_grammar(_call_schema(function["name"], parameters), {"lenient": not strict}),
-               f"{where}.function.parameters")  # fmt: skip
+        _check(
+            _schema_grammar(_call_schema(function["name"], parameters), {"lenient": not strict}),
+            f"{where}.function.parameters",
+        )
         declared.append({"name": function["name"], "parameters": parameters, "strict": strict})
     if name is not None:
         declared = [tool for tool in declared if tool["name"] == name]

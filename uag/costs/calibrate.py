@@ -85,7 +85,7 @@ def read_pass(model: LoadedModel, cache: list, tokens: mx.array) -> None:
 
 def time_forward(
     model: LoadedModel, cache: list, ids: list[int], width: int, repeats: int, run_pass=verify_pass
-) -> float:  # fmt: skip
+) -> float:
     """The least milliseconds of `repeats` passes over `width` new tokens (after one warm-up pass: kernel
     selection, allocation); the cache is rewound after each. The least, not the median: on a shared
     machine other work only ever adds time, so the fastest pass is the best estimate of the pass itself."""
@@ -93,9 +93,13 @@ def time_forward(
 
 
 def time_draft(
-    model: LoadedModel, cache: list, ids: list[int], repeats: int, steps: int = DRAFT_STEPS,
+    model: LoadedModel,
+    cache: list,
+    ids: list[int],
+    repeats: int,
+    steps: int = DRAFT_STEPS,
     cancel: Cancel | None = None,
-) -> float:  # fmt: skip
+) -> float:
     """The least milliseconds per drafter step of `repeats` drafts of `steps` tokens, run as ModelDrafter
     drafts: each pass reads the previous guess, queued without waiting, the guesses read back at the end."""
     offset, times = cache[0].offset, []
@@ -117,7 +121,7 @@ def time_draft(
 
 def _time_passes(
     model: LoadedModel, cache: list, ids: list[int], width: int, passes: int, run_pass, cancel: Cancel | None = None
-) -> list[float]:  # fmt: skip
+) -> list[float]:
     tokens = mx.array(ids[-width:])[None]
     offset = cache[0].offset
     times = []
@@ -132,9 +136,17 @@ def _time_passes(
 
 
 def target_curve(
-    model: LoadedModel, cache: list, ids: list[int], widths, repeats: int, say, run_pass=verify_pass,
-    label: str = "target", monotone: bool = False, cancel: Cancel | None = None,
-) -> dict[int, float]:  # fmt: skip
+    model: LoadedModel,
+    cache: list,
+    ids: list[int],
+    widths,
+    repeats: int,
+    say,
+    run_pass=verify_pass,
+    label: str = "target",
+    monotone: bool = False,
+    cancel: Cancel | None = None,
+) -> dict[int, float]:
     """Time per width of `run_pass` (a verification, by default), robust to a busy machine: `repeats`
     rounds over every width (so that a burst of other work lands on one round, not on one width), the
     least time per width. With `monotone`, made non-decreasing in w (cost(w) = min over w' >= w).
@@ -202,8 +214,18 @@ def calibrate(
     drafter_ms = time_draft(pair.drafter, d_cache, d_ids, repeats, cancel=cancel)
     say(f"drafter step: {drafter_ms:.2f} ms")
     # a prompt or a parked stretch: reading more never costs less
-    read_ms = target_curve(pair.drafter, d_cache, d_ids, READ_WIDTHS, repeats, say, read_pass, "drafter reading",
-                           monotone=True, cancel=cancel)  # fmt: skip
+    read_ms = target_curve(
+        pair.drafter,
+        d_cache,
+        d_ids,
+        READ_WIDTHS,
+        repeats,
+        say,
+        read_pass,
+        "drafter reading",
+        monotone=True,
+        cancel=cancel,
+    )
     translate_ms = time_translation(pair)
     say(f"translation and re-sync: {translate_ms:.3f} ms per cycle")
     profile = CostProfile(target_ms, drafter_ms, translate_ms, form="study", read_ms=read_ms)
@@ -211,9 +233,14 @@ def calibrate(
 
 
 def calibrate_target(
-    target: LoadedModel, *, context: int = DEFAULT_CONTEXT, widths=DEFAULT_WIDTHS, repeats: int = 5, progress=None,
+    target: LoadedModel,
+    *,
+    context: int = DEFAULT_CONTEXT,
+    widths=DEFAULT_WIDTHS,
+    repeats: int = 5,
+    progress=None,
     cancel: Cancel | None = None,
-) -> Calibration:  # fmt: skip
+) -> Calibration:
     """The target's costs alone, for prompt lookup (no drafter model to time; a lookup costs microseconds,
     which the policy measures per cycle): the same verify curve as `calibrate`, drafter and translation 0."""
     start = others_load()
@@ -276,10 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--context", type=whole, default=DEFAULT_CONTEXT, help="tokens in the cache while timing")
     parser.add_argument(
-        "--max-width", type=whole, default=COPY_WIDTH,
+        "--max-width",
+        type=whole,
+        default=COPY_WIDTH,
         help=f"largest verification width w to time, 1..{COPY_WIDTH} (every width to 16, then sparsely: "
         f"{COPY_WIDTH} is a lookup copy's widest pass, and auto extrapolates past the widest timed)",
-    )  # fmt: skip
+    )
     parser.add_argument("--repeats", type=whole, default=5, help="timed rounds over all widths (least kept)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
@@ -325,8 +354,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(summary(calibration))
         print(f"saved {path}")
     if calibration.load is not None and calibration.load.busy:
-        print(f"[uag] note: measured while other work kept the machine busy ({calibration.load}): auto rescales "
-              "these costs by each run's own passes, but measure again when it is quiet", file=sys.stderr)  # fmt: skip
+        print(
+            f"[uag] note: measured while other work kept the machine busy ({calibration.load}): auto rescales "
+            "these costs by each run's own passes, but measure again when it is quiet",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -118,8 +118,10 @@ def keep_measured(calibration: Calibration, target: LoadedModel) -> tuple[bool, 
     name, load = pair_name(calibration.key), calibration.load or "an unknown load"
     if not replaces(calibration.load, saved):
         was = saved.load or "an unknown load"
-        return False, (f"kept the saved costs of {name} (measured at {was}): the new measurement ran at {load}, "
-                       "and a busy machine's costs are not saved over a quieter one's")  # fmt: skip
+        return False, (
+            f"kept the saved costs of {name} (measured at {was}): the new measurement ran at {load}, "
+            "and a busy machine's costs are not saved over a quieter one's"
+        )
     path = save(calibration)
     lookup = target_key(target)
     if calibration.key != lookup and read_calibration(lookup) is None:
@@ -173,8 +175,12 @@ def say_short(key: dict, why: str) -> None:
     log.warning(
         "auto's saved costs for %s: %s, so auto prices long copies by extrapolation (measure them again with "
         "`uag calibrate --target %s --drafter %s`, which times widths to %d)",
-        pair_name(key), why, key["target"], key["drafter"], COPY_WIDTH,
-    )  # fmt: skip
+        pair_name(key),
+        why,
+        key["target"],
+        key["drafter"],
+        COPY_WIDTH,
+    )
 
 
 def judge_profile(calibration: Calibration, evidence: Evidence) -> str | None:
@@ -260,7 +266,10 @@ def open_auto(
             log.warning(
                 "auto's saved costs for %s look off: %s; auto rescales them as it runs (measure them again with "
                 "`uag calibrate --target %s --drafter %s` on a quiet machine)",
-                pair_name(key), why, key["target"], key["drafter"],
-            )  # fmt: skip
+                pair_name(key),
+                why,
+                key["target"],
+                key["drafter"],
+            )
 
     return AutoInputs(profile, evidence, finish)

@@ -249,8 +249,9 @@ def why_measure_again(scale: float, measured: MachineLoad | None, now: Callable[
         return None
     load = now()
     if load is not None and not load.busy and load.per_core <= measured.per_core - QUIETER:
-        return (f"this run's target passes took {scale:.2g}× the saved times, measured at {measured} (now "
-                f"{load.end:.2f})")  # fmt: skip
+        return (
+            f"this run's target passes took {scale:.2g}× the saved times, measured at {measured} (now {load.end:.2f})"
+        )
     return None
 
 
@@ -308,14 +309,24 @@ class Calibration:
 
     def to_dict(self) -> dict:
         load = {} if self.load is None else {"machine_load": self.load.to_dict()}
-        return {"key": self.key, "measured_at": self.measured_at, "context": self.context, **load,
-                **self.profile.to_dict()}  # fmt: skip
+        return {
+            "key": self.key,
+            "measured_at": self.measured_at,
+            "context": self.context,
+            **load,
+            **self.profile.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> Calibration:
         load = data.get("machine_load")
-        return cls(data["key"], CostProfile.from_dict(data), data["measured_at"], int(data["context"]),
-                   None if load is None else MachineLoad.from_dict(load))  # fmt: skip
+        return cls(
+            data["key"],
+            CostProfile.from_dict(data),
+            data["measured_at"],
+            int(data["context"]),
+            None if load is None else MachineLoad.from_dict(load),
+        )
 
 
 def pair_name(key: dict) -> str:

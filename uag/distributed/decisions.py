@@ -136,9 +136,15 @@ class RankPolicy:
     With `check_every` = N, every N decisions the ranks compare hashes of their committed tokens."""
 
     def __init__(
-        self, link: Link, drafter: LeaderDrafter | FollowerDrafter, inner: Policy | None, *, name: str = "",
-        check_every: int = 0, cancel: threading.Event | None = None,
-    ):  # fmt: skip
+        self,
+        link: Link,
+        drafter: LeaderDrafter | FollowerDrafter,
+        inner: Policy | None,
+        *,
+        name: str = "",
+        check_every: int = 0,
+        cancel: threading.Event | None = None,
+    ):
         self.link, self.drafter, self.inner = link, drafter, inner
         self.name = inner.name if inner is not None else name
         self.check_every, self.cancel = check_every, cancel

@@ -101,8 +101,11 @@ def follow(ranks: Ranks, target: LoadedModel) -> int:
     limit, runs = LOAD_TIMEOUT_S, 0  # at first rank 0 may still be loading its drafters
     while True:
         link.phase = "waiting for rank 0's next request"
-        ranks.watchdog.arm(limit, f"error: rank {ranks.rank}: no word from rank 0 for {limit:g} s while waiting "
-                           "for requests: it exited, hangs, or the link is down")  # fmt: skip
+        ranks.watchdog.arm(
+            limit,
+            f"error: rank {ranks.rank}: no word from rank 0 for {limit:g} s while waiting "
+            "for requests: it exited, hangs, or the link is down",
+        )
         op, a, b, _ = link.exchange(None)
         ranks.watchdog.arm(0, "")
         limit = ranks.timeout_s
@@ -119,8 +122,9 @@ def follow(ranks: Ranks, target: LoadedModel) -> int:
             settings = json.loads(bytes(payload[a:]).decode("utf-8"))
             config = GenerationConfig(**settings["config"])
             try:
-                generate_sharded(target, None, payload[:a], config, ranks, check_every=settings["check_every"],
-                                 stop_checks=True)  # fmt: skip
+                generate_sharded(
+                    target, None, payload[:a], config, ranks, check_every=settings["check_every"], stop_checks=True
+                )
                 runs += 1
             except (RankLost, RanksDisagree):
                 raise
@@ -186,8 +190,18 @@ class Leader:
         finished = started = False
         self.lockstep = True
         try:
-            events = stream_sharded(target, drafter, ids, config, self.ranks, profile=profile, evidence=evidence,
-                                    check_every=self.check_every, cancel=stop, stop_checks=True)  # fmt: skip
+            events = stream_sharded(
+                target,
+                drafter,
+                ids,
+                config,
+                self.ranks,
+                profile=profile,
+                evidence=evidence,
+                check_every=self.check_every,
+                cancel=stop,
+                stop_checks=True,
+            )
             started = True
             try:
                 for event in events:  # noqa: UP028  not `yield from`: closing this stream must not close the run
@@ -232,8 +246,10 @@ class Leader:
             if path.exists():
                 continue
             choice = load_drafter_choice(store, spec, progress=progress)
-            say(f"measuring {self.target.name} ← {choice.model.name if choice.model else 'lookup'} over the shards "
-                "(auto decides by these costs; saved for next time)")  # fmt: skip
+            say(
+                f"measuring {self.target.name} ← {choice.model.name if choice.model else 'lookup'} over the shards "
+                "(auto decides by these costs; saved for next time)"
+            )
             say(keep_measured(self.measure(self.target, choice), self.target)[1])
 
     def measure(self, target: LoadedModel, choice: DrafterChoice, *, progress=None, cancel=None):
@@ -282,8 +298,11 @@ class Leader:
         decision: STOP ends the run there for them too, and the server goes on. Best effort: had they been
         inside a pass, the watchdog ends the wait."""
         ranks = self.ranks
-        ranks.watchdog.arm(ranks.timeout_s, f"error: rank 0: {others(0, ranks.size)} did not take rank 0's stop "
-                           f"within {ranks.timeout_s:g} s after rank 0 failed in a run")  # fmt: skip
+        ranks.watchdog.arm(
+            ranks.timeout_s,
+            f"error: rank 0: {others(0, ranks.size)} did not take rank 0's stop "
+            f"within {ranks.timeout_s:g} s after rank 0 failed in a run",
+        )
         try:
             Link(ranks.group, message_width(k), ranks.watchdog).exchange([STOP])
         except RankLost as err:
@@ -297,8 +316,11 @@ class Leader:
         if self._ended:
             raise RuntimeError("the other ranks were told to stop")
         ranks = self.ranks
-        ranks.watchdog.arm(ranks.timeout_s, f"error: rank 0: {others(0, ranks.size)} did not take rank 0's word "
-                           f"within {ranks.timeout_s:g} s (it exited, hangs, or the link is down)")  # fmt: skip
+        ranks.watchdog.arm(
+            ranks.timeout_s,
+            f"error: rank 0: {others(0, ranks.size)} did not take rank 0's word "
+            f"within {ranks.timeout_s:g} s (it exited, hangs, or the link is down)",
+        )
         self.link.phase = "telling the other ranks what to run"
         try:
             self.link.exchange(word)
@@ -416,8 +438,11 @@ def _profile_path(target: LoadedModel, choice: DrafterChoice) -> Path:
 def _bounded(ranks: Ranks, link: Link, what: str) -> Iterator[None]:
     """One long step that every rank takes together (a calibration): bounded by the watchdog, a lost peer named."""
     link.phase = what
-    ranks.watchdog.arm(LOAD_TIMEOUT_S, f"error: rank {ranks.rank}: {others(ranks.rank, ranks.size)} stopped "
-                       f"answering while {what} (no progress for {LOAD_TIMEOUT_S:g} s)")  # fmt: skip
+    ranks.watchdog.arm(
+        LOAD_TIMEOUT_S,
+        f"error: rank {ranks.rank}: {others(ranks.rank, ranks.size)} stopped "
+        f"answering while {what} (no progress for {LOAD_TIMEOUT_S:g} s)",
+    )
     try:
         yield
     except RuntimeError as err:

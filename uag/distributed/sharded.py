@@ -146,8 +146,11 @@ def load_sharded(name: str, shard: str, ranks: Ranks, *, progress: Callable[[str
 
         config = json.loads(Path(hf_hub_download(source, "config.json")).read_text(encoding="utf-8"))
     check_shardable(name, config, shard, ranks.size)
-    ranks.watchdog.arm(LOAD_TIMEOUT_S, f"error: rank {ranks.rank}: {others(ranks.rank, ranks.size)} did not "
-                       f"finish loading {name!r} within {LOAD_TIMEOUT_S:g} s")  # fmt: skip
+    ranks.watchdog.arm(
+        LOAD_TIMEOUT_S,
+        f"error: rank {ranks.rank}: {others(ranks.rank, ranks.size)} did not "
+        f"finish loading {name!r} within {LOAD_TIMEOUT_S:g} s",
+    )
     if progress:
         progress(f"loading {name} ({shard} shard {ranks.rank + 1} of {ranks.size})")
     groups = (ranks.group, None) if shard == "pipeline" else (None, ranks.group)
@@ -203,8 +206,10 @@ def check_sharded(config: GenerationConfig, drafter: DrafterChoice | None, rank:
     request to the other ranks)."""
     config.validate()
     if config.speculative and config.translation == "tli" and config.temperature > 0:
-        raise InputError("--shard: tli at temperature > 0 needs the drafter's distributions on every rank; "
-                         "use temperature 0 or another strategy")  # fmt: skip
+        raise InputError(
+            "--shard: tli at temperature > 0 needs the drafter's distributions on every rank; "
+            "use temperature 0 or another strategy"
+        )
     if config.speculative and rank == 0 and drafter is None:
         raise InputError(f"strategy {config.strategy!r} needs a drafter")
 

@@ -33,8 +33,17 @@ def parse_dtype(value: str | None, *, flag: str = "dtype") -> str | None:
     text = "".join((value or "").lower().split()).replace("-", "").replace("_", "")
     if text in ("", "auto", "asstored", "none"):
         return None
-    aliases = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
-               "8bit": "q8", "int8": "q8", "4bit": "q4", "int4": "q4"}  # fmt: skip
+    aliases = {
+        "fp32": "float32",
+        "f32": "float32",
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "f16": "float16",
+        "8bit": "q8",
+        "int8": "q8",
+        "4bit": "q4",
+        "int4": "q4",
+    }
     text = aliases.get(text, text)
     if text not in DTYPES:
         raise InputError(f"{flag}: unknown dtype {value!r}: choose one of {', '.join(DTYPES)}")

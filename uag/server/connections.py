@@ -74,8 +74,11 @@ class BoundedH11Protocol(H11Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_since = self.loop.time()
         if len(self.connections) > self.max_connections and not self._close_longest_idle():
-            log.warning("open connections are at --max-connections (%d) and every one has a request in flight: "
-                        "new connections are closed", self.max_connections)  # fmt: skip
+            log.warning(
+                "open connections are at --max-connections (%d) and every one has a request in flight: "
+                "new connections are closed",
+                self.max_connections,
+            )
             transport.abort()
             return
         self._wait_for_request()
@@ -116,29 +119,49 @@ class BoundedH11Protocol(H11Protocol):
 
     def _close_longest_idle(self) -> bool:
         """Close the open connection idle longest (no request in flight) to make room; False when none is idle."""
-        idle = [c for c in self.connections if isinstance(c, BoundedH11Protocol) and c is not self and not c._busy
-                and not c.transport.is_closing()]  # fmt: skip
+        idle = [
+            c
+            for c in self.connections
+            if isinstance(c, BoundedH11Protocol) and c is not self and not c._busy and not c.transport.is_closing()
+        ]
         if not idle:
             return False
-        log.warning("open connections reached --max-connections (%d): closing the longest idle to let new ones in",
-                    self.max_connections)  # fmt: skip
+        log.warning(
+            "open connections reached --max-connections (%d): closing the longest idle to let new ones in",
+            self.max_connections,
+        )
         min(idle, key=lambda c: c._idle_since).transport.abort()
         return True
 
 
 def server_config(
-    app: Any, *, host: str, port: int, max_connections: int = MAX_DEFAULT_CONNECTIONS,
-    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, **options: Any,
-) -> uvicorn.Config:  # fmt: skip
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    max_connections: int = MAX_DEFAULT_CONNECTIONS,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    **options: Any,
+) -> uvicorn.Config:
     """uvicorn's Config for `uag serve`: bounded connections, forwarded headers left to uag.server.guards (uvicorn's
     own would believe 127.0.0.1), uag's logging (no uvicorn access log), repeated errors once a minute, and a
     shutdown that does not wait forever for a connected app tab."""
     if max_connections < 1 or not idle_timeout_s > 0:
-        raise ValueError(f"max_connections must be at least 1 and idle_timeout_s above 0 (got {max_connections}, "
-                         f"{idle_timeout_s})")  # fmt: skip
-    protocol = type("BoundedH11Protocol", (BoundedH11Protocol,),
-                    {"max_connections": max_connections, "idle_timeout_s": idle_timeout_s})  # fmt: skip
+        raise ValueError(
+            f"max_connections must be at least 1 and idle_timeout_s above 0 (got {max_connections}, {idle_timeout_s})"
+        )
+    protocol = type(
+        "BoundedH11Protocol",
+        (BoundedH11Protocol,),
+        {"max_connections": max_connections, "idle_timeout_s": idle_timeout_s},
+    )
     quiet_repeats()
-    settings = {"log_level": "warning", "log_config": None, "access_log": False, "proxy_headers": False,
-                "timeout_graceful_shutdown": SHUTDOWN_S, **options}  # fmt: skip
+    settings = {
+        "log_level": "warning",
+        "log_config": None,
+        "access_log": False,
+        "proxy_headers": False,
+        "timeout_graceful_shutdown": SHUTDOWN_S,
+        **options,
+    }
     return uvicorn.Config(app, host=host, port=port, http=protocol, **settings)

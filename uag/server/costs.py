@@ -158,8 +158,11 @@ class CostKeeper:
                 idle_since = None
 
     def _run(self, wanted: Wanted) -> None:
-        job = self.worker.submit(self._job, wanted, label=f"measuring auto's costs for {wanted.key['target']} ← "
-                                 f"{wanted.key['drafter']} (stops for a request)")  # fmt: skip
+        job = self.worker.submit(
+            self._job,
+            wanted,
+            label=f"measuring auto's costs for {wanted.key['target']} ← {wanted.key['drafter']} (stops for a request)",
+        )
         try:
             (done,) = list(job)
         except Exception:

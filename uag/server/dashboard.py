@@ -23,9 +23,19 @@ from uag.server.protocol import ServerDefaults
 from uag.server.service import Served, Service
 
 COLUMNS = (
-    "time", "model", "drafter", "tokens", "prompt (cached)", "tok/s", "batch", "α", "sources", "speedup", "saved s",
+    "time",
+    "model",
+    "drafter",
+    "tokens",
+    "prompt (cached)",
+    "tok/s",
+    "batch",
+    "α",
+    "sources",
+    "speedup",
+    "saved s",
     "check",
-)  # fmt: skip
+)
 NUMBERS = ("tok/s", "batch", "α", "speedup", "saved s")  # may be blank
 # Percent of the table's width, so that it fits a 1280 px window (long names wrap in their cell).
 WIDTHS = ("7%", "9%", "15%", "6%", "10%", "5%", "5%", "5%", "15%", "6.5%", "6%", "9.5%")
@@ -103,7 +113,7 @@ def plot_rows(served: Sequence[Served], target: str) -> list[dict[str, Any]]:
             "tps": s.tokens_per_second,
             "r": s.drafting_r,
             "group": group_of(s.drafter, s.strategy),
-        }  # fmt: skip
+        }
         for s in served
         if s.drafted and s.alpha is not None and s.speedup is not None
     ]
@@ -220,15 +230,33 @@ def load_figure(served: Sequence[Served], history: Sequence[tuple[float, int]], 
             steps.append((now, steps[-1][1]))
         width = bucket_seconds(end - start)
         rates = throughput(spans, width)
-        fig.add_bar(x=[datetime.fromtimestamp(t + width / 2) for t, _ in rates], y=[r for _, r in rates],
-                    width=width * 1000, name=f"tokens/s (all requests, per {width} s)", marker_color="#93c5fd",
-                    hovertemplate="%{x|%H:%M:%S}: %{y:.1f} tokens/s<extra></extra>")  # fmt: skip
-        fig.add_scatter(x=[datetime.fromtimestamp(t) for t, _ in steps], y=[n for _, n in steps], yaxis="y2",
-                        mode="lines", line=dict(shape="hv", color="#b45309", width=2), name="requests running",
-                        hovertemplate="%{x|%H:%M:%S}: %{y} running<extra></extra>")  # fmt: skip
+        fig.add_bar(
+            x=[datetime.fromtimestamp(t + width / 2) for t, _ in rates],
+            y=[r for _, r in rates],
+            width=width * 1000,
+            name=f"tokens/s (all requests, per {width} s)",
+            marker_color="#93c5fd",
+            hovertemplate="%{x|%H:%M:%S}: %{y:.1f} tokens/s<extra></extra>",
+        )
+        fig.add_scatter(
+            x=[datetime.fromtimestamp(t) for t, _ in steps],
+            y=[n for _, n in steps],
+            yaxis="y2",
+            mode="lines",
+            line=dict(shape="hv", color="#b45309", width=2),
+            name="requests running",
+            hovertemplate="%{x|%H:%M:%S}: %{y} running<extra></extra>",
+        )
     else:
-        fig.add_annotation(text="No request served yet: the load shows once one has finished.", showarrow=False,
-                           xref="paper", yref="paper", x=0.5, y=0.5, font=dict(color="#475569"))  # fmt: skip
+        fig.add_annotation(
+            text="No request served yet: the load shows once one has finished.",
+            showarrow=False,
+            xref="paper",
+            yref="paper",
+            x=0.5,
+            y=0.5,
+            font=dict(color="#475569"),
+        )
     fig.update_layout(
         title="Load: tokens/s of all requests together, and requests running",
         yaxis=dict(title="tokens/s", rangemode="tozero"),

@@ -82,9 +82,12 @@ class Perimeter:
 
     @classmethod
     def parse(
-        cls, bind: str, allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = (),
+        cls,
+        bind: str,
+        allowed_hosts: Iterable[str] = (),
+        cors_origins: Iterable[str] = (),
         trusted_proxies: Iterable[str] = (),
-    ) -> Perimeter:  # fmt: skip
+    ) -> Perimeter:
         """From the command line's texts; InputError naming every bad one."""
         problems, networks, origins = [], [], []
         for text in trusted_proxies:
@@ -96,14 +99,18 @@ class Perimeter:
             origin = text.strip().rstrip("/")
             parts = urlsplit(origin)
             if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path):
-                problems.append(f"--cors-origin {text!r} is not an origin: scheme://host[:port], e.g. "
-                                "https://chat.example.com, or *")  # fmt: skip
+                problems.append(
+                    f"--cors-origin {text!r} is not an origin: scheme://host[:port], e.g. "
+                    "https://chat.example.com, or *"
+                )
             origins.append(origin)
         allowed_hosts = [h.strip() for h in allowed_hosts]
         for text in allowed_hosts:
             if not text or "/" in text or "@" in text:
-                problems.append(f"--allowed-host {text!r} is not a host name: write it as clients do, without "
-                                "scheme or path (e.g. uag.example.com)")  # fmt: skip
+                problems.append(
+                    f"--allowed-host {text!r} is not a host name: write it as clients do, without "
+                    "scheme or path (e.g. uag.example.com)"
+                )
         hosts = tuple(h.lower() if h.startswith("*.") else _name(h) for h in allowed_hosts)
         if problems:
             raise InputError("; ".join(problems))
@@ -161,9 +168,14 @@ class KeyBackoff:
     """
 
     def __init__(
-        self, *, free: int = FREE_FAILURES, first_s: float = FIRST_WAIT_S, cap_s: float = MAX_WAIT_S,
-        clock: Callable[[], float] = time.monotonic, max_clients: int = 10_000,
-    ):  # fmt: skip
+        self,
+        *,
+        free: int = FREE_FAILURES,
+        first_s: float = FIRST_WAIT_S,
+        cap_s: float = MAX_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
+        max_clients: int = 10_000,
+    ):
         self.free, self.first_s, self.cap_s, self.clock, self.max_clients = free, first_s, cap_s, clock, max_clients
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # client -> (failures, may retry at)
         self._lock = threading.Lock()
@@ -207,8 +219,12 @@ def answer(err: APIError, *, retry_s: float | None = None) -> JSONResponse:
 
 def too_many_failures(seconds: float) -> RetryLater:
     """What a client whose wrong keys cost it `seconds` more is told (the API's and the app login's)."""
-    return RetryLater(429, f"too many wrong keys from your address: retry in {math.ceil(seconds)} s",
-                      code="too_many_failed_keys", seconds=seconds)  # fmt: skip
+    return RetryLater(
+        429,
+        f"too many wrong keys from your address: retry in {math.ceil(seconds)} s",
+        code="too_many_failed_keys",
+        seconds=seconds,
+    )
 
 
 class Guard:
@@ -250,21 +266,37 @@ class Guard:
         """The answer that refuses this request at the door, or None to let it in."""
         host = headers.get("host")
         if not self.perimeter.host_allowed(host):
-            return answer(APIError(403, f"this server does not answer to the name {_name(host or '')[:100]!r}: use "
-                                   "its address, localhost, or a name its operator allows (--allowed-host)",
-                                   code="host_not_allowed"))  # fmt: skip
+            return answer(
+                APIError(
+                    403,
+                    f"this server does not answer to the name {_name(host or '')[:100]!r}: use "
+                    "its address, localhost, or a name its operator allows (--allowed-host)",
+                    code="host_not_allowed",
+                )
+            )
         method = scope.get("method", "GET")
         origin = headers.get("origin")
         if (method in UNSAFE or scope["type"] == "websocket") and origin is not None:
             if not self.perimeter.origin_allowed(origin, host):
-                return answer(APIError(403, f"requests from pages of {origin[:100]!r} are refused: this server "
-                                       "answers its own pages, and the origins its operator allows (--cors-origin)",
-                                       code="origin_not_allowed"))  # fmt: skip
+                return answer(
+                    APIError(
+                        403,
+                        f"requests from pages of {origin[:100]!r} are refused: this server "
+                        "answers its own pages, and the origins its operator allows (--cors-origin)",
+                        code="origin_not_allowed",
+                    )
+                )
         if method == "POST" and scope["path"].startswith(API_PREFIX):
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":
-                return answer(APIError(415, f"the request body must be JSON: send 'Content-Type: application/json'"
-                                       f" (got {kind[:60] or 'none'!r})", code="unsupported_media_type"))  # fmt: skip
+                return answer(
+                    APIError(
+                        415,
+                        f"the request body must be JSON: send 'Content-Type: application/json'"
+                        f" (got {kind[:60] or 'none'!r})",
+                        code="unsupported_media_type",
+                    )
+                )
         return None
 
     async def _login(self, scope, receive, send) -> None:

@@ -38,8 +38,13 @@ def request_fields(
 
     Example: a chat request that generated 64 tokens in 2.0 s with speedup 1.4 -> {..., "saved_s": 0.8}
     """
-    fields: dict[str, Any] = {"method": method, "path": path, "status": status, "client": client,
-                              "seconds": round(seconds, 3)}  # fmt: skip
+    fields: dict[str, Any] = {
+        "method": method,
+        "path": path,
+        "status": status,
+        "client": client,
+        "seconds": round(seconds, 3),
+    }
     if report:
         usage, spec, timings = (report.get(key) or {} for key in ("usage", "speculative", "timings"))
         speedup, generation_s = spec.get("estimated_speedup"), (timings.get("predicted_ms") or 0) / 1000
@@ -117,8 +122,9 @@ class RequestLog:
             status = sending.status or (500 if failed else None)
             client = (scope.get("client") or ("unknown",))[0]
             report = (scope.get("state") or {}).get(SERVED)
-            fields = request_fields(scope["method"], scope["path"], status, client, time.perf_counter() - started,
-                                    report)  # fmt: skip
+            fields = request_fields(
+                scope["method"], scope["path"], status, client, time.perf_counter() - started, report
+            )
             self.logger.log(level(scope["path"], status), "%s", request_line(fields), extra={"request": fields})
 
 

@@ -48,41 +48,81 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT.drafter,
         help=f"the default drafter: a model, lookup or lookup+<model>; 'off' for the target alone ({DEFAULT.drafter})",
     )
-    p.add_argument("--drafters", default="lookup", help="comma-separated drafters a request may pick besides "
-                   "--drafter (default: lookup)")  # fmt: skip
+    p.add_argument(
+        "--drafters",
+        default="lookup",
+        help="comma-separated drafters a request may pick besides --drafter (default: lookup)",
+    )
     p.add_argument("--strategy", default="auto", help=f"{' / '.join(SPECULATIVE)} (default auto)")
-    p.add_argument("-k", help=f"draft length, 1..{MAX_K}: the most a request may ask for (default: {DEFAULT_K_AUTO} "
-                   f"with auto, the longest it may draft; {DEFAULT_K} with a fixed strategy)")  # fmt: skip
+    p.add_argument(
+        "-k",
+        help=f"draft length, 1..{MAX_K}: the most a request may ask for (default: {DEFAULT_K_AUTO} "
+        f"with auto, the longest it may draft; {DEFAULT_K} with a fixed strategy)",
+    )
     p.add_argument(
         "--window", default=str(DEFAULT_WINDOW), help=f"translation context window (default {DEFAULT_WINDOW})"
     )
-    p.add_argument("--max-tokens", default=str(SERVE_MAX_TOKENS), help="tokens a request generates unless it says "
-                   f"(default {SERVE_MAX_TOKENS})")  # fmt: skip
+    p.add_argument(
+        "--max-tokens",
+        default=str(SERVE_MAX_TOKENS),
+        help=f"tokens a request generates unless it says (default {SERVE_MAX_TOKENS})",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=whole, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    p.add_argument("--api-key", help=f"require this key (Authorization: Bearer KEY); prefer ${KEY_ENV}, which "
-                   "other users of this machine cannot read in the process list")  # fmt: skip
-    p.add_argument("--cache-gb", type=float, default=DEFAULT_CACHE_GB, help="KV caches of recent conversations "
-                   f"kept for their next turn, in GB (default {DEFAULT_CACHE_GB:g}; 0: off)")  # fmt: skip
-    p.add_argument("--lookup-memory", type=whole, metavar="TOKENS", help="earlier requests' prompts and replies "
-                   "that prompt lookup also drafts from, per API key and target, in tokens over all keys (default "
-                   f"{DEFAULT_LOOKUP_MEMORY}; 0: off)")  # fmt: skip
+    p.add_argument(
+        "--api-key",
+        help=f"require this key (Authorization: Bearer KEY); prefer ${KEY_ENV}, which "
+        "other users of this machine cannot read in the process list",
+    )
+    p.add_argument(
+        "--cache-gb",
+        type=float,
+        default=DEFAULT_CACHE_GB,
+        help="KV caches of recent conversations "
+        f"kept for their next turn, in GB (default {DEFAULT_CACHE_GB:g}; 0: off)",
+    )
+    p.add_argument(
+        "--lookup-memory",
+        type=whole,
+        metavar="TOKENS",
+        help="earlier requests' prompts and replies "
+        "that prompt lookup also drafts from, per API key and target, in tokens over all keys (default "
+        f"{DEFAULT_LOOKUP_MEMORY}; 0: off)",
+    )
     p.add_argument("--max-queue", type=whole, default=8, help="requests queued or running at once; then 429")
-    p.add_argument("--max-batch", type=whole, help="requests generated together, their "
-                   "passes batched; more wait in the queue (default "
-                   f"{DEFAULT_MAX_BATCH}; 1: one after another)")  # fmt: skip
-    p.add_argument("--per-client", type=whole, help="requests one client may have queued or running (default: "
-                   f"--max-batch, at least {DEFAULT_PER_CLIENT})")  # fmt: skip
-    p.add_argument("--time-budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
-                   help=f"worker time per request, loading and reading included (default {DEFAULT_BUDGET_S:g}), "
-                   "then finish_reason length")  # fmt: skip
+    p.add_argument(
+        "--max-batch",
+        type=whole,
+        help="requests generated together, their "
+        "passes batched; more wait in the queue (default "
+        f"{DEFAULT_MAX_BATCH}; 1: one after another)",
+    )
+    p.add_argument(
+        "--per-client",
+        type=whole,
+        help=f"requests one client may have queued or running (default: --max-batch, at least {DEFAULT_PER_CLIENT})",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        metavar="SECONDS",
+        help=f"worker time per request, loading and reading included (default {DEFAULT_BUDGET_S:g}), "
+        "then finish_reason length",
+    )
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default 4)")
     p.add_argument("--max-models", type=whole, default=DEFAULT_MAX_MODELS, help="models kept loaded (default 4)")
     p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
-    p.add_argument("--auto-off", action="append", default=[], choices=MECHANISMS, metavar="MECHANISM",
-                   help="switch off one part of auto for an ablation (repeatable; "
-                   f"{', '.join(MECHANISMS)}): auto then opens from the pair's saved evidence but saves none back "
-                   "(docs/how-it-works.md#what-each-part-earns)")  # fmt: skip
+    p.add_argument(
+        "--auto-off",
+        action="append",
+        default=[],
+        choices=MECHANISMS,
+        metavar="MECHANISM",
+        help="switch off one part of auto for an ablation (repeatable; "
+        f"{', '.join(MECHANISMS)}): auto then opens from the pair's saved evidence but saves none back "
+        "(docs/how-it-works.md#what-each-part-earns)",
+    )
     add_http_options(p)
     from uag.distributed.options import add_shard_options
 
@@ -96,22 +136,49 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
     from uag.server.connections import DEFAULT_IDLE_TIMEOUT_S
     from uag.server.logs import LOG_FORMATS
 
-    p.add_argument("--max-connections", type=whole, help="open connections at once; then the longest idle is "
-                   "closed (default: from the open-file limit, at most 1024)")  # fmt: skip
-    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
-                   help="a connection must send its request's head within this time (default "
-                   f"{DEFAULT_IDLE_TIMEOUT_S:g})")  # fmt: skip
-    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME", help="a name clients may "
-                   "reach this server by besides its address and localhost (repeatable; *.example.com: any "
-                   "subdomain)")  # fmt: skip
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", help="a web origin whose "
-                   "pages may call the API across sites (repeatable; e.g. https://chat.example.com; default: "
-                   "none)")  # fmt: skip
-    p.add_argument("--trusted-proxy", action="append", default=[], metavar="IP[/BITS]", help="a reverse proxy "
-                   "whose X-Forwarded-For is believed (repeatable; default: none, each client is its "
-                   "address)")  # fmt: skip
-    p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="text, or json: one object per "
-                   "line (default text)")  # fmt: skip
+    p.add_argument(
+        "--max-connections",
+        type=whole,
+        help="open connections at once; then the longest idle is "
+        "closed (default: from the open-file limit, at most 1024)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"a connection must send its request's head within this time (default {DEFAULT_IDLE_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name clients may "
+        "reach this server by besides its address and localhost (repeatable; *.example.com: any "
+        "subdomain)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web origin whose "
+        "pages may call the API across sites (repeatable; e.g. https://chat.example.com; default: "
+        "none)",
+    )
+    p.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="IP[/BITS]",
+        help="a reverse proxy "
+        "whose X-Forwarded-For is believed (repeatable; default: none, each client is its "
+        "address)",
+    )
+    p.add_argument(
+        "--log-format", choices=LOG_FORMATS, default="text", help="text, or json: one object per line (default text)"
+    )
 
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,8 +186,12 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     problems = []
     drafter = None if args.drafter.strip().lower() == "off" else args.drafter
     k = args.k if args.k is not None else DEFAULT_K_AUTO if adaptive_k(args.strategy) else DEFAULT_K
-    fields = {"strategy": args.strategy, "k": literal(k), "window": literal(args.window),
-              "max_tokens": literal(args.max_tokens)}  # fmt: skip
+    fields = {
+        "strategy": args.strategy,
+        "k": literal(k),
+        "window": literal(args.window),
+        "max_tokens": literal(args.max_tokens),
+    }
     for name, value in fields.items():
         try:
             GenerationConfig.parse(**{name: value})
@@ -138,8 +209,12 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         args.max_batch = DEFAULT_MAX_BATCH
     if args.per_client is None:
         args.per_client = max(DEFAULT_PER_CLIENT, args.max_batch or 1)
-    for flag, value, lo in (("--max-queue", args.max_queue, 1), ("--per-client", args.per_client, 1),
-                            ("--max-models", args.max_models, 2), ("--max-batch", args.max_batch or 1, 1)):  # fmt: skip
+    for flag, value, lo in (
+        ("--max-queue", args.max_queue, 1),
+        ("--per-client", args.per_client, 1),
+        ("--max-models", args.max_models, 2),
+        ("--max-batch", args.max_batch or 1, 1),
+    ):
         if value < lo:
             problems.append(f"{flag} must be at least {lo} (got {value})")
     for flag, value in (("--time-budget", args.time_budget), ("--max-body-mb", args.max_body_mb)):
@@ -161,13 +236,19 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     try:
         from uag.server.guards import Perimeter
 
-        perimeter = Perimeter.parse(args.host, getattr(args, "allowed_host", ()), getattr(args, "cors_origin", ()),
-                                    getattr(args, "trusted_proxy", ()))  # fmt: skip
+        perimeter = Perimeter.parse(
+            args.host,
+            getattr(args, "allowed_host", ()),
+            getattr(args, "cors_origin", ()),
+            getattr(args, "trusted_proxy", ()),
+        )
     except InputError as err:
         problems.append(str(err))
     if key is None and not _loopback(args.host):
-        problems.append(f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key) so that only "
-                        "clients with the key can run models")  # fmt: skip
+        problems.append(
+            f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key) so that only "
+            "clients with the key can run models"
+        )
     dtypes = {}
     for role in ("target", "drafter"):
         flag = f"--{role}-dtype"
@@ -183,9 +264,16 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     if problems:
         raise InputError("; ".join(problems))
     config = GenerationConfig.parse(**fields)
-    return {"config": config, "drafter": drafters[0] if drafter else None, "drafters": tuple(drafters), "key": key,
-            "perimeter": perimeter, "auto": AutoSettings(**dict.fromkeys(off, False)) if off else None,
-            "target_dtype": dtypes["target"], "drafter_dtype": dtypes["drafter"]}  # fmt: skip
+    return {
+        "config": config,
+        "drafter": drafters[0] if drafter else None,
+        "drafters": tuple(drafters),
+        "key": key,
+        "perimeter": perimeter,
+        "auto": AutoSettings(**dict.fromkeys(off, False)) if off else None,
+        "target_dtype": dtypes["target"],
+        "drafter_dtype": dtypes["drafter"],
+    }
 
 
 def _loopback(host: str) -> bool:
@@ -211,9 +299,15 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
     worker = worker or MLXWorker(max_batch=args.max_batch or 1)
     config = opts["config"]
     defaults = ServerDefaults(
-        model=args.target, drafter=opts["drafter"], strategy=config.strategy, k=config.k, window=config.window,
-        max_tokens=config.max_tokens, drafters=opts["drafters"], checks=not getattr(args, "shard", None),
-    )  # fmt: skip
+        model=args.target,
+        drafter=opts["drafter"],
+        strategy=config.strategy,
+        k=config.k,
+        window=config.window,
+        max_tokens=config.max_tokens,
+        drafters=opts["drafters"],
+        checks=not getattr(args, "shard", None),
+    )
     session = None
     if args.no_ui:
         runner = JobRunner(worker, per_client=args.per_client, budget_s=args.time_budget)
@@ -223,15 +317,36 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
 
         # /ui loads what the API serves, for every user (uag.runtime.access.ServedModels)
         served = ServedModels(args.target, defaults.allowed, opts.get("target_dtype"), opts.get("drafter_dtype"))
-        session = Session(store, worker, target=args.target, drafter=(defaults.allowed or ("lookup",))[0],
-                          per_client=args.per_client, budget_s=args.time_budget, served=served)  # fmt: skip
+        session = Session(
+            store,
+            worker,
+            target=args.target,
+            drafter=(defaults.allowed or ("lookup",))[0],
+            per_client=args.per_client,
+            budget_s=args.time_budget,
+            served=served,
+        )
         runner = session.runner  # one per-client count for the app's runs and the API's
-    service = Service(store, runner, defaults, target=args.target, cache_bytes=args.cache_gb * 1e9, stream=stream,
-                      target_dtype=opts.get("target_dtype"), drafter_dtype=opts.get("drafter_dtype"),
-                      measure=measure, auto=opts.get("auto"),
-                      lookup_memory=getattr(args, "lookup_memory", 0))  # fmt: skip
-    app = create_app(service, api_key=opts["key"], max_body=int(args.max_body_mb * 2**20), max_queue=args.max_queue,
-                     perimeter=opts.get("perimeter"))  # fmt: skip
+    service = Service(
+        store,
+        runner,
+        defaults,
+        target=args.target,
+        cache_bytes=args.cache_gb * 1e9,
+        stream=stream,
+        target_dtype=opts.get("target_dtype"),
+        drafter_dtype=opts.get("drafter_dtype"),
+        measure=measure,
+        auto=opts.get("auto"),
+        lookup_memory=getattr(args, "lookup_memory", 0),
+    )
+    app = create_app(
+        service,
+        api_key=opts["key"],
+        max_body=int(args.max_body_mb * 2**20),
+        max_queue=args.max_queue,
+        perimeter=opts.get("perimeter"),
+    )
     if session is not None:
         session.evidence = service.evidence  # one Evidence per pair for /ui's auto runs and the API's
         _mount_ui(app, session, service, opts["key"])
@@ -254,10 +369,16 @@ def _mount_ui(app, session, service, key: str | None) -> None:
     auth = None if key is None else (lambda _user, password: hmac.compare_digest(password.encode(), key.encode()))
     app.add_api_route("/", lambda: RedirectResponse("/ui/"), include_in_schema=False)
     gr.mount_gradio_app(
-        app, demo, path="/ui", auth=auth, auth_message="uag serve: any user name, the server's API key as password",
-        theme=THEME, css_paths=[STYLE] if STYLE.exists() else None,
-        ssr_mode=False, max_file_size=f"{MAX_UPLOAD_MB}mb",
-    )  # fmt: skip
+        app,
+        demo,
+        path="/ui",
+        auth=auth,
+        auth_message="uag serve: any user name, the server's API key as password",
+        theme=THEME,
+        css_paths=[STYLE] if STYLE.exists() else None,
+        ssr_mode=False,
+        max_file_size=f"{MAX_UPLOAD_MB}mb",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -292,11 +413,17 @@ def _logging_and_connections(args: argparse.Namespace, opts: dict[str, Any]) -> 
     fd_limit = raise_fd_limit()
     max_connections = args.max_connections or default_max_connections(fd_limit)
     if fd_limit is not None and max_connections > fd_limit - 64:
-        say("--max-connections %d is near this process's limit of %d open files: connections beyond it fail "
-            "(raise `ulimit -n`, or lower --max-connections)", max_connections, fd_limit)  # fmt: skip
+        say(
+            "--max-connections %d is near this process's limit of %d open files: connections beyond it fail "
+            "(raise `ulimit -n`, or lower --max-connections)",
+            max_connections,
+            fd_limit,
+        )
     if opts["key"] is not None and len(opts["key"]) < 16:
-        say("the API key is %d characters: one of 16 or more (e.g. `openssl rand -hex 16`) resists guessing",
-            len(opts["key"]))  # fmt: skip
+        say(
+            "the API key is %d characters: one of 16 or more (e.g. `openssl rand -hex 16`) resists guessing",
+            len(opts["key"]),
+        )
     return {"max_connections": max_connections, "idle_timeout_s": args.idle_timeout}
 
 
@@ -342,8 +469,14 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     from uag.server.connections import server_config
 
     worker = MLXWorker()
-    start = partial(join, args.target, args.shard, connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
-                    timeout_s=args.shard_timeout, progress=progress)  # fmt: skip
+    start = partial(
+        join,
+        args.target,
+        args.shard,
+        connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
+        timeout_s=args.shard_timeout,
+        progress=progress,
+    )
     ranks, target = worker.call(start)
     if ranks.rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every local rank: rank 0 ends the others
@@ -366,8 +499,10 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
         server = uvicorn.Server(server_config(app, host=args.host, port=args.port, **connections))
         leader.on_lost = lambda: setattr(server, "should_exit", True)  # a lost rank: stop serving, say which
         leader.keep_in_touch()
-        progress(f"serving {args.target} sharded by {args.shard} over {ranks.size} ranks at http://{args.host}:{args.port}"
-            "/v1; every request reads its whole prompt (no conversation caches across the shards)")  # fmt: skip
+        progress(
+            f"serving {args.target} sharded by {args.shard} over {ranks.size} ranks at http://{args.host}:{args.port}"
+            "/v1; every request reads its whole prompt (no conversation caches across the shards)"
+        )
         # uvicorn stops on SIGINT/SIGTERM, then raises the signal again: let it pass, tell the others, exit 0.
         before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

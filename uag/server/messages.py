@@ -80,8 +80,10 @@ def _content(content: Any, param: str) -> str:
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
-            raise bad(param, f"uag reads text only: parts must be {{\"type\": \"text\", \"text\": …}} "
-                      f"(got a part of type {show(kind)})")  # fmt: skip
+            raise bad(
+                param,
+                f'uag reads text only: parts must be {{"type": "text", "text": …}} (got a part of type {show(kind)})',
+            )
         texts.append(text_of(part["text"], param))
     return "".join(texts)
 
@@ -108,8 +110,9 @@ def _calls(calls: Any, param: str) -> list[dict]:
             except (ValueError, RecursionError):
                 raise bad(f"{where}.function.arguments", f"the arguments of {show(name)} are not JSON") from None
         if not isinstance(arguments, dict):
-            raise bad(f"{where}.function.arguments", f"must be a JSON object, or a string holding one "
-                      f"(got {show(arguments)})")  # fmt: skip
+            raise bad(
+                f"{where}.function.arguments", f"must be a JSON object, or a string holding one (got {show(arguments)})"
+            )
         plain(arguments, f"{where}.function.arguments")
         out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     return out

@@ -69,20 +69,51 @@ class Request:
 # --- request fields -------------------------------------------------------------------------------------------
 SAMPLERS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 COMMON = {
-    "model", "max_tokens", "temperature", "seed", "stop", "stream", "stream_options", "n", "user", "logit_bias",
-    "logprobs", "speculative", "metadata", "store", *SAMPLERS,
-}  # fmt: skip
+    "model",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "logit_bias",
+    "logprobs",
+    "speculative",
+    "metadata",
+    "store",
+    *SAMPLERS,
+}
 CHAT = COMMON | {
-    "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
-    "response_format", "service_tier", "reasoning_effort", "modalities", "prediction", "functions",
-}  # fmt: skip
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "top_logprobs",
+    "response_format",
+    "service_tier",
+    "reasoning_effort",
+    "modalities",
+    "prediction",
+    "functions",
+}
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of", "response_format"}
 # Fields accepted only at a value that asks for nothing (what uag does anyway).
 NEUTRAL = {
-    "logit_bias": ({}, None), "logprobs": (False, None), "top_logprobs": (None, 0), "echo": (False, None),
-    "suffix": (None, ""), "best_of": (1, None), "service_tier": (None, "auto", "default"),
-    "reasoning_effort": (None,), "modalities": (None, ["text"]), "prediction": (None,), "functions": (None,),
-}  # fmt: skip
+    "logit_bias": ({}, None),
+    "logprobs": (False, None),
+    "top_logprobs": (None, 0),
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "best_of": (1, None),
+    "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "functions": (None,),
+}
 SPECULATIVE_KEYS = ("drafter", "k", "strategy", "window", "check")
 
 
@@ -222,8 +253,15 @@ def _common(body: Mapping, defaults: ServerDefaults, max_tokens_field: str) -> d
         config = GenerationConfig.parse(**fields, **speculation, chat=False)
     except InputError as err:
         raise bad("speculative", str(err)) from None
-    return {"model": model, "config": config, "drafter": drafter, "stop": _stop(body), "stream": stream,
-            "include_usage": include_usage, "check": check}  # fmt: skip
+    return {
+        "model": model,
+        "config": config,
+        "drafter": drafter,
+        "stop": _stop(body),
+        "stream": stream,
+        "include_usage": include_usage,
+        "check": check,
+    }
 
 
 def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict[str, Any], bool]:
@@ -237,15 +275,19 @@ def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict
     if value is False:
         return None, {"strategy": "baseline"}, False
     if not isinstance(value, dict):
-        raise bad("speculative", f'must be false, true or an object like {{"drafter": "lookup", "k": 4}} '
-                  f"(got {show(value)})")  # fmt: skip
+        raise bad(
+            "speculative", f'must be false, true or an object like {{"drafter": "lookup", "k": 4}} (got {show(value)})'
+        )
     unknown = sorted(set(value) - set(SPECULATIVE_KEYS), key=str)
     if unknown:
         raise bad("speculative", f"unknown key {show(unknown[0])}: it takes {', '.join(SPECULATIVE_KEYS)}")
     check = _flag(value, "check", param="speculative")
     if check and not defaults.checks:
-        raise bad("speculative", "check is not available on a sharded server (--shard): its near-tie margins need "
-                  "the whole target on one machine; compare with `uag generate --strategy baseline` there")  # fmt: skip
+        raise bad(
+            "speculative",
+            "check is not available on a sharded server (--shard): its near-tie margins need "
+            "the whole target on one machine; compare with `uag generate --strategy baseline` there",
+        )
     allowed = defaults.allowed
     drafter = defaults.drafter if value.get("drafter") is None else value["drafter"]
     if drafter is None:
@@ -260,8 +302,11 @@ def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict
         raise bad("speculative", f"drafter {show(drafter)} is not served here: choose one of {_listed(allowed)}")
     strategy = defaults.strategy if value.get("strategy") is None else value["strategy"]
     if not isinstance(strategy, str) or strategy not in SPECULATIVE:
-        raise bad("speculative", f"strategy must be one of {', '.join(SPECULATIVE)} (got {show(strategy)}); "
-                  "for the target alone send \"speculative\": false")  # fmt: skip
+        raise bad(
+            "speculative",
+            f"strategy must be one of {', '.join(SPECULATIVE)} (got {show(strategy)}); "
+            'for the target alone send "speculative": false',
+        )
     k = _whole(value, "k", 1, MAX_K, param="speculative")
     if k is None:  # auto's -k is its longest draft, not a fixed length
         k = min(defaults.k, DEFAULT_K) if not adaptive_k(strategy) and adaptive_k(defaults.strategy) else defaults.k
@@ -298,11 +343,17 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> Request:
     if forcing:
         asked = f"tool_choice {show(name)}" if name else 'tool_choice "required"'
         if not tools:
-            raise bad("tool_choice", f'{asked.removeprefix("tool_choice ")} asks for a tool call, but tools declares '
-                      'none: declare the functions in tools, or send tool_choice "auto"')  # fmt: skip
+            raise bad(
+                "tool_choice",
+                f"{asked.removeprefix('tool_choice ')} asks for a tool call, but tools declares "
+                'none: declare the functions in tools, or send tool_choice "auto"',
+            )
         if constraint is not None:
-            raise bad("response_format", f"response_format and {asked} both set the reply's form: drop "
-                      "response_format to have the tool called, or tool_choice to have JSON written")  # fmt: skip
+            raise bad(
+                "response_format",
+                f"response_format and {asked} both set the reply's form: drop "
+                "response_format to have the tool called, or tool_choice to have JSON written",
+            )
         try:
             constraint = tool_constraint(tools, name, parallel)
         except InputError as err:
@@ -351,8 +402,11 @@ def _tool_choice(value: Any) -> tuple[str, str | None]:
     function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or not name:
-        raise bad("tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": '
-                  f'{{"name": …}}}} (got {show(value)})')  # fmt: skip
+        raise bad(
+            "tool_choice",
+            f'must be "auto", "none", "required" or {{"type": "function", "function": '
+            f'{{"name": …}}}} (got {show(value)})',
+        )
     return "function", text_of(name, "tool_choice")
 
 
@@ -373,6 +427,8 @@ def _constrained(common: dict[str, Any], constraint: str | None, defaults: Serve
         return common
     if not defaults.checks:
         fix = 'send tool_choice "auto"' if param == "tool_choice" else "leave response_format out"
-        raise bad(param, f"structured output is not available on a sharded server (--shard): its ranks apply no "
-                  f"grammar; {fix}")  # fmt: skip
+        raise bad(
+            param,
+            f"structured output is not available on a sharded server (--shard): its ranks apply no grammar; {fix}",
+        )
     return {**common, "config": replace(common["config"], constraint=constraint)}

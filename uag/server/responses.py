@@ -32,14 +32,12 @@ def chat_response(
     if tool_calls:
         message["tool_calls"] = tool_calls
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-            **report}  # fmt: skip
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], **report}
 
 
 def completion_response(rid: str, created: int, model: str, text: str, finish: str, report: dict) -> dict:
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-            **report}  # fmt: skip
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], **report}
 
 
 def chunk(kind: str, rid: str, created: int, model: str, delta: dict | str | None, finish: str | None = None) -> dict:
@@ -116,8 +114,13 @@ def lookup_summary(cycles: list) -> dict[str, Any]:
     lookup = [c for c in cycles if c.source == "lookup"]
     proposed, kept = sum(len(c.proposed_ids) for c in lookup), sum(c.accepted for c in lookup)
     n = len(lookup)
-    return {"cycles": n, "proposed_tokens": proposed, "accepted_tokens": kept,
-            "proposed_per_cycle": proposed / n if n else None, "kept_per_cycle": kept / n if n else None}  # fmt: skip
+    return {
+        "cycles": n,
+        "proposed_tokens": proposed,
+        "accepted_tokens": kept,
+        "proposed_per_cycle": proposed / n if n else None,
+        "kept_per_cycle": kept / n if n else None,
+    }
 
 
 def report(

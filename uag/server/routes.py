@@ -52,8 +52,9 @@ _END = object()
 
 def internal() -> APIError:
     """The neutral 500: what failed is in the server's log, never in the answer."""
-    return APIError(500, "the server failed on this request (a bug, not your input); it is logged and the server "
-                    "keeps serving")  # fmt: skip
+    return APIError(
+        500, "the server failed on this request (a bug, not your input); it is logged and the server keeps serving"
+    )
 
 
 class Disconnected(Exception):
@@ -72,12 +73,20 @@ class Gate:
     def enter(self, client: str) -> None:
         with self._lock:
             if self.count >= self.limit:
-                raise RetryLater(429, f"the server's queue is full ({self.limit} requests): retry in a moment",
-                                 code="queue_full", seconds=RETRY_FULL_S)  # fmt: skip
+                raise RetryLater(
+                    429,
+                    f"the server's queue is full ({self.limit} requests): retry in a moment",
+                    code="queue_full",
+                    seconds=RETRY_FULL_S,
+                )
             if (mine := self._clients[client]) >= self.per_client:
-                raise RetryLater(429, f"you already have {mine} requests running or waiting, the most this server "
-                                 "takes from one client: retry when one has finished", code="too_many_requests",
-                                 seconds=RETRY_FULL_S)  # fmt: skip
+                raise RetryLater(
+                    429,
+                    f"you already have {mine} requests running or waiting, the most this server "
+                    "takes from one client: retry when one has finished",
+                    code="too_many_requests",
+                    seconds=RETRY_FULL_S,
+                )
             self.count += 1
             self._clients[client] += 1
 
@@ -109,8 +118,13 @@ def create_app(
     app.add_middleware(Guard, perimeter=perimeter, backoff=backoff)
     app.add_middleware(RequestLog)
     if perimeter.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(perimeter.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"])  # fmt: skip
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(perimeter.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+            expose_headers=["Retry-After"],
+        )
     _answer_errors(app)
     authorise = _key_check(api_key, backoff)
 
@@ -131,8 +145,12 @@ def create_app(
     async def model(request: Request, model_id: str) -> dict:
         authorise(request)
         if model_id != service.defaults.model:
-            raise APIError(404, f"no model {model_id[:100]!r} here: GET /v1/models lists the one this server serves",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"no model {model_id[:100]!r} here: GET /v1/models lists the one this server serves",
+                param="model",
+                code="model_not_found",
+            )
         return served_model()
 
     @app.post("/v1/chat/completions")
@@ -188,8 +206,10 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
-        messages = {404: f"no such route: {request.method} {request.url.path[:100]}",
-                    405: f"{request.method} is not allowed on {request.url.path[:100]}"}  # fmt: skip
+        messages = {
+            404: f"no such route: {request.method} {request.url.path[:100]}",
+            405: f"{request.method} is not allowed on {request.url.path[:100]}",
+        }
         error = APIError(err.status_code, messages.get(err.status_code, "the request could not be served"))
         return JSONResponse(error.body(), status_code=err.status_code)
 
@@ -213,8 +233,9 @@ def _key_check(api_key: str | None, backoff: KeyBackoff) -> Callable[[Request], 
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             backoff.failed(client)
-            raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")  # fmt: skip
+            raise APIError(
+                401, "a valid API key is required: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
         backoff.succeeded(client)
         return given.strip()
 
@@ -229,8 +250,15 @@ def _client(request: Request) -> str:
 def _guarded(service: Service, parsed, client: str, key: str | None) -> Iterator[Any]:
     """The job's items; the errors a user can fix as 400/429, anything else logged and answered with a 500.
     Beyond its client's share the job waits its turn (it was admitted by the gate)."""
-    items = service.runner.run(service.job, parsed, key, label=f"an API request ({parsed.kind})", client=client,
-                               wait=True, shared=service.batched)  # fmt: skip
+    items = service.runner.run(
+        service.job,
+        parsed,
+        key,
+        label=f"an API request ({parsed.kind})",
+        client=client,
+        wait=True,
+        shared=service.batched,
+    )
     try:
         yield from items
     except (APIError, GeneratorExit):
@@ -263,8 +291,12 @@ class Feed:
                 raise RuntimeError("the job ended without a final item")
             if isinstance(item, Waiting) and self.wait_s is not None and item.seconds > self.wait_s:
                 waited = f"this request waited {item.seconds:.0f} s for the model worker"
-                raise RetryLater(503, f"the server is overloaded: {waited}; retry later", code="overloaded",
-                                 seconds=RETRY_OVERLOADED_S)  # fmt: skip
+                raise RetryLater(
+                    503,
+                    f"the server is overloaded: {waited}; retry later",
+                    code="overloaded",
+                    seconds=RETRY_OVERLOADED_S,
+                )
             if time.monotonic() - self._checked >= DISCONNECT_CHECK_S:
                 self._checked = time.monotonic()
                 if await self.request.is_disconnected():
@@ -303,8 +335,12 @@ async def stream(request: Request, parsed, feed: Feed, first: Any, leave: Callab
         if item.tail:
             yield piece({"content": item.tail} if kind == "chat" else item.tail)
         for i, call in enumerate(item.tool_calls or ()):  # as OpenAI streams them: the name, then the arguments
-            head = {"index": i, "id": call["id"], "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": ""}}  # fmt: skip
+            head = {
+                "index": i,
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""},
+            }
             yield piece({"tool_calls": [head]})
             yield piece({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
         yield piece({} if kind == "chat" else "", item.finish)
@@ -350,5 +386,6 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is over this server's limit of {limit / 2**20:g} MB",
-                    code="request_too_large")  # fmt: skip
+    return APIError(
+        413, f"the request body is over this server's limit of {limit / 2**20:g} MB", code="request_too_large"
+    )

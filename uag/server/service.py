@@ -156,9 +156,15 @@ class Service:
         from uag.runtime.jobs import tell
 
         go_on = lambda: self._go_on(job, "loading the models")  # noqa: E731
-        loaded = open_pair(self.store, self.target_name, drafter, target_dtype=self.target_dtype,
-                           drafter_dtype=self.drafter_dtype, progress=progress or (lambda text: tell(job, text)),
-                           between=go_on)  # fmt: skip
+        loaded = open_pair(
+            self.store,
+            self.target_name,
+            drafter,
+            target_dtype=self.target_dtype,
+            drafter_dtype=self.drafter_dtype,
+            progress=progress or (lambda text: tell(job, text)),
+            between=go_on,
+        )
         go_on()
         if self.batched:  # requests running together share the models' passes (uag.runtime.batching)
             share(loaded.target, "target")
@@ -192,8 +198,12 @@ class Service:
         if not job.cancelled.is_set():
             return
         if job.out_of_time:
-            raise APIError(503, f"this request's time budget of {self.runner.budget_s:g} s (--time-budget) ran out "
-                           f"while {doing}; what was loaded stays loaded: retry", code="timeout")  # fmt: skip
+            raise APIError(
+                503,
+                f"this request's time budget of {self.runner.budget_s:g} s (--time-budget) ran out "
+                f"while {doing}; what was loaded stays loaded: retry",
+                code="timeout",
+            )
         raise APIError(499, "the request was cancelled", code="cancelled")  # nobody is left to read it
 
     def prompt(self, loaded: Loaded, request: Request) -> list[int]:
@@ -339,14 +349,24 @@ class Service:
 
         state = self.costs.want(wanted)
         if state == "deferred":
-            log.info("auto's costs for %s: %s; measured %.0f min ago, so not again before %g min have passed (until "
-                     "then auto rescales them as it runs)", pair_name(wanted.key), wanted.reason,
-                     (self.costs.since(wanted.key) or 0) / 60, self.costs.interval_s / 60)  # fmt: skip
+            log.info(
+                "auto's costs for %s: %s; measured %.0f min ago, so not again before %g min have passed (until "
+                "then auto rescales them as it runs)",
+                pair_name(wanted.key),
+                wanted.reason,
+                (self.costs.since(wanted.key) or 0) / 60,
+                self.costs.interval_s / 60,
+            )
         if state == "scheduled":
             first = wanted.reason.startswith("no costs")
-            log.warning("auto's costs for %s: %s; measuring them%s in the background when the server is idle (until "
-                        "then auto %s)", pair_name(wanted.key), wanted.reason, "" if first else " again",
-                        "learns them as it runs" if first else "rescales the saved ones as it runs")  # fmt: skip
+            log.warning(
+                "auto's costs for %s: %s; measuring them%s in the background when the server is idle (until "
+                "then auto %s)",
+                pair_name(wanted.key),
+                wanted.reason,
+                "" if first else " again",
+                "learns them as it runs" if first else "rescales the saved ones as it runs",
+            )
 
     def _measure_missing(self, job: Job, progress: Callable[[str], None] | None) -> None:
         """At start-up: measure every offered pair whose models are loaded and that has no costs saved, or a
@@ -388,12 +408,21 @@ class Service:
             return True
         name, saved, now = pair_name(wanted.key), read_calibration(wanted.key), machine_load()
         if saved is not None and not replaces(now, saved):
-            log.info("not measuring auto's costs for %s now: the machine is busy (%s) and the saved ones were "
-                     "measured at %s; tried again after %g min", name, now, saved.load,
-                     self.costs.interval_s / 60)  # fmt: skip
+            log.info(
+                "not measuring auto's costs for %s now: the machine is busy (%s) and the saved ones were "
+                "measured at %s; tried again after %g min",
+                name,
+                now,
+                saved.load,
+                self.costs.interval_s / 60,
+            )
         else:
-            log.info("measuring auto's costs for %s (%s)%s", name, wanted.reason,
-                     "; a request stops it" if progress is None else "")  # fmt: skip
+            log.info(
+                "measuring auto's costs for %s (%s)%s",
+                name,
+                wanted.reason,
+                "; a request stops it" if progress is None else "",
+            )
 
             def said(text: str) -> None:
                 job.progress = text
@@ -405,8 +434,10 @@ class Service:
             try:
                 calibration = (self.measure or measure_costs)(target, choice, progress=said, cancel=cancel)
             except MeasurementStopped:
-                log.info("stopped measuring auto's costs for %s: a request came in (measured when the server is "
-                         "idle again)", name)  # fmt: skip
+                log.info(
+                    "stopped measuring auto's costs for %s: a request came in (measured when the server is idle again)",
+                    name,
+                )
                 return False
             kept, line = keep_measured(calibration, target)
             (log.info if kept else log.warning)("%s (in %.0f s)", line, time.monotonic() - tic)

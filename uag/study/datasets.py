@@ -288,8 +288,9 @@ def load_conversations(name: str, n: int | None = None) -> list[Conversation]:
                 raise InputError("field 'turns' must be a non-empty list of strings")
             texts = tuple(_text({"turn": t}, "turn", required=True) for t in turns)
             system = _text(record, "system", required=False) or None
-            prompt = record_to_prompt({**record, "prompt": texts[0]}, dataset=name, text_field="prompt",
-                                      default_id=f"{name}-{line:03d}")  # fmt: skip
+            prompt = record_to_prompt(
+                {**record, "prompt": texts[0]}, dataset=name, text_field="prompt", default_id=f"{name}-{line:03d}"
+            )
             if prompt.id in seen:
                 raise InputError(f"duplicate id '{prompt.id}'")
         except InputError as e:

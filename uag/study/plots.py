@@ -230,8 +230,13 @@ def cycle_ribbon(cycles: Sequence[Cycle], *, title: str = "Per cycle: proposed v
         kinds = sorted({s for s in sources if s in SOURCE_PATTERNS})
         fig.add_annotation(
             text="hatched: drafted by prompt lookup" if "lookup" in kinds else f"drafted by: {', '.join(kinds)}",
-            xref="paper", yref="paper", x=1, y=1.12, showarrow=False, font=dict(size=11, color="#475569"),
-        )  # fmt: skip
+            xref="paper",
+            yref="paper",
+            x=1,
+            y=1.12,
+            showarrow=False,
+            font=dict(size=11, color="#475569"),
+        )
     fig.update_layout(
         barmode="stack",
         title=title,

@@ -130,10 +130,27 @@ INSERT OR IGNORE INTO meta VALUES ('format', '{FORMAT}'), ('schema_version', '{S
 """
 # Run.stats() numbers stored as they are (phase_ms is split into the four *_ms columns).
 STATS = (
-    "policy", "prompt_tokens", "generated_tokens", "finish_reason", "cycles", "proposed", "accepted", "acceptance_rate",
-    "mean_accepted", "draft_fraction", "tokens_per_second", "prompt_tps", "prompt_ms", "generation_s",
-    "drafter_passes", "stalls", "absorptions", "resync_absorptions", "fallbacks", "empty_translations",
-)  # fmt: skip
+    "policy",
+    "prompt_tokens",
+    "generated_tokens",
+    "finish_reason",
+    "cycles",
+    "proposed",
+    "accepted",
+    "acceptance_rate",
+    "mean_accepted",
+    "draft_fraction",
+    "tokens_per_second",
+    "prompt_tps",
+    "prompt_ms",
+    "generation_s",
+    "drafter_passes",
+    "stalls",
+    "absorptions",
+    "resync_absorptions",
+    "fallbacks",
+    "empty_translations",
+)
 # A speculative run's baseline: the target alone on the same prompt with the same decoding settings.
 SAME_PROMPT = ("target", "target_dtype", "dataset", "prompt_id", "max_tokens", "temperature", "seed", "chat")
 

@@ -45,9 +45,16 @@ class RunSpec:
         """The baseline a speculative run is compared with: the target alone, same prompt and settings."""
         c = self.config
         return RunSpec.baseline(
-            target=self.target, dataset=self.dataset, prompt_id=self.prompt_id, target_dtype=self.target_dtype,
-            max_tokens=c.max_tokens, temperature=c.temperature, seed=c.seed, chat=c.chat, **self.sampling(),
-        )  # fmt: skip
+            target=self.target,
+            dataset=self.dataset,
+            prompt_id=self.prompt_id,
+            target_dtype=self.target_dtype,
+            max_tokens=c.max_tokens,
+            temperature=c.temperature,
+            seed=c.seed,
+            chat=c.chat,
+            **self.sampling(),
+        )
 
     def sampling(self) -> dict:
         """The samplers and penalties set away from their neutral values (uag.core.config.SAMPLING_FIELDS).
@@ -55,8 +62,11 @@ class RunSpec:
         Example: a config with top_k=40 -> {"top_k": 40};  the defaults -> {}
         """
         neutral = GenerationConfig()
-        return {f.name: getattr(self.config, f.name) for f in SAMPLING_FIELDS
-                if getattr(self.config, f.name) != getattr(neutral, f.name)}  # fmt: skip
+        return {
+            f.name: getattr(self.config, f.name)
+            for f in SAMPLING_FIELDS
+            if getattr(self.config, f.name) != getattr(neutral, f.name)
+        }
 
     @property
     def strategy(self) -> str:
@@ -74,10 +84,18 @@ class RunSpec:
         """The spec as the `runs` table stores it (and as the run key hashes it)."""
         c = self.config
         return {
-            "target": self.target, "drafter": self.drafter, "strategy": c.strategy, "k": self.k,
-            "window": self.window, "max_tokens": c.max_tokens, "temperature": float(c.temperature), "seed": c.seed,
-            "chat": bool(c.chat), "dataset": self.dataset, "prompt_id": self.prompt_id,
-        }  # fmt: skip
+            "target": self.target,
+            "drafter": self.drafter,
+            "strategy": c.strategy,
+            "k": self.k,
+            "window": self.window,
+            "max_tokens": c.max_tokens,
+            "temperature": float(c.temperature),
+            "seed": c.seed,
+            "chat": bool(c.chat),
+            "dataset": self.dataset,
+            "prompt_id": self.prompt_id,
+        }
 
     @property
     def key(self) -> str:
