@@ -209,12 +209,14 @@ class RetryLater(APIError):
         self.retry_after = seconds
 
 
-def answer(err: APIError, *, retry_s: float | None = None) -> JSONResponse:
-    """OpenAI's error object as a response. A `RetryLater` says when to retry (`Retry-After`, whole seconds); so
-    does any other 429 or 503 where `retry_s` is given."""
+def answer(
+    err: APIError, *, retry_s: float | None = None, shape: Callable[[APIError], dict] | None = None
+) -> JSONResponse:
+    """The API's error object as a response (`shape`: the dialect's, OpenAI's by default). A `RetryLater` says when
+    to retry (`Retry-After`, whole seconds); so does any other 429 or 503 where `retry_s` is given."""
     retry = getattr(err, "retry_after", retry_s if err.status in (429, 503) else None)
     headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return JSONResponse(err.body() if shape is None else shape(err), status_code=err.status, headers=headers)
 
 
 def too_many_failures(seconds: float) -> RetryLater:
