@@ -31,6 +31,8 @@ whether its edits applied to the file (`applied`: a `diff` reply's every SEARCH 
 Per turn, one JSON row in `--out`: time to first token (streaming), generation tokens/s (client side, from the
 first content chunk to the last: (completion tokens - 1) / that time), end-to-end time, cached prompt tokens
 (`usage.prompt_tokens_details.cached_tokens`), uag's `speculative` object (acceptance, sources) and the text.
+At the end of each session every uag server's `GET /metrics` is scraped and its counters compared with the sums of
+the `usage` and `speculative` blocks of the replies it gave (a "metrics" row; the summary's last lines).
 
 Turn-2 cold read: the second turn of `--ttft-conversation` (~1,700 tokens on the coder target) is read warm,
 after turn 1 (the server keeps the conversation's KV cache), and cold: the same messages once more with the
@@ -370,6 +372,46 @@ def ask(
     )
 
 
+# A scrape's counter -> the field of the replies' blocks it adds up to (uag.server.metrics).
+METRIC_SUMS = {
+    "uag:prompt_tokens_total": ("usage", "prompt_tokens"),
+    "uag:prompt_tokens_cached_total": ("usage", "prompt_tokens_details", "cached_tokens"),
+    "uag:generation_tokens_total": ("usage", "completion_tokens"),
+    "uag:spec_decode_num_drafts_total": ("speculative", "cycles"),
+    "uag:spec_decode_num_draft_tokens_total": ("speculative", "drafted_tokens"),
+    "uag:spec_decode_num_accepted_tokens_total": ("speculative", "accepted_tokens"),
+}
+
+
+def metrics_check(url: str, replies: list[Reply]) -> dict:
+    """uag serve's `GET /metrics` against the replies it gave: {"sums": {counter: [scraped, summed over the
+    replies]}, "verdict"}. Exact where every reply was read to its end; a stream closed at its first token (the
+    cold read) has no usage, while the scrape counts what its run did, so there the scrape may only exceed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scraped: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            scraped[sample.name] += sample.value
+
+    def field_of(reply: Reply, path: tuple[str, ...]) -> float:
+        value = {"usage": reply.usage, "speculative": reply.speculative or {}}
+        for key in path:
+            value = (value or {}).get(key)
+        return value or 0
+
+    sums = {name: [scraped[name], sum(field_of(r, path) for r in replies)] for name, path in METRIC_SUMS.items()}
+    unread = sum(not r.usage for r in replies)
+    off = {name: pair for name, pair in sums.items() if (pair[0] < pair[1] if unread else pair[0] != pair[1])}
+    if off:
+        verdict = "does NOT add up to the replies: " + ", ".join(f"{n} {a:g} vs {b:g}" for n, (a, b) in off.items())
+    elif unread:
+        verdict = f"covers the {len(replies)} replies ({unread} closed early: at least their sums)"
+    else:
+        verdict = f"adds up to the {len(replies)} replies' usage and speculative blocks exactly"
+    return {"sums": sums, "replies": len(replies), "unread": unread, "verdict": verdict}
+
+
 def row(
     condition: Condition,
     repeat: int,
@@ -457,10 +499,17 @@ def session(
                 servers[c.argv] = stack.enter_context(Server(c, log))
             url = servers[c.argv].url + "/v1"
             clients[c.name] = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=REQUEST_S)
+        answered: dict[tuple[str, ...], list[Reply]] = defaultdict(list)  # per server, for its /metrics at the end
+
+        def send(c: Condition, messages: list[dict], max_tokens: int, **kw) -> Reply:
+            reply = ask(clients[c.name], c, messages, max_tokens, **kw)
+            answered[c.argv].append(reply)
+            return reply
+
         for c in group:
-            server, client = servers[c.argv], clients[c.name]
-            warm = ask(client, c, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
-            again = ask(client, c, WARM_UP, WARM_UP_TOKENS)
+            server = servers[c.argv]
+            warm = send(c, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
+            again = send(c, WARM_UP, WARM_UP_TOKENS)
             write(
                 {
                     "kind": "warmup",
@@ -496,7 +545,7 @@ def session(
                 retried[c.name][conversation.id] = replies[c.name]  # its turn 1 reply, for a retry of turn 2
             for turn in range(turns):
                 for c in each():
-                    reply = ask(clients[c.name], c, conversation.messages(replies[c.name]), args.max_tokens)
+                    reply = send(c, conversation.messages(replies[c.name]), args.max_tokens)
                     replies[c.name].append(reply.text)
                     write(row(c, repeat, workload, conversation.id, turn + 1, reply))
                     say(f"  {c.name} {workload} {conversation.id} turn {turn + 1}: {describe(reply)}")
@@ -513,7 +562,7 @@ def session(
                 replays = {c.name: edit_formats.Replay.of(conversation, edit_format) for c in group}
                 for turn in range(replays[group[0].name].turns):
                     for c in each():
-                        reply = ask(clients[c.name], c, replays[c.name].messages(), args.max_tokens)
+                        reply = send(c, replays[c.name].messages(), args.max_tokens)
                         outcome = replays[c.name].answer(reply.text)
                         write(row(c, repeat, workload, conversation.id, turn + 1, reply, outcome))
                         applied = "applied" if outcome.applied else f"not applied: {outcome.why}"
@@ -521,7 +570,7 @@ def session(
         for conversation in edit if args.retry and "edit" in args.edit_formats else ():  # turn 2 asked again
             for c in each():
                 messages = conversation.messages(retried[c.name][conversation.id][:1])
-                reply = ask(clients[c.name], c, messages, args.max_tokens)
+                reply = send(c, messages, args.max_tokens)
                 write(row(c, repeat, "retry", conversation.id, 2, reply))
                 say(f"  {c.name} retry {conversation.id} turn 2: {describe(reply)}")
         if ttft is not None:
@@ -532,14 +581,19 @@ def session(
                 if c.argv in read:  # a shared server holds the cold messages now: no second cold read there
                     continue
                 read.add(c.argv)
-                reply = ask(clients[c.name], c, cold(second[c.name]), args.max_tokens, first_only=True)
+                reply = send(c, cold(second[c.name]), args.max_tokens, first_only=True)
                 write(row(c, repeat, "ttft-cold", ttft.id, 2, reply))
                 say(f"  {c.name} cold read of {ttft.id} turn 2: {describe(reply)}")
         for item, text in chat:
             for c in each():
-                reply = ask(clients[c.name], c, [{"role": "user", "content": text}], args.max_tokens)
+                reply = send(c, [{"role": "user", "content": text}], args.max_tokens)
                 write(row(c, repeat, "chat", item, 1, reply))
                 say(f"  {c.name} chat {item}: {describe(reply)}")
+        for argv, server in servers.items():
+            if server.condition.server == "uag":
+                check = metrics_check(server.url, answered[argv])
+                write({"kind": "metrics", "server": server.condition.name, "repeat": repeat, **check})
+                say(f"{server.condition.name}: GET /metrics {check['verdict']}")
 
 
 def together(conds: list[Condition]) -> list[Condition]:
@@ -882,6 +936,8 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"{what:<86}{f'{same}/{total}':>9}  {'all' if verdict else '':<9} {verdict}")
     for name, workload, applied, total in edits_applied(tables):
         lines.append(f"{f'edits applied to the file, {workload}, {name}':<86}{f'{applied}/{total}':>9}")
+    for r in (r for r in rows if r.get("kind") == "metrics"):  # issue 50: a scrape adds up to the replies
+        lines.append(f"GET /metrics, {r['server']}, repeat {r['repeat'] + 1}: {r['verdict']}")
     return "\n".join(lines)
 
 
