@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"worker time per request, loading and reading included (default {DEFAULT_BUDGET_S:g}), "
         "then finish_reason length",
     )
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="answer requests for model ids matching this glob as the served model (repeatable; e.g. 'claude-*' "
+        "for Claude Code's --model and its side tasks' smaller model); other ids get 404",
+    )
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default 4)")
     p.add_argument("--max-models", type=whole, default=DEFAULT_MAX_MODELS, help="models kept loaded (default 4)")
     p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
@@ -224,6 +232,9 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         problems.append(f"--cache-gb must be at least 0 (got {args.cache_gb:g})")
     if getattr(args, "lookup_memory", None) is None:
         args.lookup_memory = 0 if getattr(args, "shard", None) else DEFAULT_LOOKUP_MEMORY
+    for pattern in getattr(args, "model_alias", None) or ():
+        if not pattern.strip():
+            problems.append("--model-alias is empty: give a model id or a glob such as 'claude-*'")
     if args.lookup_memory < 0:
         problems.append(f"--lookup-memory must be at least 0 (got {args.lookup_memory})")
     key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
@@ -307,6 +318,7 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         max_tokens=config.max_tokens,
         drafters=opts["drafters"],
         checks=not getattr(args, "shard", None),
+        aliases=tuple(getattr(args, "model_alias", None) or ()),
     )
     session = None
     if args.no_ui:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from typing import Any
 
 from uag.core.config import DEFAULT_K, FIELD, MAX_K, MAX_WINDOW, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
@@ -40,6 +41,12 @@ class ServerDefaults:
     max_tokens: int = 512
     drafters: tuple[str, ...] = ()  # drafters a request may pick (the default is always among them)
     checks: bool = True  # whether a request may ask for `"check": true` or a grammar (neither under --shard)
+    aliases: tuple[str, ...] = ()  # glob patterns of other model ids answered as `model` (--model-alias "claude-*")
+
+    def serves(self, model: str) -> bool:
+        """Whether a request naming `model` is answered: the served model, or an id one of `aliases` matches (case
+        sensitive). Example: aliases ("claude-*",): "claude-haiku-4-5" -> True;  "gpt-4o" -> False"""
+        return model == self.model or any(fnmatchcase(model, pattern) for pattern in self.aliases)
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -206,17 +213,19 @@ def _samplers(body: Mapping) -> dict[str, float | int]:
     return {name: value for name, value in given.items() if value is not None}
 
 
-def _common(body: Mapping, defaults: ServerDefaults, max_tokens_field: str) -> dict[str, Any]:
-    """The fields chat and completions share: model, sampling, stop, streaming, n, speculation."""
+def common_fields(body: Mapping, defaults: ServerDefaults, max_tokens_field: str) -> dict[str, Any]:
+    """The fields every dialect shares (chat, completions, and those of uag.server.dialects' other APIs): model,
+    sampling, stop, streaming, n, speculation."""
     model = body.get("model")
     if model is None:
         raise bad("model", f"required: name the model to use ({show(defaults.model)}, see GET /v1/models)")
     if not isinstance(model, str):
         raise bad("model", f"must be a string (got {show(model)})")
-    if model != defaults.model:
+    if not defaults.serves(model):
         raise APIError(
             404,
-            f"the model {show(model)} does not exist on this server: it serves {show(defaults.model)} (GET /v1/models)",
+            f"the model {show(model)} does not exist on this server: it serves {show(defaults.model)} (GET /v1/models"
+            "; uag serve --model-alias answers other ids as it)",
             param="model",
             code="model_not_found",
         )
@@ -325,7 +334,7 @@ def _listed(names: Sequence[str]) -> str:
 def parse_chat(body: Any, defaults: ServerDefaults) -> Request:
     """A /v1/chat/completions body as a `Request`; APIError naming the first problem."""
     body = _object(body, CHAT)
-    common = _common(body, defaults, "max_completion_tokens")
+    common = common_fields(body, defaults, "max_completion_tokens")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", 'give at least one message: a list of {"role": …, "content": …} objects')
@@ -357,15 +366,15 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> Request:
         try:
             constraint = tool_constraint(tools, name, parallel)
         except InputError as err:
-            raise _refused(err, "tool_choice") from None
-    common = _constrained(common, constraint, defaults, "tool_choice" if forcing else "response_format")
+            raise refused(err, "tool_choice") from None
+    common = constrained(common, constraint, defaults, "tool_choice" if forcing else "response_format")
     return Request("chat", messages=checked, tools=tools, parallel_tool_calls=parallel, **common)
 
 
 def parse_completion(body: Any, defaults: ServerDefaults) -> Request:
     """A /v1/completions body as a `Request`; APIError naming the first problem."""
     body = _object(body, COMPLETION)
-    common = _common(body, defaults, "max_tokens")
+    common = common_fields(body, defaults, "max_tokens")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -374,7 +383,7 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> Request:
     prompt = text_of(prompt, "prompt")
     if not prompt.strip():
         raise bad("prompt", "the prompt is empty")
-    common = _constrained(common, _response_format(body), defaults, "response_format")
+    common = constrained(common, _response_format(body), defaults, "response_format")
     return Request("completion", prompt=prompt, **common)
 
 
@@ -390,7 +399,7 @@ def _response_format(body: Mapping) -> str | None:
     try:
         return response_format_constraint(value)
     except InputError as err:
-        raise _refused(err, "response_format") from None
+        raise refused(err, "response_format") from None
 
 
 def _tool_choice(value: Any) -> tuple[str, str | None]:
@@ -410,7 +419,7 @@ def _tool_choice(value: Any) -> tuple[str, str | None]:
     return "function", text_of(name, "tool_choice")
 
 
-def _refused(err: InputError, param: str) -> APIError:
+def refused(err: InputError, param: str) -> APIError:
     """The grammar's refusal as a 400 naming `param`, or the tool whose schema it names ("tools[1].function…")."""
     message = " ".join(str(err).split())
     if len(message) > MAX_MESSAGE:
@@ -421,7 +430,7 @@ def _refused(err: InputError, param: str) -> APIError:
     return APIError(400, message if message.startswith(param) else f"{param}: {message}", param=param)
 
 
-def _constrained(common: dict[str, Any], constraint: str | None, defaults: ServerDefaults, param: str) -> dict:
+def constrained(common: dict[str, Any], constraint: str | None, defaults: ServerDefaults, param: str) -> dict:
     """The request's fields with `constraint` in their config; a 400 naming `param` on a sharded server."""
     if constraint is None:
         return common

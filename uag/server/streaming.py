@@ -36,15 +36,17 @@ class StopText:
         self.pending = ""
         self.text = ""  # everything sent, the reply so far
         self.stopped = False
+        self.matched: str | None = None  # the stop sequence that ended the reply (the earliest; the first listed)
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """(text safe to send now, whether a stop sequence ended the reply)."""
         if self.stopped:
             return "", True
         self.pending += piece
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending, self.stopped = self.pending[:at], "", True
         else:
             keep = max((_overlap(self.pending, s) for s in self.stops), default=0)
             out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
