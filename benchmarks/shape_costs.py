@@ -26,7 +26,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
 
-from uag.core.costmodel import CostProfile, break_even
+from uag.core.costmodel import CostProfile
+from uag.core.speedup import break_even
 from uag.machine import backend, blas, device_name
 
 SHAPES = {

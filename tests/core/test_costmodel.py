@@ -1,58 +1,25 @@
-"""Cost model: the study's Table 7, Leviathan's E, measured profiles. Expected values are worked by hand."""
+"""Cost model: Leviathan's E, measured profiles, fits of the study's model. Expected values are worked by hand."""
 
 import doctest
 import json
-import math
 
 import numpy as np
 import pytest
 
 from uag.core import costmodel
-from uag.core.costmodel import (
-    CostProfile,
-    break_even,
-    break_even_at,
-    break_even_leviathan,
-    expected_tokens,
-    speedup,
-    speedup_leviathan,
-)
+from uag.core.costmodel import CostProfile, expected_tokens
 from uag.core.records import Cycle
+from uag.core.speedup import break_even_leviathan, speedup
 from uag.costs import fit as costfit
 from uag.costs.fit import fit_c, fit_c_from_speedups, fit_r_c
 
 R, C = 0.07, 0.185  # the study's M2 Pro numbers
-
-# Table 7: α* = r + c·k in %, and as printed (capped at 100 %).
-TABLE_7 = [(2, 0.44, 0.44), (4, 0.81, 0.81), (6, 1.18, 1.00), (8, 1.55, 1.00)]
 
 
 @pytest.mark.parametrize("module", [costmodel, costfit])
 def test_docstring_examples(module):
     failures, _ = doctest.testmod(module)
     assert failures == 0
-
-
-@pytest.mark.parametrize("k, alpha_star, printed", TABLE_7)
-def test_table_7(k, alpha_star, printed):
-    assert break_even(k, R, C) == pytest.approx(alpha_star, abs=1e-12)
-    assert break_even(k, R, C, cap=True) == pytest.approx(printed, abs=1e-12)
-    # S = 1 at the break-even, by definition.
-    assert speedup(alpha_star, k, R, C) == pytest.approx(1.0, abs=1e-12)
-
-
-def test_break_even_vectorised():
-    got = break_even(np.array([2, 4, 6, 8]), R, C, cap=True)
-    np.testing.assert_allclose(got, [row[2] for row in TABLE_7], atol=1e-12)
-
-
-def test_speedup_by_hand():
-    # (1 + 2·0.5) / (1 + 2·0.07 + 0.185·4) = 2 / 1.88
-    assert speedup(0.5, 2, R, C) == pytest.approx(2 / 1.88, rel=1e-12)
-    # (1 + 4·0.9) / (1 + 0.28 + 2.96) = 4.6 / 4.24
-    assert speedup(0.9, 4, R, C) == pytest.approx(4.6 / 4.24, rel=1e-12)
-    grid = speedup(np.array([[0.0], [1.0]]), np.array([1, 2]), R, C)
-    np.testing.assert_allclose(grid, [[1 / 1.255, 1 / 1.88], [2 / 1.255, 3 / 1.88]], rtol=1e-12)
 
 
 def test_fit_c_from_two_break_evens():
@@ -88,26 +55,6 @@ def test_expected_tokens_values():
     np.testing.assert_allclose(got, [1.0, 1.75, 4.0])
     with pytest.raises(ValueError):
         expected_tokens(1.2, 2)
-
-
-def test_break_even_leviathan_by_hand():
-    # k = 2: 1 + α + α² = 1.88 -> quadratic formula
-    expected = (-1 + math.sqrt(1 + 4 * 0.88)) / 2
-    assert break_even_leviathan(2, R, C) == pytest.approx(expected, abs=1e-12)
-    # k = 8: the cycle costs 1 + 0.56 + 11.84 = 13.4 target steps > 9 tokens at α = 1
-    assert break_even_leviathan(8, R, C) is None
-
-
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-@pytest.mark.parametrize("r, c", [(0.07, 0.185), (0.02, 0.05), (0.1, 0.0)])
-def test_break_even_leviathan_consistent(k, r, c):
-    alpha_star = break_even_leviathan(k, r, c)
-    if alpha_star is None:
-        assert speedup_leviathan(1.0, k, r, c) < 1
-        return
-    assert speedup_leviathan(alpha_star, k, r, c) == pytest.approx(1.0, abs=1e-9)
-    # Leviathan's E ≤ 1 + kα, so it breaks even no earlier than the study's form.
-    assert alpha_star >= break_even(k, r, c) - 1e-12
 
 
 # --- fitting c from speedups --------------------------------------------------------------------------------
@@ -204,7 +151,7 @@ def test_parametric_profile_matches_study(k):
 def test_parametric_profile_matches_leviathan(k):
     p = CostProfile.from_parametric(R, C, form="leviathan")
     for alpha in (0.0, 0.3, 0.7, 1.0):
-        assert p.speedup(alpha, k) == pytest.approx(speedup_leviathan(alpha, k, R, C), rel=1e-12)
+        assert p.speedup(alpha, k) == pytest.approx(expected_tokens(alpha, k) / (1 + k * R + C * k * k), rel=1e-12)
     expected = break_even_leviathan(k, R, C)
     if expected is None:
         assert p.break_even(k) is None
@@ -276,16 +223,6 @@ def test_reading_n_tokens_is_one_batched_pass_not_n_steps():
 )
 def test_a_profile_prices_each_recorded_cycle_as_the_run_spent_it(cycle, ms):
     assert MEASURED.price(cycle) == pytest.approx(ms)
-
-
-def test_measured_costs_give_the_break_even_of_the_k_that_ran():
-    # a k = 2 cycle that costs 1.5 target steps: study 1 + 2α = 1.5; Leviathan 1 + α + α² = 1.5
-    assert break_even_at(1.5, 2, "study") == pytest.approx(0.25)
-    assert break_even_at(1.5, 2) == pytest.approx((math.sqrt(3) - 1) / 2)
-    assert break_even_at(0.9, 3) == 0.0  # cheaper than a step: pays at any acceptance
-    assert break_even_at(3.5, 2, "study") is None and break_even_at(3.5, 2, "study", cap=False) == 1.25
-    with pytest.raises(ValueError, match="k >= 1"):
-        break_even_at(1.5, 0)
 
 
 # Verification on the 2-core CPU, Qwen2.5-Coder-1.5B ← SmolLM2, float32 + OpenBLAS (uag calibrate, 2026-11-26,

@@ -11,7 +11,7 @@ import pytest
 from scipy.stats import norm
 
 from tests.support.synthetic_runs import add_prompt
-from uag.core.costmodel import break_even_leviathan, speedup
+from uag.core.speedup import break_even_leviathan, speedup
 from uag.costs.fit import fit_c_from_speedups
 from uag.study import analyze as analysis_module
 from uag.study.analyze import analyze, drafter_r, main

@@ -15,8 +15,8 @@ from typing import Any
 
 from uag.app.history import history_row, speedup_of
 from uag.app.settings import Settings
-from uag.core.costmodel import break_even
 from uag.core.records import TARGET, Cycle, Run, Token, spans
+from uag.core.speedup import break_even
 from uag.runtime.divergence import IDENTICAL, NEAR_TIE, Divergence
 from uag.runtime.jobs import OutOfTime, Status, Tick, Waiting
 from uag.study.plots import STUDY_C, cycle_ribbon, position_acceptance

@@ -1,21 +1,15 @@
-"""When does speculative decoding pay? Break-even models of one draft → verify cycle. No mlx.
+"""What one draft → verify cycle costs and commits: measured cost profiles and expected tokens. No mlx.
 
 A cycle: the drafter proposes k tokens (k drafter steps), they are translated, and the target verifies them
-in one forward pass over w = k + 1 new tokens. Costs are in units of one plain target step (one token).
+in one forward pass over w = k + 1 new tokens. Costs are in units of one plain target step (one token), or in
+milliseconds as a `CostProfile` measured them. A cycle commits 1 + k·α tokens when α is the measured
+acceptance rate (the study's form), or, when α is the chance that each draft token is accepted, independently,
+with acceptance stopping at the first rejection (Leviathan et al.)::
 
-The study's parametric model (M2 Pro; r = drafter bytes / target bytes ≈ 0.07, fitted c ≈ 0.185)::
+    E(α, k) = (1 − α^(k+1)) / (1 − α) = 1 + α + … + α^k  ≤  1 + k·α
 
-    S(α, k) = (1 + k·α) / (1 + k·r + c·k²)        α* = r + c·k      (S = 1)
-
-The numerator is the tokens one cycle commits when α is the measured acceptance rate (accepted / proposed):
-k·α accepted draft tokens plus the target's own token. Leviathan et al. instead treat α as the chance that
-each draft token is accepted, independently, with acceptance stopping at the first rejection::
-
-    E(α, k) = (1 − α^(k+1)) / (1 − α)            S_L(α, k) = E(α, k) / (1 + k·r + c·k²)
-
-E ≤ 1 + k·α, so the same α breaks even later under Leviathan's form. ``form="study"`` / ``"leviathan"``
-picks the numerator wherever both make sense. ``CostProfile`` replaces the parametric denominator with
-measured milliseconds.
+``form="study"`` / ``"leviathan"`` picks the numerator. The study's parametric S(α, k) and break-even α* are
+uag.core.speedup; the link term of a target sharded over ranks is at the end.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ DEFAULT_W_MAX = 16  # target forward widths a calibration measures: w = 1..16 ne
 _BISECT_TOL = 1e-13
 
 
-def _out(x: np.ndarray) -> float | np.ndarray:
+def scalar_or_array(x: np.ndarray) -> float | np.ndarray:
     """A 0-d result as a plain float, anything else as the array."""
     return float(x) if np.ndim(x) == 0 else x
 
@@ -54,50 +48,6 @@ def draft_lengths(k: Any) -> np.ndarray:
     return kk.astype(np.int64)
 
 
-def cycle_cost(k: Any, r: float, c: float) -> float | np.ndarray:
-    """The study's cycle cost in target steps: 1 + k·r + c·k².
-
-    Example: cycle_cost(2, 0.07, 0.185) -> 1.88
-    >>> round(cycle_cost(2, 0.07, 0.185), 12)
-    1.88
-    """
-    kk = draft_lengths(k)
-    return _out(1.0 + kk * r + c * kk.astype(float) ** 2)
-
-
-# --- the study's parametric model ---------------------------------------------------------------------------
-def speedup(alpha: Any, k: Any, r: float, c: float) -> float | np.ndarray:
-    """The study's S(α, k) = (1 + k·α) / (1 + k·r + c·k²); broadcasts over arrays of α and k.
-
-    Example: speedup(0.5, 2, 0.07, 0.185) = 2 / 1.88 -> 1.0638...
-    >>> round(speedup(0.5, 2, 0.07, 0.185), 4)
-    1.0638
-    >>> speedup([0.0, 1.0], 0, 0.07, 0.185).tolist()  # k = 0 is a plain target step
-    [1.0, 1.0]
-    """
-    a = np.asarray(alpha, dtype=float)
-    kk = draft_lengths(k)
-    return _out((1.0 + kk * a) / (1.0 + kk * r + c * kk.astype(float) ** 2))
-
-
-def break_even(k: Any, r: float, c: float, *, cap: bool = False) -> float | np.ndarray:
-    """The study's break-even acceptance α* = r + c·k (where S = 1). Not capped: α* > 1 means speculation
-    with this k cannot pay off; ``cap=True`` clips to 1.0 for display, as the paper's Table 7 does.
-
-    Example: break_even(2, 0.07, 0.185) -> 0.44;  break_even(6, 0.07, 0.185) -> 1.18 (1.0 with cap=True)
-    >>> round(break_even(2, 0.07, 0.185), 12)
-    0.44
-    >>> break_even([2, 4, 6, 8], 0.07, 0.185, cap=True).round(12).tolist()
-    [0.44, 0.81, 1.0, 1.0]
-    """
-    kk = draft_lengths(k)
-    alpha_star = r + c * kk.astype(float)
-    if cap:
-        alpha_star = np.minimum(alpha_star, 1.0)
-    return _out(alpha_star)
-
-
-# --- Leviathan et al. ---------------------------------------------------------------------------------------
 def expected_tokens(alpha: Any, k: Any) -> float | np.ndarray:
     """Leviathan's expected tokens per cycle E(α, k) = (1 − α^(k+1)) / (1 − α) = 1 + α + … + α^k.
 
@@ -118,18 +68,7 @@ def expected_tokens(alpha: Any, k: Any) -> float | np.ndarray:
     total = np.zeros(a.shape)
     for i in range(k_max, -1, -1):
         total = total * a + (i <= kk)
-    return _out(total)
-
-
-def speedup_leviathan(alpha: Any, k: Any, r: float, c: float) -> float | np.ndarray:
-    """Leviathan's expected tokens over the study's cycle cost: E(α, k) / (1 + k·r + c·k²).
-
-    Example: speedup_leviathan(0.5, 2, 0.07, 0.185) = 1.75 / 1.88 -> 0.9309...
-    >>> round(speedup_leviathan(0.5, 2, 0.07, 0.185), 4)
-    0.9309
-    """
-    kk = draft_lengths(k)
-    return _out(np.asarray(expected_tokens(alpha, kk)) / (1.0 + kk * r + c * kk.astype(float) ** 2))
+    return scalar_or_array(total)
 
 
 def _bisect_increasing(f, lo: float = 0.0, hi: float = 1.0) -> float | None:
@@ -145,46 +84,6 @@ def _bisect_increasing(f, lo: float = 0.0, hi: float = 1.0) -> float | None:
         else:
             lo = mid
     return hi
-
-
-def break_even_leviathan(k: int, r: float, c: float, *, cap: bool = True) -> float | None:
-    """Leviathan's break-even: the α ≥ 0 where E(α, k) = 1 + α + … + α^k equals the cycle cost 1 + k·r + c·k².
-
-    With `cap` (default) a root above 1 — no acceptance rate pays — is None; without it the root is returned
-    as is, comparable to the study's uncapped α* = r + c·k.
-    Example: k = 2 solves 1 + α + α² = 1.88 -> α = (−1 + √4.52) / 2 = 0.5630...; k = 8 -> None (root 1.05…)
-    >>> round(break_even_leviathan(2, 0.07, 0.185), 4)
-    0.563
-    >>> break_even_leviathan(8, 0.07, 0.185) is None, round(break_even_leviathan(6, 0.07, 0.185, cap=False), 3)
-    (True, 1.047)
-    """
-    k = int(draft_lengths(k))
-    return break_even_at(1.0 + k * r + c * k * k, k, "leviathan", cap=cap)
-
-
-def break_even_at(cost: float, k: int, form: Form = "leviathan", *, cap: bool = True) -> float | None:
-    """The acceptance at which a cycle of k drafts that costs `cost` target steps commits as many tokens as
-    the target alone writes in that time: 1 + k·α = cost (study) or 1 + α + … + α^k = cost (Leviathan).
-    Costs measured in a run explain that run in the k it ran (uag.app.compare_view).
-
-    α^k + … + α + (1 − cost) has one sign change, hence exactly one positive root when the cost is above 1
-    (a cost at or below 1 pays at any α: 0). With `cap` a root above 1 (no acceptance pays) is None.
-    Example: a k = 2 cycle costing 1.5 steps -> study 25 %, Leviathan (−1 + √3) / 2 = 36.6 %
-    >>> break_even_at(1.5, 2, "study"), round(break_even_at(1.5, 2), 3), break_even_at(4.0, 2)
-    (0.25, 0.366, None)
-    """
-    check_form(form)
-    k = int(draft_lengths(k))
-    if k == 0:
-        raise ValueError("break_even_at needs k >= 1: a plain step drafts nothing")
-    if cost <= 1:
-        return 0.0
-    if form == "study":
-        alpha = (cost - 1.0) / k
-    else:
-        roots = np.roots([1.0] * k + [1.0 - cost])
-        alpha = float(max(x.real for x in roots if abs(x.imag) < 1e-9 and x.real > 0))
-    return None if cap and alpha > 1 else alpha
 
 
 # --- measured costs -----------------------------------------------------------------------------------------
@@ -234,8 +133,8 @@ class CostProfile:
         Mapping: one drafter step costs r target steps, translation is free (the fitted c absorbs it), and
         a verification over w = k + 1 tokens costs 1 + c·k² target steps: target_ms[w] = T1·(1 + c·(w−1)²).
         The table runs to ``w_max``; beyond it ``target_at`` extrapolates linearly, so the profile matches the
-        quadratic only for k < w_max. ``form="study"`` reproduces ``speedup``/``break_even``; ``"leviathan"``
-        reproduces ``speedup_leviathan``/``break_even_leviathan``.
+        quadratic only for k < w_max. ``form="study"`` reproduces uag.core.speedup's ``speedup``/``break_even``;
+        ``"leviathan"`` its ``break_even_leviathan``.
         """
         if w_max < 1:
             raise ValueError(f"w_max must be >= 1 (got {w_max})")
@@ -310,12 +209,12 @@ class CostProfile:
         """Expected committed tokens per cycle under this profile's form (1 for k = 0)."""
         k = int(draft_lengths(k))
         if self.form == "study":
-            return _out(1.0 + k * np.asarray(alpha, dtype=float))
+            return scalar_or_array(1.0 + k * np.asarray(alpha, dtype=float))
         return expected_tokens(alpha, k)
 
     def expected_rate(self, alpha: Any, k: int) -> float | np.ndarray:
         """Expected tokens per millisecond with draft length k (k = 0: the baseline rate)."""
-        return _out(np.asarray(self.tokens_per_cycle(alpha, k)) / self.cycle_ms(k))
+        return scalar_or_array(np.asarray(self.tokens_per_cycle(alpha, k)) / self.cycle_ms(k))
 
     def baseline_rate(self) -> float:
         """Tokens per millisecond of plain target decoding: 1 / target_ms[1]."""
@@ -323,7 +222,7 @@ class CostProfile:
 
     def speedup(self, alpha: Any, k: int) -> float | np.ndarray:
         """Expected rate with draft length k over the baseline rate."""
-        return _out(np.asarray(self.expected_rate(alpha, k)) / self.baseline_rate())
+        return scalar_or_array(np.asarray(self.expected_rate(alpha, k)) / self.baseline_rate())
 
     def break_even(self, k: int) -> float | None:
         """Smallest α in [0, 1] with speedup(α, k) >= 1 (bisection); None if even α = 1 does not pay."""

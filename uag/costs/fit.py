@@ -1,7 +1,7 @@
 """Fitting the study's cost model to observations: c (and r) from break-evens, c from per-run speedups. No mlx.
 
-The model itself (S(α, k), α*, Leviathan's E) is uag.core.costmodel; uag.study.analyze and the app's history
-fit it to measured runs here.
+The model itself is uag.core.speedup (S(α, k), α*) and uag.core.costmodel (Leviathan's E); uag.study.analyze
+and the app's history fit it to measured runs here.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ from pathlib import Path
 import pandas as pd
 
 from uag.command import CommandParser, number, run
-from uag.core.costmodel import FORMS, break_even_leviathan
+from uag.core.costmodel import FORMS
+from uag.core.speedup import break_even_leviathan
 from uag.costs.fit import fit_c_from_speedups
 from uag.errors import InputError
 from uag.study.plots import STUDY_C, STUDY_R, drafter_kind, kinds

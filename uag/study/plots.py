@@ -16,8 +16,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from uag.core.config import DrafterSpec
-from uag.core.costmodel import CostProfile, break_even, speedup
+from uag.core.costmodel import CostProfile
 from uag.core.records import Cycle
+from uag.core.speedup import break_even, speedup
 from uag.study.stats import BreakEven, break_even_ols
 
 STUDY_R = 0.07  # drafter/target bytes in the study (Qwen2.5-1.5B 4-bit vs Bielik-11B 8-bit)
