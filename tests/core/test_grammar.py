@@ -191,6 +191,23 @@ def test_committing_a_refused_token_is_a_bug(qwen):
         matcher.consume(qwen.ids("]"))
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [{"$ref": "#"}, {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}],
+)
+def test_a_grammar_llguidance_gives_up_on_is_the_requests_error_not_a_bug(qwen, schema):
+    """Schemas no finite value fits, sent past the request's checks: llguidance compiles them, then gives up (only
+    the stop id allowed, or an endless forced prefix). Committing then says so as an InputError (a 4xx), not the
+    RuntimeError of an engine bug (a 500)."""
+    constraint = {"kind": "json_schema", "name": "endless", "schema": schema, "strict": True}
+    matcher = Matcher(qwen.table, json.dumps(constraint))
+    matcher.masks([])
+    with pytest.raises(InputError, match=r"the grammar \(json_schema endless\) admits no continuation here"):
+        matcher.consume(matcher.forced() or qwen.eos_ids[:1])
+    with pytest.raises(InputError, match="no finite JSON value fits this schema"):
+        response_format_constraint({"type": "json_schema", "json_schema": {"schema": schema}})
+
+
 def test_banned_rows_are_never_allowed_even_inside_a_string(target):
     matcher = target.matcher(JSON_OBJECT, '{"a": "x')
     row = matcher.masks([])[0]

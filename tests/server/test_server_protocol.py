@@ -47,9 +47,13 @@ def test_a_plain_request_takes_the_servers_defaults():
     assert request.config.max_tokens == DEFAULTS.max_tokens and not request.config.chat
 
 
-def test_max_completion_tokens_supersedes_max_tokens():
-    assert chat(max_tokens=5, max_completion_tokens=7).config.max_tokens == 7
+def test_max_tokens_and_max_completion_tokens_are_one_setting_never_silently_dropped():
+    assert chat(max_completion_tokens=7).config.max_tokens == 7
     assert chat(max_tokens=5).config.max_tokens == 5
+    assert chat(max_tokens=7, max_completion_tokens=7).config.max_tokens == 7
+    with pytest.raises(APIError, match=r"max_tokens \(5\) and max_completion_tokens \(7\) disagree") as caught:
+        chat(max_tokens=5, max_completion_tokens=7)
+    assert (caught.value.status, caught.value.param) == (400, "max_tokens")
 
 
 @pytest.mark.parametrize(
@@ -110,6 +114,13 @@ def test_speculative_narrows_the_defaults(speculative, drafter, strategy, k):
         ({"temperature": 10**400}, 400, "temperature", "from 0 to 2"),
         ({"max_tokens": float("inf")}, 400, "max_tokens", "whole number"),
         ({"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, "messages[0].name", "must be a string"),
+        ({"messages": [{"role": "tool", "content": "12 C"}]}, 400, "messages[0].tool_call_id", "required"),
+        (
+            {"messages": [*HI, {"role": "tool", "content": "x", "tool_call_id": None}]},
+            400,
+            "messages[1].tool_call_id",
+            "id",
+        ),
         ({"tools": [{"type": "function"}]}, 400, "tools[0]", "function"),
         ({"tool_choice": "required"}, 400, "tool_choice", "auto"),
         (_schema({"required": "city"}), 400, "tools[0].function.parameters", "required must be a list of strings"),
@@ -390,6 +401,49 @@ def test_auto_and_none_constrain_nothing_and_none_hides_the_tools():
 
 
 NAMED = {"type": "function", "function": {"name": "get_time"}}
+# Schemas no finite JSON value fits: llguidance compiles them, then cannot finish a reply (a 500 on the worker once).
+ENDLESS = [
+    {"$ref": "#"},
+    {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"},
+    {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    {"allOf": [{"$ref": "#"}]},
+    {"type": "object", "required": ["x"], "additionalProperties": {"$ref": "#"}},
+]
+# Recursive schemas that do finish: an optional or nullable link, an array that may be empty, an alternative.
+RECURSIVE = [
+    {"type": "object", "properties": {"next": {"$ref": "#"}}},
+    {"type": ["object", "null"], "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+    {
+        "$defs": {"N": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/N"}}}}},
+        "$ref": "#/$defs/N",
+        "required": ["kids"],
+    },
+    {"anyOf": [{"$ref": "#"}, {"type": "string"}]},
+]
+
+
+def _json_schema(schema: dict, strict: bool = True) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
+
+
+def _tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("schema", RECURSIVE)
+def test_a_recursive_schema_that_can_finish_is_taken(schema):
+    assert chat(response_format=_json_schema(schema)).config.constraint is not None
+    assert chat(tools=[_tool(schema)], tool_choice="required").config.constraint is not None
+
+
+def test_strict_refuses_a_keyword_it_cannot_enforce_and_lenient_ignores_it():
+    unknown = {"type": "object", "properties": {"a": {"type": "string"}}, "foo": 1}
+    assert chat(response_format=_json_schema(unknown, strict=False)).config.constraint is not None
+    annotated = {"type": "object", "title": "T", "description": "d", "$defs": {}, "properties": {"foo": {}}}
+    assert chat(response_format=_json_schema(annotated)).config.constraint is not None  # a property may be "foo"
+
+
 NOPE = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}  # compiles to no grammar
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}, "strict": True}}
 
@@ -422,6 +476,29 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
             "tools[1].function.parameters",
         ),
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
+        *[({"response_format": _json_schema(schema)}, "response_format", "no finite JSON value") for schema in ENDLESS],
+        *[
+            ({"tool_choice": "required", "tools": [WEATHER, _tool(schema)]}, "tools[1].function.parameters", "finite")
+            for schema in ENDLESS
+        ],
+        ({"response_format": _json_schema({"type": "object", "foo": 1})}, "response_format", "'foo' (at #)"),
+        (
+            {
+                "response_format": _json_schema(
+                    {"type": "object", "properties": {"a": {"type": "string", "nullable": 1}}}
+                )
+            },
+            "response_format",
+            "'nullable' (at #/properties/a)",
+        ),
+        (
+            {
+                "tool_choice": "required",
+                "tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True, "parameters": {"x-y": 1}}}],
+            },
+            "tools[0].function.parameters",
+            "'x-y'",
+        ),
     ],
 )
 def test_bad_structured_output_is_one_clear_error(fields, param, words):

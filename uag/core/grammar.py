@@ -66,7 +66,11 @@ def response_format_constraint(response_format: Mapping[str, Any] | None) -> str
         raise InputError(f"response_format.json_schema.schema must be a JSON Schema object (got {_shown(schema)})")
     if not isinstance(strict, bool):
         raise InputError(f"response_format.json_schema.strict must be true or false (got {_shown(strict)})")
-    _check(_schema_grammar(schema, {"lenient": not strict}), "response_format.json_schema.schema")
+    part = "response_format.json_schema.schema"
+    _must_finish(schema, part)
+    _check(_schema_grammar(schema, {"lenient": not strict}), part)
+    if strict:  # after llguidance, which names the JSON Schema keywords it does not implement
+        _only_enforced(schema, part)
     return _dumps({"kind": "json_schema", "name": name, "schema": schema, "strict": strict})
 
 
@@ -90,11 +94,11 @@ def tool_constraint(tools: Sequence[Mapping], name: str | None = None, parallel:
             parameters = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(parameters, Mapping):
             raise InputError(f"{where}.function.parameters must be a JSON Schema object (got {_shown(parameters)})")
-        strict = function.get("strict") is True
-        _check(
-            _schema_grammar(_call_schema(function["name"], parameters), {"lenient": not strict}),
-            f"{where}.function.parameters",
-        )
+        strict, part = function.get("strict") is True, f"{where}.function.parameters"
+        _must_finish(parameters, part)
+        _check(_schema_grammar(_call_schema(function["name"], parameters), {"lenient": not strict}), part)
+        if strict:
+            _only_enforced(parameters, part)
         declared.append({"name": function["name"], "parameters": parameters, "strict": strict})
     if name is not None:
         declared = [tool for tool in declared if tool["name"] == name]
@@ -146,10 +150,193 @@ def _schema_grammar(schema: Mapping[str, Any], options: Mapping[str, Any]) -> st
 
 
 def _check(grammar: str, part: str) -> None:
-    """InputError naming `part` where llguidance cannot compile `grammar` (checked without a tokenizer)."""
+    """InputError naming `part` where llguidance cannot compile `grammar`, or where it compiles to a grammar that
+    cannot start a reply: checked over a vocabulary of the 256 bytes, so no target tokenizer is needed."""
     error = grammar[1:] if grammar.startswith(_BROKEN) else llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise InputError(f"{part}: {_one_line(error)}")
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if matcher.is_error():
+        raise InputError(f"{part}: {_one_line(matcher.get_error())}")
+    if matcher.is_stopped() and not matcher.is_accepting():
+        raise InputError(f"{part}: the grammar admits no reply ({matcher.stop_reason()})")
+
+
+class _Bytes:
+    """A tokenizer whose tokens are the 256 bytes and an end token: what `_check` compiles grammars for."""
+
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+_bytes: llguidance.LLTokenizer | None = None
+
+
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    global _bytes
+    if _bytes is None:
+        _bytes = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257)
+    return _bytes
+
+
+# Keywords a strict schema may use: those llguidance enforces, and annotations that constrain nothing. It ignores a
+# keyword it does not know ("foo", OpenAPI's "nullable") and refuses the JSON Schema keywords it does not implement.
+ENFORCED = frozenset(
+    "type enum const anyOf oneOf allOf $ref properties required additionalProperties patternProperties "
+    "minProperties maxProperties items prefixItems additionalItems minItems maxItems minLength maxLength pattern "
+    "format minimum maximum exclusiveMinimum exclusiveMaximum multipleOf".split()
+)
+ANNOTATIONS = frozenset(
+    "title description default examples $comment deprecated readOnly writeOnly $id $anchor $schema $defs "
+    "definitions".split()
+)
+SUBSCHEMAS = ("additionalProperties", "items", "additionalItems")  # keyword -> one schema
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # keyword -> {name: schema}
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # keyword -> [schema, ...]
+
+
+def _subschemas(schema: Mapping[str, Any], at: str) -> Iterable[tuple[str, Any]]:
+    """(JSON pointer, schema) of each schema directly inside `schema` (at `at`), as the keywords above nest them."""
+    for key in SUBSCHEMAS:
+        if isinstance(schema.get(key), (Mapping, bool)):
+            yield f"{at}/{_escaped(key)}", schema[key]
+    for key in SCHEMA_MAPS:
+        if isinstance(schema.get(key), Mapping):
+            for name, sub in schema[key].items():
+                yield f"{at}/{_escaped(key)}/{_escaped(name)}", sub
+    for key in SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                yield f"{at}/{key}/{i}", sub
+
+
+def _escaped(name: str) -> str:
+    """A name as a JSON pointer's step. Example: a/b~c -> a~1b~0c"""
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def _only_enforced(schema: Mapping[str, Any], part: str) -> None:
+    """InputError naming the first keyword of `schema` (or of a schema in it) that a strict schema cannot have:
+    one llguidance would not enforce. Example: {"type": "object", "foo": 1} -> InputError naming foo"""
+    stack: list[tuple[str, Any]] = [("#", schema)]
+    while stack:
+        at, node = stack.pop()
+        if not isinstance(node, Mapping):
+            continue
+        for key in node:
+            if key not in ENFORCED and key not in ANNOTATIONS:
+                raise InputError(
+                    f"{part}: strict refuses what it cannot enforce, and {_shown(key)} (at {at}) is not a JSON Schema "
+                    "keyword uag enforces: drop it, or send strict false to have it ignored"
+                )
+        stack.extend(reversed(list(_subschemas(node, at))))
+
+
+def _must_finish(schema: Mapping[str, Any], part: str) -> None:
+    """InputError naming `part` where no finite JSON value fits `schema` (`_finishes`)."""
+    if not _finishes(schema):
+        raise InputError(
+            f"{part}: no finite JSON value fits this schema: every value would contain itself without end (a $ref "
+            "cycle, or a required property or non-empty array of the schema itself); make the recursion optional"
+        )
+
+
+def _finishes(schema: Any) -> bool:
+    """Whether some finite JSON value fits `schema`: False where every value would have to contain itself without
+    end ({"$ref": "#"}, a cycle of $defs, a required property or a non-empty array of the schema itself), which
+    llguidance compiles and then cannot finish. Each subschema is reached from the root through the keywords a
+    value must satisfy; those that admit a finite value are found by iterating to a fixed point.
+
+    Example: {"type": "object", "properties": {"next": {"$ref": "#"}}} -> True;  add "required": ["next"] -> False
+    """
+    nodes: dict[str, Any] = {}
+    order: list[str] = []  # children before parents, so that one pass settles all but cycles
+    stack: list[tuple[str, bool]] = [("#", False)]
+    while stack:
+        at, done = stack.pop()
+        if done:
+            order.append(at)
+            continue
+        if at in nodes:
+            continue
+        nodes[at] = node = _resolve(schema, at)
+        stack.append((at, True))
+        stack.extend((child, False) for child, _ in _parts(node, at) if child not in nodes)
+    finite: set[str] = set()
+    for _ in range(64):  # each pass settles one more level of cycles: real schemas need two or three
+        grown = False
+        for at in order:
+            if at not in finite and _admits(nodes[at], at, finite):
+                finite.add(at)
+                grown = True
+        if not grown:
+            return "#" in finite
+    return True  # too tangled to settle here: llguidance decides
+
+
+def _resolve(root: Any, pointer: str) -> Any:
+    """The schema at a local JSON pointer ("#", "#/$defs/A"); True (anything) where it leads nowhere."""
+    node = root
+    for step in pointer[2:].split("/") if pointer != "#" else ():
+        step = step.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return True
+    return node
+
+
+def _parts(node: Any, at: str) -> list[tuple[str, str]]:
+    """(pointer, role) of each schema a value of `node` may have to fit; role "all": it must (its $ref, allOf),
+    "any": one of its kind must (anyOf, oneOf), "object"/"array": an object's required property or an array's
+    required item must (only where the value is that type)."""
+    if not isinstance(node, Mapping):
+        return []
+    parts: list[tuple[str, str]] = []
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        parts.append((ref, "all"))
+    for key, role in (("allOf", "all"), ("anyOf", "any"), ("oneOf", "any")):
+        if isinstance(node.get(key), list):
+            parts += [(f"{at}/{key}/{i}", role) for i in range(len(node[key]))]
+    properties = node.get("properties") if isinstance(node.get("properties"), Mapping) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    for name in required:
+        if name in properties:
+            parts.append((f"{at}/properties/{_escaped(name)}", "object"))
+        elif isinstance(node.get("additionalProperties"), Mapping) and not node.get("patternProperties"):
+            parts.append((f"{at}/additionalProperties", "object"))
+    least = node.get("minItems") if isinstance(node.get("minItems"), int) else 0
+    prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+    for i in range(min(least, len(prefix))):
+        parts.append((f"{at}/prefixItems/{i}", "array"))
+    if least > len(prefix) and isinstance(node.get("items"), (Mapping, bool)):
+        parts.append((f"{at}/items", "array"))
+    return parts
+
+
+def _admits(node: Any, at: str, finite: set[str]) -> bool:
+    """Whether `node` admits a finite value, given the schemas already known to (`finite`)."""
+    if node is False:
+        return False
+    parts = _parts(node, at)
+    if not all(child in finite for child, role in parts if role == "all"):
+        return False
+    anys = [child for child, role in parts if role == "any"]
+    if anys and not any(child in finite for child in anys):
+        return False
+    if not isinstance(node, Mapping) or "const" in node or "enum" in node:
+        return True
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else None
+    if kinds is None or any(kind not in ("object", "array") for kind in kinds):
+        return True  # a string, number, boolean or null needs no other schema
+    return any(all(child in finite for child, role in parts if role == kind) for kind in kinds)
 
 
 def _call_schema(name: str, parameters: Mapping[str, Any], at: str = "#") -> dict[str, Any]:
@@ -333,14 +520,19 @@ class Matcher:
         return rows
 
     def consume(self, tokens: Sequence[int]) -> None:
-        """Advance over committed tokens. RuntimeError (a bug: the engine commits only allowed tokens) where the
-        grammar refuses one, unless it has stopped: then the rest (the stop id) is ignored."""
+        """Advance over committed tokens, unless the grammar has stopped: then the rest (the stop id) is ignored.
+        Where it refuses one: InputError when llguidance gave up on the grammar (it admits no continuation, e.g. a
+        schema whose values nest without end), else RuntimeError (a bug: the engine commits only allowed tokens)."""
         started = time.perf_counter()
         tokens = list(tokens)
         if tokens and not self.stopped:
             n = self._m.try_consume_tokens(tokens)
             if n < len(tokens) and not self.stopped:
                 self._spend(started)
+                if self._m.is_error():
+                    error = _one_line(self._m.get_error().partition("<state>")[0])[:200]
+                    log.warning("the grammar (%s) gave up: %s", describe(self.constraint), error)
+                    raise InputError(f"the grammar ({describe(self.constraint)}) admits no continuation here: {error}")
                 raise RuntimeError(
                     f"the grammar ({describe(self.constraint)}) refuses committed token {tokens[n]} "
                     f"after {n} of {tokens}: {self._m.get_error()}"

@@ -63,7 +63,9 @@ def parse_message(message: Any, i: int) -> dict:
         if role != "assistant":
             raise bad(f"{where}.tool_calls", "only assistant messages carry tool calls")
         out["tool_calls"] = _calls(calls, f"{where}.tool_calls")
-    if role == "tool" and message.get("tool_call_id") is not None:
+    if role == "tool":  # as OpenAI: a tool's result says which call it answers
+        if message.get("tool_call_id") is None:
+            raise bad(f"{where}.tool_call_id", "required: the id of the tool call this tool message answers")
         out["tool_call_id"] = text_of(message["tool_call_id"], f"{where}.tool_call_id")
     if message.get("name") is not None:
         out["name"] = text_of(message["name"], f"{where}.name")

@@ -241,8 +241,15 @@ def common_fields(body: Mapping, defaults: ServerDefaults, max_tokens_field: str
             raise bad("stream_options", f'takes {{"include_usage": true|false}} (got {show(options)})')
         include_usage = _flag(options, "include_usage", param="stream_options")
     max_tokens = _whole(body, max_tokens_field, 1, 2**31)
-    if max_tokens is None and max_tokens_field != "max_tokens":
-        max_tokens, max_tokens_field = _whole(body, "max_tokens", 1, 2**31), "max_tokens"
+    if max_tokens_field != "max_tokens" and (older := _whole(body, "max_tokens", 1, 2**31)) is not None:
+        if max_tokens is None:
+            max_tokens, max_tokens_field = older, "max_tokens"
+        elif older != max_tokens:  # neither is silently dropped
+            raise bad(
+                "max_tokens",
+                f"max_tokens ({older}) and {max_tokens_field} ({max_tokens}) disagree: send one of them "
+                f"({max_tokens_field} is the newer name)",
+            )
     fields = {
         "max_tokens": defaults.max_tokens if max_tokens is None else max_tokens,
         "temperature": _number(body, "temperature", 0, 2) or 0.0,
