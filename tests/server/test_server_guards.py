@@ -56,6 +56,7 @@ class FakeService:
         self.release.set()
         self.forever = False
         self.doing: str | None = None  # what `starting` says (None: start-up finished)
+        self.metrics = None  # no GET /metrics here (tests/server/test_server_metrics.py scrapes one)
 
     def starting(self) -> str | None:
         return self.doing

@@ -122,6 +122,19 @@ class CostKeeper:
         with self._lock:
             return list(self._pending.values())
 
+    def counts(self) -> dict[str, int]:
+        """Its state for `GET /metrics` (uag.server.metrics): pairs measured by this server, pairs waiting to be
+        measured (no costs saved, or the saved ones found off), pairs found off again within their interval, and
+        whether it is measuring now (0 or 1)."""
+        running = self._running
+        with self._lock:
+            return {
+                "measured": len(self._last),
+                "scheduled": len(self._pending),
+                "deferred": len(self._deferred),
+                "measuring": int(running is not None and running.started.is_set() and not running.done.is_set()),
+            }
+
     def cancel_for(self, job: Job) -> Callable[[], bool]:
         """What a measurement on `job` asks between passes: True once a request is queued behind it, the job is
         cancelled, or the keeper is closing."""

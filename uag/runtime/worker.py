@@ -24,6 +24,7 @@ import inspect
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ class Job:
         self.done = threading.Event()  # the job function has returned (or raised, or was skipped)
         self.progress = ""  # the job's latest progress line ("converting the demo model…"), for those who wait
         self.out_of_time = False  # cancelled by its time budget, not by a person
+        self.queued_at = time.perf_counter()  # where a request's time to first token counts from (GET /metrics)
         self._fn, self._args = fn, args
         self._items: queue.Queue = queue.Queue()
         self._error: BaseException | None = None

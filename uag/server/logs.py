@@ -78,12 +78,12 @@ def request_line(fields: dict[str, Any]) -> str:
 
 def level(path: str, status: int | None) -> int:
     """How loudly a request is logged: the API, /health and every refusal or failure at INFO; the app's own
-    pages and assets under /ui (a page load fetches dozens) at DEBUG.
+    pages and assets under /ui (a page load fetches dozens) and a scraper's GET /metrics (every few seconds) at DEBUG.
 
     Example: level("/v1/chat/completions", 200) -> INFO;  level("/ui/assets/index.js", 200) -> DEBUG;
-             level("/ui/login", 400) -> INFO
+             level("/ui/login", 400) -> INFO;  level("/metrics", 200) -> DEBUG
     """
-    if status is None or status >= 400 or not (path == "/" or path.startswith("/ui")):
+    if status is None or status >= 400 or not (path in ("/", "/metrics") or path.startswith("/ui")):
         return logging.INFO
     return logging.DEBUG
 
@@ -103,10 +103,12 @@ class NotingStatus:
 class RequestLog:
     """ASGI middleware: one line per HTTP request on "uag.server" once its response has been sent (a stream: when
     it ends), with its status, client, time and, for a generation, the run's report (`note_served`); at the
-    `level` its path and status call for."""
+    `level` its path and status call for; `count(path, status)` is told of each (GET /metrics' request counter)."""
 
-    def __init__(self, app: Callable, *, logger: logging.Logger = log):
-        self.app, self.logger = app, logger
+    def __init__(
+        self, app: Callable, *, logger: logging.Logger = log, count: Callable[[str, int | None], None] | None = None
+    ):
+        self.app, self.logger, self.count = app, logger, count
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -126,6 +128,8 @@ class RequestLog:
                 scope["method"], scope["path"], status, client, time.perf_counter() - started, report
             )
             self.logger.log(level(scope["path"], status), "%s", request_line(fields), extra={"request": fields})
+            if self.count is not None:
+                self.count(scope["path"], status)
 
 
 class JSONLines(logging.Formatter):
