@@ -149,6 +149,7 @@ def test_requests_by_endpoint_and_status_with_bounded_labels():
     metrics.name_routes({"/v1/chat/completions": "chat", "/v1/messages": "messages"})
     for path, status in [
         ("/v1/chat/completions", 200),
+        ("/v1/chat/completions/", 200),
         ("/v1/chat/completions", 400),
         ("/v1/messages", 200),
         ("/v1/models/demo-target", 200),
@@ -162,7 +163,7 @@ def test_requests_by_endpoint_and_status_with_bounded_labels():
     samples = scraped(metrics.exposition().decode())
     counts = {(have["endpoint"], have["status"]): v for n, have, v in samples if n == "uag:http_requests_total"}
     assert counts == {
-        ("chat", "200"): 1,
+        ("chat", "200"): 2,
         ("chat", "400"): 1,
         ("chat", "none"): 1,
         ("messages", "200"): 1,

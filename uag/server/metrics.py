@@ -210,6 +210,7 @@ class Metrics:
 
         Example: endpoint("/v1/models/demo-target") -> "models";  endpoint("/wp-login.php") -> "other"
         """
+        path = path.rstrip("/") or "/"  # every API route answers with a trailing slash too
         if (name := self._routes.get(path) or FIXED_ROUTES.get(path)) is not None:
             return name
         return next((name for prefix, name in PREFIXES.items() if path.startswith(prefix)), "other")
