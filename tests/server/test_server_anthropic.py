@@ -417,7 +417,7 @@ def test_messages_whole_and_streamed_and_greedy_as_chat_completions(served, clie
         streamed = stream.get_final_message()
     text_events = kinds.count("text")  # the SDK's own event beside each text delta
     assert kinds[:2] == ["message_start", "content_block_start"]  # the SDK drops the ping
-    assert kinds[2:-4] == ["content_block_delta", "text"] * text_events
+    assert kinds[2:-3] == ["content_block_delta", "text"] * text_events and text_events >= 1
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert streamed.content[0].text == whole.content[0].text  # lossless: the same greedy text
     assert streamed.usage.cache_read_input_tokens > 0  # the same head again
