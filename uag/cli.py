@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from uag.command import USER_ERROR, CommandParser, add_generation_options, decoding_config, literal, progress, run, say
 from uag.core.config import MODES, DrafterSpec, GenerationConfig
 from uag.core.prompt_input import read_prompt
+from uag.core.records import Token, spans
 from uag.errors import InputError
 from uag.models.dtypes import add_dtype_options, parse_dtype, slow_dtype_note
 
@@ -200,11 +202,19 @@ def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt
     return (run, _ran(loaded, config)) if ranks.rank == 0 else (None, None)
 
 
+def ansi(tokens: Iterable[Token], *, colour: bool = True) -> str:
+    """The text with accepted draft spans in green, for a terminal (plain text when `colour` is off).
+
+    Example: [('Ala', draft), (' ma', draft), (' kota', target)] -> '\x1b[32mAla ma\x1b[0m kota'
+    """
+    if not colour:
+        return "".join(t.text for t in tokens)
+    return "".join(f"\x1b[32m{text}\x1b[0m" if label else text for text, label in spans(tokens))
+
+
 def _print_run(args: argparse.Namespace, run, ran: dict | None = None) -> int:
     """The text with accepted drafts in green and a stats line, or one JSON object with what ran (nothing for
     None)."""
-    from uag.core.records import ansi
-
     if run is None:
         return 0
     if args.json:

@@ -21,10 +21,11 @@ from mlx_lm.generate import generate_step
 
 from uag.core.config import GRAMMAR, LOOKUP, GenerationConfig
 from uag.core.costmodel import CostProfile
+from uag.core.detokenize import Pieces
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
 from uag.core.passes import PromptCaches, prefill, reuse, settle_allocator, tree_ready, trim_to, verify_tree
 from uag.core.policy import AutoSettings, Evidence, Policy, StopRule, make_policy, within
-from uag.core.records import Cycle, Event, Pieces, Run
+from uag.core.records import Cycle, Event, Run
 from uag.core.sampling import PENALTY_CONTEXT, Sampler, TargetSampling
 from uag.core.translate import Translator
 from uag.core.verify import accept_greedy, accept_rejection

@@ -23,7 +23,7 @@ the same numbers. Definitions (also in docs/how-it-works.md#metrics):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -295,28 +295,6 @@ class Run:
         }
 
 
-class Pieces:
-    """Streaming detokenizer: each committed target token gets its piece of the output text (a stop token none)."""
-
-    def __init__(self, tokenizer: Any, eos: Collection[int]):
-        self._detokenizer = tokenizer.detokenizer
-        self._eos = eos
-
-    def __call__(self, ids: Sequence[int], accepted: int) -> tuple[Token, ...]:
-        tokens = []
-        for i, token_id in enumerate(ids):
-            text = ""
-            if token_id not in self._eos:
-                self._detokenizer.add_token(token_id)
-                text = self._detokenizer.last_segment
-            tokens.append(Token(token_id, text, i < accepted))
-        return tuple(tokens)
-
-    def flush(self) -> str:
-        self._detokenizer.finalize()
-        return self._detokenizer.last_segment
-
-
 @dataclass(frozen=True, slots=True)
 class Event:
     """What the streaming layer yields: the tokens a step committed and the run so far.
@@ -334,7 +312,7 @@ class Event:
         return "".join(t.text for t in self.tokens)
 
 
-# --- which parts of the output came from the drafter: spans for the app, ANSI colour for the terminal ---------
+# --- which parts of the output came from the drafter: spans the app and the terminal colour (uag.cli) --------
 
 DRAFT = "accepted draft"
 TARGET = "target"
@@ -356,13 +334,6 @@ def spans(tokens: Iterable[Token]) -> list[tuple[str, str | None]]:
         else:
             out.append((token.text, label))
     return out
-
-
-def ansi(tokens: Iterable[Token], *, colour: bool = True) -> str:
-    """The text with accepted draft spans in green (plain text when `colour` is off)."""
-    if not colour:
-        return "".join(t.text for t in tokens)
-    return "".join(f"\x1b[32m{text}\x1b[0m" if label else text for text, label in spans(tokens))
 
 
 # --- a request's passes shared with others' (continuous batching: uag.runtime.batching) --------------------------
