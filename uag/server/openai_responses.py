@@ -22,12 +22,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from uag.core.grammar import response_format_constraint, tool_constraint
+from uag.core.grammar import response_format_constraint
 from uag.errors import InputError
 from uag.server.dialects import Accepted, Dialect, Done, openai_error
 from uag.server.errors import APIError, bad, show
 from uag.server.messages import parse_tools, plain, text_of
-from uag.server.protocol import Request, ServerDefaults, common_fields, constrained, refused
+from uag.server.protocol import Request, ServerDefaults, common_fields, constrained, forced_calls, refused
 from uag.server.responses import now
 
 DEFAULT_STORED = 256  # stored responses kept, over all keys
@@ -228,7 +228,7 @@ def parse_responses(body: Any, defaults: ServerDefaults, key: str | None, stored
             )
             raise refused(InputError(said), "text.format") from None
     if choice in ("required", "function"):
-        constraint, param = _forced(tools, name, parallel, constraint), "tool_choice"
+        constraint, param = forced_calls(tools, name, parallel, constraint, "text.format"), "tool_choice"
     common = constrained(common, constraint, defaults, param)
     for ignored in IGNORED:
         if ignored in body and ignored not in ("stream_options",):
@@ -429,19 +429,6 @@ def _tool_choice(value: Any, namespaces: Mapping[str, tuple[str, str]]) -> tuple
         f'must be "auto", "none", "required" or {{"type": "function", "name": …}} (got {show(value)}); '
         "hosted tools are not run here",
     )
-
-
-def _forced(tools: tuple[dict, ...], name: str | None, parallel: bool, constraint: str | None) -> str:
-    """The grammar of a forcing tool_choice (uag.core.grammar.tool_constraint, as chat's)."""
-    asked = f"tool_choice {show(name)}" if name else 'tool_choice "required"'
-    if not tools:
-        raise bad("tool_choice", f"{asked} asks for a tool call, but tools declares no function: declare it")
-    if constraint is not None:
-        raise bad("text.format", f"text.format and {asked} both set the reply's form: drop one of them")
-    try:
-        return tool_constraint(tools, name, parallel)
-    except InputError as err:
-        raise refused(err, "tool_choice") from None
 
 
 def _text(value: Any) -> tuple[dict, dict | None]:

@@ -357,25 +357,34 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> Request:
     constraint = _response_format(body)
     forcing = choice in ("required", "function")
     if forcing:
-        asked = f"tool_choice {show(name)}" if name else 'tool_choice "required"'
-        if not tools:
-            raise bad(
-                "tool_choice",
-                f"{asked.removeprefix('tool_choice ')} asks for a tool call, but tools declares "
-                'none: declare the functions in tools, or send tool_choice "auto"',
-            )
-        if constraint is not None:
-            raise bad(
-                "response_format",
-                f"response_format and {asked} both set the reply's form: drop "
-                "response_format to have the tool called, or tool_choice to have JSON written",
-            )
-        try:
-            constraint = tool_constraint(tools, name, parallel)
-        except InputError as err:
-            raise refused(err, "tool_choice") from None
+        constraint = forced_calls(tools, name, parallel, constraint)
     common = constrained(common, constraint, defaults, "tool_choice" if forcing else "response_format")
     return Request("chat", messages=checked, tools=tools, parallel_tool_calls=parallel, **common)
+
+
+def forced_calls(
+    tools: Sequence[dict], name: str | None, parallel: bool, form: str | None, form_field: str = "response_format"
+) -> str:
+    """The grammar of a forcing tool_choice: a call of the function `name` (None: of any declared one), one or
+    (`parallel`) several. A 400 when no tool is declared, or when `form` (the reply's form from `form_field`:
+    response_format, or another API's name for it) is set too."""
+    asked = f"tool_choice {show(name)}" if name else 'tool_choice "required"'
+    if not tools:
+        raise bad(
+            "tool_choice",
+            f"{asked.removeprefix('tool_choice ')} asks for a tool call, but tools declares "
+            'none: declare the functions in tools, or send tool_choice "auto"',
+        )
+    if form is not None:
+        raise bad(
+            form_field,
+            f"{form_field} and {asked} both set the reply's form: drop "
+            f"{form_field} to have the tool called, or tool_choice to have JSON written",
+        )
+    try:
+        return tool_constraint(tools, name, parallel)
+    except InputError as err:
+        raise refused(err, "tool_choice") from None
 
 
 def parse_completion(body: Any, defaults: ServerDefaults) -> Request:
