@@ -33,6 +33,7 @@ def cache(tmp_path, monkeypatch):
 
 class _NoWorker:
     current = None
+    max_batch = 1  # as a worker that runs one job at a time
 
     def submit(self, *args, **kwargs):
         raise AssertionError("this must not reach the worker")
@@ -80,7 +81,7 @@ def test_cost_view_does_not_load_a_pair_to_look():
 def test_cost_view_without_then_with_a_saved_profile(cache):
     session = Session(worker=_NoWorker())
     pair = _fake_pair()
-    session._loaded[("org/target", "org/drafter")] = _as_loaded(pair)  # as if a comparison had loaded it
+    session.host.pairs[("org/target", "org/drafter")] = _as_loaded(pair)  # as if a comparison had loaded it
 
     missing = session.cost_view("org/target", "org/drafter")
     assert missing.figure is None
@@ -101,7 +102,7 @@ def test_cost_view_without_then_with_a_saved_profile(cache):
 def test_a_damaged_profile_is_reported_not_raised(cache):
     session = Session(worker=_NoWorker())
     pair = _fake_pair()
-    session._loaded[("org/target", "org/drafter")] = _as_loaded(pair)
+    session.host.pairs[("org/target", "org/drafter")] = _as_loaded(pair)
     path = profile_path(profile_key(pair))
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
@@ -161,7 +162,7 @@ def test_calibrate_pair_measures_saves_and_shows_the_profile(cache, tiny_session
     assert str(saved) in final.status
     again = session.cost_view(target, drafter)
     assert again.calibration == final.view.calibration and again.figure is not None
-    assert find_profile(session._loaded[(target, drafter)].pair) == profile
+    assert find_profile(session.host.pairs[(target, drafter)].pair) == profile
 
 
 def test_a_stopped_calibration_saves_nothing(cache, tiny_session):

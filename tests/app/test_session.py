@@ -206,6 +206,7 @@ class _NoWorker:
     """Fails the test if a job is submitted (bad input must be refused before it reaches the models)."""
 
     current = None
+    max_batch = 1  # as a worker that runs one job at a time
 
     def submit(self, *args, **kwargs):
         raise AssertionError("bad input reached the worker")
@@ -251,7 +252,7 @@ def test_a_damaged_model_folder_is_the_users_to_fix(tmp_path):
 
 def test_a_broken_hub_model_is_the_users_message_not_an_internal_error(tmp_path):
     """mlx-lm's KeyError('model_type') for a hub model without an architecture: the app loads through
-    uag.core.loading, so the user reads what to fix, not "Internal error"."""
+    uag.models.loading, so the user reads what to fix, not "Internal error"."""
     from tests.support.broken_models import BROKEN_HUB_ID, broken_hub_cache
 
     script = (
@@ -274,7 +275,7 @@ def test_a_broken_hub_model_is_the_users_message_not_an_internal_error(tmp_path)
 
 
 def test_a_prompt_beyond_the_drafters_context_is_refused_before_the_target_runs():
-    """The same check as the command line's and the sweeps' (uag.core.loading.check_drafter_fits)."""
+    """The same check as the command line's and the sweeps' (uag.core.drafters.check_drafter_fits)."""
     from tests.support.tiny_models import build_tiny
 
     target = str(build_tiny("llama", "llama-3.2"))

@@ -299,10 +299,8 @@ def test_a_profile_a_run_showed_stale_is_kept_and_judged_off(cache, scale, off):
 def test_in_a_batch_a_pass_is_priced_and_learned_by_the_tokens_of_the_whole_pass():
     """Batched with others (uag.runtime.batching), auto prices w as the pass every sequence of the batch would make
     with it, and learns the time of the pass it ran in (every sequence padded to the widest) by that pass's width."""
-    import contextvars
-
     from uag.core.evidence import Prices
-    from uag.core.records import SHARING, Cycle, Sharing
+    from uag.core.records import Cycle, Sharing
 
     profile = CostProfile(target_ms={1: 100.0, 4: 130.0, 16: 200.0, 64: 500.0}, drafter_ms=10.0, translate_ms=0.0)
     prices = Prices(profile, Evidence(), learn=False)
@@ -311,17 +309,13 @@ def test_in_a_batch_a_pass_is_priced_and_learned_by_the_tokens_of_the_whole_pass
     shared = Sharing()
     shared.shared(size=4, widest=16, ms=480.0)  # three others, the widest of them 16 tokens
 
-    def batched():
-        SHARING.set(shared)
-        plain, draft = prices.target_ms(1), prices.target_ms(16)
-        prices.learn = True
-        prices.time_verify(Cycle.plain(0, verify_ms=2000.0))  # the wait for the others: not the pass's cost
-        return plain, draft
-
-    plain, draft = contextvars.copy_context().run(batched)
+    batched = Prices(profile, prices.evidence, learn=False, sharing=shared)
+    plain, draft = batched.target_ms(1), batched.target_ms(16)
+    batched.learn = True
+    batched.time_verify(Cycle.plain(0, verify_ms=2000.0))  # the wait for the others: not the pass's cost
     assert plain == 130.0 and draft == 500.0  # 4 × 1 and 4 × 16 tokens: the batch's pass at either width
     assert prices.evidence.verify_ms == {64: 480.0}  # the pass it ran in: 4 × 16 (the widest other), in 480 ms
-    assert prices.target_ms(1) != 500.0  # outside the batch's context: priced alone again
+    assert prices.target_ms(1) != 500.0  # the request's own prices, not passed the batch's sharing: alone again
 
 
 def test_a_tree_pass_is_timed_at_the_rows_it_read():

@@ -17,7 +17,6 @@ from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice, LookupDrafter
 from uag.core.lookup import BRANCH_NODES, BRANCHES, OCCURRENCES, NgramIndex
 from uag.core.passes import keep_path, prefill, tree_pass, tree_ready, verify_tree
-from uag.core.records import SHARING, Sharing
 from uag.core.sampling import TargetSampling
 from uag.core.verify import Tree, accept_tree
 from uag.runtime.batching import SharedModel
@@ -301,11 +300,7 @@ def test_the_tree_is_not_tried_where_it_cannot_run(tiny):
     cache = make_prompt_cache(tiny.model)
     assert tree_ready(tiny.model, cache, plain)
     assert tree_ready(SharedModel(tiny.model, "target"), cache, plain)  # a server's, called outside a batch
-    token = SHARING.set(Sharing())
-    try:
-        assert not tree_ready(tiny.model, cache, plain)
-    finally:
-        SHARING.reset(token)
+    assert not tree_ready(tiny.model, cache, plain, batched=True)  # a model of its own, yet the run is in a batch
     assert not tree_ready(tiny.model, [RotatingKVCache(max_size=16) for _ in cache], plain)
     assert not tree_ready(tiny.model, [QuantizedKVCache() for _ in cache], plain)
     assert not tree_ready(tiny.model, cache[:-1], plain)

@@ -14,10 +14,10 @@ import greenlet
 import mlx.core as mx
 import pytest
 
-from uag.core.records import Sharing, sharing
-from uag.runtime.batching import READ, Batch, NoRoom, SharedModel, room_for, share
-from uag.runtime.jobs import Busy
-from uag.runtime.worker import Job, MLXWorker
+from uag.core.records import Sharing
+from uag.runtime.batching import READ, Batch, SharedModel, share, sharing_now
+from uag.runtime.host import NoRoom, room_for
+from uag.runtime.worker import Busy, Job, MLXWorker
 
 
 class Cache(list):
@@ -120,7 +120,7 @@ def test_one_round_serves_every_waiting_member_once_per_model(models):
 
 
 def test_mergeable_caches_make_one_batched_pass(models, monkeypatch):
-    import uag.core.passes
+    import uag.runtime.batching
 
     target, _ = models
     groups = []
@@ -129,7 +129,7 @@ def test_mergeable_caches_make_one_batched_pass(models, monkeypatch):
         groups.append(([int(x.shape[-1]) for x in inputs], [c.name for c in caches]))
         return [model(x, cache=c) for x, c in zip(inputs, caches)], None
 
-    monkeypatch.setattr(uag.core.passes, "batched_pass", recorded)
+    monkeypatch.setattr(uag.runtime.batching, "batched_pass", recorded)
     batch, log = Batch(max_size=4), []
     jobs = joined(batch, ("a", [(target, 1), (target, 2)]), ("b", [(target, 5)]), log=log, cache=MergeableCache)
     drained(batch)
@@ -142,7 +142,7 @@ def test_each_member_reads_its_own_sharing(models):
     seen = {}
 
     def reads(job, name):
-        seen[name] = sharing()
+        seen[name] = sharing_now()
         target(ids(1), cache=Cache(name))
         yield name
 
@@ -153,7 +153,7 @@ def test_each_member_reads_its_own_sharing(models):
         batch.join(job)
     members = {m.job.label: m.sharing for m in batch.waiting}
     drained(batch)
-    assert all(seen[n] is members[n] for n in "ab") and seen["a"] is not seen["b"] and sharing() is None
+    assert all(seen[n] is members[n] for n in "ab") and seen["a"] is not seen["b"] and sharing_now() is None
 
 
 def test_a_read_runs_whole_when_nobody_else_waits(models):

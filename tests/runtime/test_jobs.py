@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from uag.runtime.jobs import Busy, JobRunner, Status, Tick, Waiting, failure, tell
-from uag.runtime.worker import MLXWorker
+from uag.runtime.jobs import JobRunner, Status, Tick, Waiting, failure, tell
+from uag.runtime.worker import Busy, MLXWorker
 
 
 @pytest.fixture

@@ -20,11 +20,11 @@ from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.engine import generate
 from uag.core.evidence import Evidence
-from uag.core.loading import load_model
 from uag.core.records import Run
 from uag.costs.pair import AutoInputs, evidence_key, open_auto
 from uag.costs.profiles import Calibration, find_evidence, save, save_evidence
 from uag.errors import InputError, ModelError
+from uag.models.loading import load_model
 from uag.models.store import ModelStore
 from uag.runtime import pair as one_way
 from uag.runtime.pair import Loaded, check_against_target, open_pair, prompt_ids_for, what_ran
@@ -199,13 +199,14 @@ def test_a_server_schedules_missing_costs_instead_of_measuring_them(cache, no_ca
 
 
 def test_the_server_calls_the_engine_itself(cache):
+    from uag.runtime.host import Host
     from uag.runtime.jobs import JobRunner
     from uag.server.protocol import ServerDefaults
     from uag.server.service import Service
 
     defaults = ServerDefaults(model="org/target", drafter="lookup", drafters=("lookup",))
-    served = Service(ModelStore(), JobRunner(MLXWorker()), defaults, target="org/target", cache_bytes=0)
-    assert served.stream is uag.core.engine.stream  # not uag.api.stream, which would open auto a second time
+    served = Service(Host(ModelStore(), JobRunner(MLXWorker()), target="org/target"), defaults, cache_bytes=0)
+    assert served.host.stream is uag.core.engine.stream  # not uag.api.stream, which would open auto a second time
 
 
 # --- the app's auto behaves as the CLI's --------------------------------------------------------------------------

@@ -273,7 +273,7 @@ def test_a_check_tells_a_near_tie_from_a_bug(served, client, monkeypatch, thresh
     from uag.server.dashboard import server_view
 
     service = served[1]
-    monkeypatch.setattr(service, "stream", _perturbed_baseline(service.stream))
+    monkeypatch.setattr(service.host, "stream", _perturbed_baseline(service.host.stream))
     if threshold is not None:
         monkeypatch.setitem(divergence.NEAR_TIE_MARGIN, "float32", threshold)
     reply = say(client, PROMPT, max_tokens=4, extra_body={"speculative": {"drafter": "lookup", "check": True}})

@@ -164,7 +164,7 @@ def unshare(service) -> None:
     """The session's models as they were before this server shared them (other modules use the same store)."""
     from uag.runtime.batching import SharedModel
 
-    pair = service.loaded("lookup+demo-drafter")
+    pair = service.host.loaded("lookup+demo-drafter")
     for loaded in [] if pair is None else [pair[0], pair[1].model]:
         if isinstance(loaded.model, SharedModel):
             loaded.model = loaded.model.inner

@@ -15,6 +15,7 @@ import pytest
 import uag.costs.calibrate
 import uag.costs.pair
 import uag.costs.profiles
+import uag.runtime.keeper
 from tests.support.server_scripted import Scripted
 from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
@@ -36,10 +37,11 @@ from uag.costs.profiles import (
     why_measure_again,
 )
 from uag.models.store import ModelStore
+from uag.runtime.host import Host
 from uag.runtime.jobs import JobRunner
+from uag.runtime.keeper import CostKeeper, Wanted, due
 from uag.runtime.pair import Loaded, chars_per_token
 from uag.runtime.worker import MLXWorker
-from uag.server.costs import CostKeeper, Wanted, due
 from uag.server.errors import APIError
 from uag.server.protocol import Request, ServerDefaults
 from uag.server.service import Service
@@ -61,6 +63,7 @@ def now_quiet(monkeypatch):
     """The machine's load now, as the server reads it: quiet (the test machine's real load varies)."""
     monkeypatch.setattr(uag.costs.profiles, "machine_load", lambda start=None: QUIET)
     monkeypatch.setattr(uag.costs.pair, "machine_load", lambda start=None: QUIET)
+    monkeypatch.setattr(uag.runtime.keeper, "machine_load", lambda start=None: QUIET)
 
 
 @pytest.fixture
@@ -133,17 +136,19 @@ class Measure:
 
 
 def service(measure, stream, *, budget_s: float | None = 60.0, load_s: float = 0.0) -> Service:
-    """A Service on a fake target whose pair (with prompt lookup) is always loaded."""
+    """A Service, on a host that measures off the requests' path (as `uag serve`'s), on a fake target whose pair
+    (with prompt lookup) is always loaded."""
     target, choice = fake_target(), DrafterChoice(lookup=True)
     defaults = ServerDefaults(model="org/target", drafter="lookup", drafters=("lookup",))
     runner = JobRunner(MLXWorker(), budget_s=budget_s)
-    served = Service(ModelStore(), runner, defaults, target="org/target", cache_bytes=0, stream=stream, measure=measure)
+    host = Host(ModelStore(), runner, target="org/target", stream=stream, measure=measure, off_path=True)
+    served = Service(host, defaults, cache_bytes=0)
 
-    def load(job, drafter, progress=None):
+    def open_pair(*_args, **_kw):
         time.sleep(load_s)
         return Loaded(target, choice, None)
 
-    served.load, served.loaded, served.holds = load, lambda drafter: (target, choice), lambda drafter: True
+    host.open, host.loaded, host.holds = open_pair, lambda drafter: (target, choice), lambda drafter: True
     served.costs.settle_s, served.costs.poll_s = 0.3, 0.01
     return served
 
@@ -298,7 +303,7 @@ def test_a_stale_profile_does_not_stall_a_request_and_is_measured_again_once_whe
         release.wait(30)
         yield
 
-    with caplog.at_level(logging.INFO, logger="uag.server.service"):
+    with caplog.at_level(logging.INFO, logger="uag.runtime"):
         items = served.runner.run(served.job, request(), label="an API request")
         first = next(items)
         held = worker.submit(hold, label="other work")  # queued behind the request, before its run ends
@@ -315,7 +320,7 @@ def test_a_stale_profile_does_not_stall_a_request_and_is_measured_again_once_whe
     assert any("saved the costs of org/target ← lookup measured at load 0.30 on 2 cores" in m for m in messages)
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="uag.server.service"):
+    with caplog.at_level(logging.INFO, logger="uag.runtime"):
         ask(served)  # the same verdict again within the interval: not measured again, said once
         ask(served)
         time.sleep(0.8)
@@ -406,6 +411,7 @@ def test_a_short_verify_curve_is_measured_again_at_start_up_and_after_a_request_
     busy = lambda start=None: BUSY  # noqa: E731
     monkeypatch.setattr(uag.costs.profiles, "machine_load", busy)
     monkeypatch.setattr(uag.costs.pair, "machine_load", busy)
+    monkeypatch.setattr(uag.runtime.keeper, "machine_load", busy)
     save(calibration(SHORT, QUIET))
     measure = Measure()
     served = service(measure, Stream(scale=1.0))
@@ -415,7 +421,7 @@ def test_a_short_verify_curve_is_measured_again_at_start_up_and_after_a_request_
     save(calibration(SHORT, QUIET))  # saved again while the server runs (say, by `uag calibrate --max-width 9`)
     stream = Stream(scale=1.0)
     served = service(measure := Measure(), stream)
-    with caplog.at_level(logging.WARNING, logger="uag.server.service"):
+    with caplog.at_level(logging.WARNING, logger="uag.runtime"):
         done = ask(served)[-1]
         assert done.finish == "stop" and stream.profiles == [SHORT]  # the request ran on what was saved
         assert wait_for(lambda: measure.calls == 1 and not served.costs.pending)
@@ -484,7 +490,7 @@ def test_an_ablated_server_runs_its_auto_settings_and_leaves_the_saved_evidence_
 
     key = evidence_key(fake_target(), DrafterChoice(lookup=True))
     ablated = service(Measure(), stream)
-    ablated.auto = AutoSettings(stop_rule=False)
+    ablated.host.auto = AutoSettings(stop_rule=False)
     ask(ablated), ask(ablated)
     assert [s.auto for s, _ in seen] == [AutoSettings(stop_rule=False)] * 2
     assert seen[0][1] is seen[1][1]  # one evidence across the server's requests, kept in the process
@@ -492,3 +498,41 @@ def test_an_ablated_server_runs_its_auto_settings_and_leaves_the_saved_evidence_
     seen.clear()
     ask(service(Measure(), stream))
     assert seen[0][0] is None and find_evidence(key).expansion == 1.25
+
+
+def test_under_uag_serve_the_app_and_the_api_follow_one_cost_policy(cache, now_quiet, no_calibration, monkeypatch):
+    """`uag serve` builds one host for the API and the app at /ui: a pair without costs is measured inside neither
+    front end's request (each runs without costs and schedules the measurement for an idle moment), and both learn
+    into one Evidence."""
+    import uag.server.main as main
+    from tests.support.server import serve_args
+    from uag.app.settings import Settings
+
+    mounted, seen, measure = [], [], Measure()
+
+    def stream(target, drafter, ids, config, *, cancel=None, caches=None, profile=None, evidence=None):
+        seen.append((profile, evidence))
+        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens, policy="baseline")
+        return Scripted._events(run, "Warszawa.")
+
+    monkeypatch.setattr(main, "_mount_ui", lambda app, session, service, key: mounted.append(session))
+    args, opts = serve_args("--target", "org/target", "--drafter", "lookup", "--drafters", "lookup", "--max-batch", "1")
+    _, served = main.build(args, opts, store=ModelStore(), stream=stream, measure=measure)
+    (session,) = mounted
+    host = served.host
+    assert session.host is host and session.runner is served.runner
+    target, choice = fake_target(), DrafterChoice(lookup=True)
+    host.open = lambda *_args, **_kw: Loaded(target, choice, None)
+    host.loaded, host.holds = lambda drafter: (target, choice), lambda drafter: True
+    host.costs.settle_s, host.costs.poll_s = 30.0, 0.01  # the keeper holds off while both front ends run
+
+    updates = list(session.compare("Stolica Polski to", Settings(target="org/target", drafter="lookup")))
+    assert updates[-1].state == "done", updates[-1]
+    assert measure.calls == 0 and [w.drafter for w in host.costs.pending] == ["lookup"]  # not in /ui's run
+    assert ask(served)[-1].finish == "stop"
+    assert measure.calls == 0 and len(host.costs.pending) == 1  # nor in the API's: the same pair, still waiting
+    autos = [(profile, evidence) for profile, evidence in seen if evidence is not None]
+    assert len(autos) == 2 and autos[0][0] is None and autos[1][0] is None  # both ran without costs
+    assert autos[0][1] is autos[1][1] and list(host.evidence.values()) == [autos[0][1]]  # one Evidence per pair
+    host.costs.settle_s = 0.3
+    assert wait_for(lambda: measure.calls == 1 and not host.costs.pending)  # measured once, while idle

@@ -303,11 +303,12 @@ def test_the_load_figure_says_why_it_is_empty():
 
 def test_a_served_request_records_its_batch_and_its_span():
     from uag.models.store import ModelStore
+    from uag.runtime.host import Host
     from uag.runtime.jobs import JobRunner
     from uag.runtime.worker import MLXWorker
 
     runner = JobRunner(MLXWorker())
-    service = Service(ModelStore(), runner, DEFAULTS, target="demo-target", cache_bytes=0)
+    service = Service(Host(ModelStore(), runner, target="demo-target"), DEFAULTS, cache_bytes=0)
     run = Run(strategy="baseline", target="demo-target", prompt_ids=[1, 2, 3], prompt_ms=500.0)
     run.tokens = [Token(7, "a", False)] * 5
     run.first_token_s, run.last_token_s = time.perf_counter() - 2.0, time.perf_counter() - 0.5

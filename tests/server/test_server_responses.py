@@ -72,9 +72,10 @@ def test_input_items_become_the_chat_conversation():
         {"type": "function_call", "call_id": "c2", "name": "read", "namespace": "mcp__files__", "arguments": ""},
         {"type": "function_call_output", "call_id": "c1", "output": "12 C"},
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "x = 1"}]},
+        {"type": "function_call_output", "call_id": "c3", "output": [{"type": "input_image", "image_url": "x"}]},
     ]
     request = parse({"input": items, "instructions": "You are a helper.", "tools": [WEATHER, FILES]})
-    system, user, assistant, tool1, tool2 = request.messages
+    system, user, assistant, tool1, tool2, image = request.messages
     assert system == {"role": "system", "content": "You are a helper.\n\nBe brief."}
     assert user == {"role": "user", "content": "Weather in Oslo?"}
     assert assistant["content"] == "Checking."
@@ -83,6 +84,7 @@ def test_input_items_become_the_chat_conversation():
         {"name": "mcp__files__read", "arguments": {}},
     ]
     assert tool1 == {"role": "tool", "content": "12 C", "tool_call_id": "c1"} and tool2["content"] == "x = 1"
+    assert image["content"] == "[an image the model here cannot read]"  # a tool's image: the agent goes on
     assert parse({"input": "Hi"}).messages == ({"role": "user", "content": "Hi"},)
 
 

@@ -15,6 +15,7 @@ from tests.support.server import serve_args
 from tests.support.tiny_models import build_tiny
 from uag.core.config import GenerationConfig
 from uag.errors import InputError
+from uag.runtime.host import Host
 from uag.runtime.jobs import JobRunner
 from uag.runtime.worker import MLXWorker
 from uag.server.main import DEFAULT_LOOKUP_MEMORY
@@ -34,7 +35,8 @@ def target_dir(store):
 def service(store, target: str, lookup_memory: int) -> Service:
     defaults = ServerDefaults(model=target, drafter="lookup", drafters=("lookup",), strategy="context", k=8)
     runner = JobRunner(MLXWorker(), budget_s=120)
-    served = Service(store, runner, defaults, target=target, cache_bytes=0, lookup_memory=lookup_memory)
+    host = Host(store, runner, target=target, lookup_memory=lookup_memory, off_path=True)
+    served = Service(host, defaults, cache_bytes=0)
     served.costs.close()  # no measuring in the background
     return served
 
@@ -59,15 +61,16 @@ def test_a_later_request_drafts_an_earlier_reply_within_its_key_only(store, targ
     assert other.text == alone.text and other.report["speculative"]["shared_lookup_cycles"] == 0
     keyless = ask(served, None)
     assert keyless.text == alone.text and keyless.report["speculative"]["shared_lookup_cycles"] == 0
-    held = served.memory.get((hashlib.sha256(b"key-a").hexdigest(), served.target_name))  # by digest, never the key
+    # kept by the key's digest, never the key
+    held = served.host.memory.get((hashlib.sha256(b"key-a").hexdigest(), served.target_name))
     assert held is not None and len(held.documents) == 1  # the retried request replaced the same text
-    assert served.memory.get(("key-a", served.target_name)) is None
+    assert served.host.memory.get(("key-a", served.target_name)) is None
 
 
 def test_lookup_memory_off_drafts_from_each_request_alone(store, target_dir):
     served = service(store, target_dir, 0)
     ask(served, None, drafter=None)
-    assert served.memory is None and ask(served, None).report["speculative"]["shared_lookup_cycles"] == 0
+    assert served.host.memory is None and ask(served, None).report["speculative"]["shared_lookup_cycles"] == 0
 
 
 def test_the_lookup_memory_option():
@@ -94,7 +97,7 @@ def test_over_http_the_key_a_request_presented_is_the_one_it_drafts_within(store
     assert second.status_code == 200, second.text
     assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     assert second.json()["speculative"]["shared_lookup_cycles"] >= 1
-    assert served.memory.get((hashlib.sha256(b"key-a").hexdigest(), served.target_name)) is not None
+    assert served.host.memory.get((hashlib.sha256(b"key-a").hexdigest(), served.target_name)) is not None
 
 
 def test_the_lookup_summary_counts_proposed_and_kept_tokens_per_lookup_cycle():
@@ -134,9 +137,8 @@ def test_text_the_detokenizer_holds_back_to_the_end_reaches_the_reply(store, tar
                 last.tokens[-1] = replaced(last.tokens[-1], text=last.tokens[-1].text + " !")
 
     defaults = ServerDefaults(model=target_dir, drafter="lookup", drafters=("lookup",), strategy="context", k=8)
-    served = Service(
-        store, JobRunner(MLXWorker(), budget_s=120), defaults, target=target_dir, cache_bytes=0, stream=stream
-    )
+    host = Host(store, JobRunner(MLXWorker(), budget_s=120), target=target_dir, stream=stream, off_path=True)
+    served = Service(host, defaults, cache_bytes=0)
     served.costs.close()
     request = Request(
         "completion",

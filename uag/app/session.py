@@ -1,5 +1,6 @@
-"""The app's logic without a UI: one `Session` serves every user. It owns the model store and the MLX
-worker, decides who may load what, and runs comparisons and calibrations as jobs on the worker.
+"""The app's logic without a UI: one `Session` serves every user. It decides who may load what, offers the
+presets, and runs comparisons and calibrations as jobs on the MLX worker, over a `Host` (uag.runtime.host: the
+model store, the worker, the pairs, auto's evidence and its cost policy), its own or the one `uag serve` shares.
 
 Plain data in and out; no gradio. What belongs to one user (their history, their results file) is
 passed in and handed back, so the UI can keep it per browser tab.
@@ -28,17 +29,15 @@ from uag.app.costs_view import Calibrated, CalibrationUpdate, CalibrationView, C
 from uag.app.files import Exports, load_results
 from uag.app.history import C_FITTED, PlotView, plot_view
 from uag.app.settings import Settings, check_prompt
-from uag.core.config import GenerationConfig
-from uag.core.engine import generate, stream
-from uag.core.loading import load_model
 from uag.costs.calibrate import DEFAULT_CONTEXT, DEFAULT_WIDTHS, calibrate
-from uag.costs.pair import MEASURING, open_auto
+from uag.costs.pair import MEASURING
 from uag.costs.profiles import find_calibration
 from uag.costs.profiles import save as save_calibration
 from uag.errors import InputError, UserError
 from uag.machine import backend
 from uag.models import demo
 from uag.models.dtypes import slow_dtype_note
+from uag.models.loading import load_model
 from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore
 from uag.runtime.access import (
     LOCAL,
@@ -51,6 +50,7 @@ from uag.runtime.access import (
     names_for_remote,
     note_for,
 )
+from uag.runtime.host import Host
 from uag.runtime.jobs import (
     DEFAULT_BUDGET_S,
     DEFAULT_PER_CLIENT,
@@ -60,7 +60,7 @@ from uag.runtime.jobs import (
     failure,
     tell,
 )
-from uag.runtime.pair import Loaded, check_against_target, open_pair, prompt_ids_for
+from uag.runtime.pair import Loaded, prompt_ids_for
 from uag.runtime.presets import DEFAULT, PRESETS, Preset
 from uag.runtime.worker import Job, MLXWorker
 
@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.0/8", "::1/128")
 
 CALIBRATION_REPEATS = 5  # timed passes per width (after a warm-up), as `python -m uag calibrate`
-WARM_UP_PROMPT = "Hello"
 
 
 class _Cancelled(Exception):
@@ -76,7 +75,8 @@ class _Cancelled(Exception):
 
 
 class Session:
-    """The app's state shared by all users: models, the MLX worker, the rules on what may be loaded.
+    """The app's state shared by all users: the rules on what may be loaded, the presets, the exports, over a
+    `Host` (its own, on `store` and `worker`, or `host`: uag serve's, which the API shares).
 
     `served` (uag serve's app at /ui) replaces the app's own rules: every user may load what the API serves,
     no more, and counts as remote for what the app shows (no server paths)."""
@@ -86,6 +86,7 @@ class Session:
         store: ModelStore | None = None,
         worker: MLXWorker | None = None,
         *,
+        host: Host | None = None,
         share: bool = False,
         remote_models: str = "demo",
         target: str = DEFAULT.target,
@@ -95,19 +96,28 @@ class Session:
         budget_s: float | None = DEFAULT_BUDGET_S,
         served: ServedModels | None = None,
     ):
-        self.store = store or ModelStore()
-        self.worker = worker or MLXWorker()
-        self.runner = JobRunner(self.worker, per_client=per_client, budget_s=budget_s)
+        if host is None:
+            runner = JobRunner(worker or MLXWorker(), per_client=per_client, budget_s=budget_s)
+            host = Host(store or ModelStore(), runner)  # the app alone: a pair's costs measured on its first use
+        self.host = host
         self.exports = Exports(export_dir)
         self.share = share
         self.remote_models = remote_models
         self.served = served
         dtypes = (served.target_dtype, served.drafter_dtype) if served is not None else (None, None)
         self.defaults = Settings(target=target, drafter=drafter, target_dtype=dtypes[0], drafter_dtype=dtypes[1])
-        self._warm: set[tuple[str, str]] = set()  # pairs warmed up; touched on the worker thread only
-        self._loaded: dict[tuple[str, str], Loaded] = {}  # pairs loaded and checked here (set on the worker thread)
-        self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs here share
-        self.store.on_evict.append(self._forget)
+
+    @property
+    def store(self) -> ModelStore:
+        return self.host.store
+
+    @property
+    def worker(self) -> MLXWorker:
+        return self.host.worker
+
+    @property
+    def runner(self) -> JobRunner:
+        return self.host.runner
 
     # --- who may load what -------------------------------------------------------------------------------
     def access(self, host: str | None, headers: Mapping[str, str] | None = None) -> Access:
@@ -168,15 +178,8 @@ class Session:
 
     def r_of(self, target: str, drafter: str) -> float | None:
         """Drafter bytes / target bytes of a pair that has run here (None before, or for lookup)."""
-        loaded = self._loaded.get((target, drafter))
+        loaded = self.host.opened(target, drafter)
         return loaded.r if loaded is not None else None
-
-    def _forget(self, model: LoadedModel) -> None:
-        """Drop the pairs that use a model the store unloaded, so that its memory is freed."""
-        for key, loaded in list(self._loaded.items()):
-            if loaded.uses(model):
-                self._loaded.pop(key, None)
-                self._warm.discard(key)
 
     # --- on the worker thread ----------------------------------------------------------------------------
     def preload(self, target: str | None = None, drafter: str | None = None) -> Job:
@@ -212,7 +215,7 @@ class Session:
         keep: Sequence[str] = (),
         dtype: str | None = None,
     ) -> LoadedModel:
-        """One model for `open_pair` (uag.core.loading.load_model, a broken folder the user's message), with what
+        """One model for `open_pair` (uag.models.loading.load_model, a broken folder the user's message), with what
         loading it does said to the user."""
         if store.has(name, dtype):
             return load_model(store, name, role=role, keep=keep, dtype=dtype)
@@ -236,29 +239,17 @@ class Session:
         return model
 
     def _prepare(self, job: Job, settings: Settings) -> Loaded:
-        """Load the target and the drafter (reporting progress) and check the pair (uag.runtime.pair.open_pair, as
-        every front end), then warm it up once."""
-        t_dtype, d_dtype = settings.target_dtype, settings.drafter_dtype
-        loaded = open_pair(
-            self.store,
+        """Open the pair on the host (loading and checking it as every front end does, reporting progress), warmed
+        up once so that the timings are fair."""
+        return self.host.open(
             settings.target,
             settings.drafter,
-            target_dtype=t_dtype,
-            drafter_dtype=d_dtype,
+            target_dtype=settings.target_dtype,
+            drafter_dtype=settings.drafter_dtype,
+            progress=partial(tell, job),
             load=partial(self._load, job),
+            warm=True,
         )
-        key = (settings.target, settings.drafter)
-        if t_dtype or d_dtype:  # a pair in other dtypes is another pair (its r, its costs, its warm-up)
-            key = (settings.target, settings.drafter, t_dtype, d_dtype)
-        self._loaded[key] = loaded
-        if key not in self._warm:
-            # The first passes through a model are slower (allocation, kernel set-up): keep them out of the timings.
-            tell(job, "Warming up the pair (once) so that the timings are fair…")
-            warm = GenerationConfig("context", k=2, max_tokens=4)
-            generate(loaded.target, None, WARM_UP_PROMPT, warm.replace(strategy="baseline"))
-            generate(loaded.target, loaded.drafter, WARM_UP_PROMPT, warm)
-            self._warm.add(key)
-        return loaded
 
     def _pair_job(self, job: Job, settings: Settings) -> Iterator[Any]:
         self._prepare(job, settings)
@@ -271,8 +262,8 @@ class Session:
         if note := slow_dtype_note(loaded.target.dtype, backend()):
             yield Status(f"Note: {note}.")
         auto = None
-        if settings.generation.k_policy == "adaptive":  # as the CLI's: the pair's costs, the evidence its runs share
-            auto = open_auto(loaded.target, loaded.choice, held=self.evidence, progress=partial(self._measuring, job))
+        if settings.generation.k_policy == "adaptive":  # the host's cost policy, the evidence its runs share
+            auto = self.host.open_auto(loaded, settings.drafter, progress=partial(self._measuring, job))
         job.limit(self.runner.budget_s)  # generation time only: loading the models is not the user's doing
         # Never concurrently: the target alone first, then with the drafter, each timed on its own.
         baseline = None
@@ -280,28 +271,15 @@ class Session:
             if job.cancelled.is_set():
                 break
             yield Started(mode)
-            drafter = None if mode == "baseline" else loaded.drafter
-            learns = auto is not None and mode != "baseline"
-            events = stream(
-                loaded.target,
-                drafter,
-                ids,
-                settings.config(mode),
-                cancel=job.cancelled,
-                **(auto.engine_kwargs() if learns else {}),
-            )
-            run = None
-            try:
-                for event in events:
-                    run = event.run
+            pair = loaded if mode != "baseline" else Loaded(loaded.target, None, None)
+            learns = auto if mode != "baseline" else None  # finished at the run's end: its evidence saved
+            with self.host.running(job, pair, ids, settings.config(mode), auto=learns) as running:
+                for event in running:
                     yield Streamed(mode, event.tokens, event.cycle)
-            finally:
-                events.close()
-                if learns:
-                    auto.finish()  # what the run taught, saved for the pair's next run here or in another process
+            run = running.run
             assert run is not None and run.finish_reason is not None, "a stream ended without a final record"
             if mode != "baseline" and baseline is not None:  # the verdict before the outputs are shown side by side
-                checked = check_against_target(loaded, ids, settings.config(mode), run, baseline=baseline)
+                checked = self.host.check(loaded, ids, settings.config(mode), run, baseline=baseline)
                 yield Compared(checked.divergence)
             baseline = run if mode == "baseline" else baseline
             yield Finished(mode, run)
@@ -382,7 +360,7 @@ class Session:
     def cost_view(self, target: str, drafter: str) -> CostView:
         """The saved cost profile of this pair on this machine, if the pair is loaded here (never loads it)."""
         target, drafter = (target or "").strip(), (drafter or "").strip()
-        loaded = self._loaded.get((target, drafter))
+        loaded = self.host.opened(target, drafter)
         shown = f"{target or '(no target)'} ← {drafter or '(no drafter)'}"
         if loaded is None:
             return CostView(

@@ -25,7 +25,7 @@ from uag.core.detokenize import Pieces
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
 from uag.core.passes import PromptCaches, prefill, reuse, settle_allocator, tree_ready, trim_to, verify_tree
 from uag.core.policy import AutoSettings, Evidence, Policy, StopRule, make_policy, within
-from uag.core.records import Cycle, Event, Run
+from uag.core.records import Cycle, Event, Run, Sharing
 from uag.core.sampling import PENALTY_CONTEXT, Sampler, TargetSampling
 from uag.core.translate import Translator
 from uag.core.verify import accept_greedy, accept_rejection
@@ -153,8 +153,10 @@ class Speculation:
         *,
         sampler: Sampler | None = None,
         grammar: Matcher | None = None,
+        batched: bool = False,
     ):
         self.target, self.config, self.drafter, self.cache = target, config, drafter, cache
+        self.batched = batched  # a server runs it in a batch with other requests (uag.runtime.batching)
         self.sampling = TargetSampling.of(config, sampler, grammar)
         self.grammar = grammar  # the constraint's matcher: it has consumed every generated committed token
         self.committed = list(prompt)  # target ids: prompt, then every generated token
@@ -207,7 +209,7 @@ class Speculation:
         """One target pass over its pending token and the proposal (with lookup's other continuations, as a tree,
         where uag.core.passes.tree_ready); each position picked as the target alone would pick it there."""
         proposed, branches = draft.proposed, [draft.proposed, *draft.branches]
-        if draft.branches and tree_ready(self.target.model, self.cache, self.sampling):
+        if draft.branches and tree_ready(self.target.model, self.cache, self.sampling, batched=self.batched):
             tree = verify_tree(self.target.model, self.cache, self.committed[-1], branches, self.sampling.choose)
             draft.proposed, draft.nodes, self.seen = branches[tree.branch], tree.nodes, self.seen + 1 + len(tree.path)
             return tree.verdict
@@ -356,6 +358,7 @@ def stream(
     caches: PromptCaches | None = None,
     evidence: Evidence | None = None,
     seams: Seams | None = None,
+    sharing: Sharing | None = None,
 ) -> Iterator[Event]:
     """Baseline or speculative generation for a text prompt (or ready token ids), one `Event` per step.
 
@@ -366,6 +369,8 @@ def stream(
     `caches`: the conversation's caches; the run reads only the prompt tokens they do not hold already
     (`Run.cached_tokens` counts those that they do) and leaves them ready for the next run.
     `seams`: replacements for the policy, translator or sampler (tests, benchmarks).
+    `sharing`: how a server batches this run's target passes with other requests' (uag.runtime.batching): auto
+    prices a draft by the batch's pass, and a tree pass runs only where the batch lets the model be the run's own.
     """
     config.validate()
     ids = prompt_ids(target, prompt, chat=config.chat) if isinstance(prompt, str) else _fitting(target, prompt)
@@ -378,7 +383,7 @@ def stream(
         run = Run("baseline", target.name, **common)
     else:
         drafting, notes, r = _drafter(target, drafter, config, caches, seams.translator)
-        policy = seams.policy or make_policy(config, profile, r, evidence, seams.auto)
+        policy = seams.policy or make_policy(config, profile, r, evidence, seams.auto, sharing)
         run = Run(
             drafting.translation,
             target.name,
@@ -397,7 +402,15 @@ def stream(
         steps = baseline_steps(target, ids, config, cache, run.cached_tokens, budget, grammar)
     else:
         spec = Speculation(
-            target, ids, config, drafting, cache, run.cached_tokens, sampler=seams.sampler, grammar=grammar
+            target,
+            ids,
+            config,
+            drafting,
+            cache,
+            run.cached_tokens,
+            sampler=seams.sampler,
+            grammar=grammar,
+            batched=sharing is not None,
         )
         steps = speculative_steps(spec, policy, config.k, budget)
     return _drive(

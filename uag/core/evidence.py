@@ -20,7 +20,7 @@ from typing import Any
 from uag.core.config import LOOKUP
 from uag.core.costmodel import LOOKUP_MS, CostProfile
 from uag.core.lookup import MATCH_BANDS, MATCH_CAP, match_band
-from uag.core.records import Cycle, Rehearsal, sharing
+from uag.core.records import Cycle, Rehearsal, Sharing
 
 MODEL = "model"
 
@@ -274,12 +274,14 @@ def expected_tokens(acceptances: Sequence[float]) -> float:
 class Prices:
     """The cost of each phase of a cycle, from the run's own timings first (kept in `evidence`), then the
     `profile`, then guesses (`r`: drafter step ÷ target step). `learn` False keeps the profile's costs and never
-    the run's own timings (tests and the replay pin them)."""
+    the run's own timings (tests and the replay pin them). `sharing`: how the request's target passes are shared
+    with other requests' when a server batches them (uag.runtime.batching); None for a request run alone."""
 
     profile: CostProfile | None
     evidence: Evidence
     r: float = 0.1
     learn: bool = True
+    sharing: Sharing | None = None
 
     def target_ms(self, w: int) -> float | None:
         """Cost of a target pass over w tokens: own timings first; then the profile's, anchored at the nearest
@@ -291,8 +293,8 @@ class Prices:
         Batched with other requests (a server's), w is priced as the pass every sequence of the batch would make
         with it, `Sharing.rows`: size × w tokens, so a draft pays only where the batch's pass has room left.
         """
-        if (shared := sharing()) is not None:
-            w = shared.rows(w)
+        if self.sharing is not None:
+            w = self.sharing.rows(w)
         timed = self.evidence.verify_ms
         if w in timed:
             return timed[w]
@@ -362,7 +364,7 @@ class Prices:
         """The run's own target timings, and how they compare with the profile's (`Evidence.scale`); a tree pass's
         at the width it read (every branch's nodes), not the kept branch's."""
         evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
-        if (shared := sharing()) is not None and shared.size > 1 and shared.pass_ms is not None:
+        if (shared := self.sharing) is not None and shared.size > 1 and shared.pass_ms is not None:
             w, ms = shared.computed(w), shared.pass_ms  # the batch's pass, not the wait for the other requests
         if self.learn or not (self.profile and w in self.profile.target_ms):
             evidence.verify_ms[w] = ema(evidence.verify_ms.get(w), ms)

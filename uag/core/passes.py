@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from uag.core.records import sharing
 from uag.core.translate import longest_common_prefix
 from uag.core.verify import Tree, TreeVerdict, accept_tree
 
@@ -259,16 +259,25 @@ def kv_bytes(model, tokens: int) -> int:
 # --- several proposals in one pass (a tree: uag.core.verify.Tree) ------------------------------------------------
 
 
-def tree_ready(model, cache: list, sampling) -> bool:
-    """Whether a tree pass can verify several proposals at once: a model of its own (or one a batch shares while
-    the request runs alone: uag.runtime.batching.SharedModel.alone, since the pass changes the model's ropes), plain
+@runtime_checkable
+class Shareable(Protocol):
+    """A model that requests running together share (uag.runtime.batching.SharedModel): `alone()` says whether a
+    call made now is the model's own (no other request's pass waits on it), so that a caller may change the model
+    for one pass."""
+
+    def alone(self) -> bool: ...
+
+
+def tree_ready(model, cache: list, sampling, *, batched: bool = False) -> bool:
+    """Whether a tree pass can verify several proposals at once: a model of its own outside a batch (`batched`: the
+    run is in one), or a `Shareable` one while the request runs alone (the pass changes the model's ropes), plain
     KV caches (a rotating or quantized one cannot take its keys back in place), attention layers with a `rope` to
     place each node, and a target that picks each row alone (no penalties, which read the tokens before a row, and
     no grammar, which follows one proposal)."""
     layers = getattr(model, "layers", None)
-    own = isinstance(model, nn.Module) and sharing() is None
+    own = model.alone() if isinstance(model, Shareable) else isinstance(model, nn.Module) and not batched
     return (
-        (own or getattr(model, "alone", lambda: False)())
+        own
         and not sampling.processors
         and sampling.grammar is None
         and bool(cache)

@@ -19,7 +19,7 @@ from uag.core.config import GRAMMAR, LOOKUP
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import MODEL, Evidence, Prices, ema, expected_tokens
 from uag.core.lookup import BAND_FLOORS, COPY_GROWTH, branch_room, match_band
-from uag.core.records import Cycle, Offer, Rehearsal
+from uag.core.records import Cycle, Offer, Rehearsal, Sharing
 
 if TYPE_CHECKING:
     from uag.core.config import GenerationConfig
@@ -103,13 +103,22 @@ def make_policy(
     r: float = 0.1,
     evidence: Evidence | None = None,
     settings: AutoSettings | None = None,
+    sharing: Sharing | None = None,
 ) -> Policy:
     """Fixed k, or for k_policy "adaptive" (with any translation) the adaptive policy with k ≤ config.k, seeded
     by `profile` (the pair's measured costs on this machine, uag.costs.profiles) and `evidence` (what earlier runs
-    of the pair taught, updated in place by this one) when there are, tuned by `settings` (None: the defaults)."""
+    of the pair taught, updated in place by this one) when there are, tuned by `settings` (None: the defaults);
+    `sharing`: how a server batches the run's target passes with other requests' (None: run alone)."""
     if config.k_policy != "adaptive":
         return FixedK(config.k)
-    return AdaptiveK(k_max=config.k, profile=profile, r=r, evidence=evidence, settings=settings or AutoSettings())
+    return AdaptiveK(
+        k_max=config.k,
+        profile=profile,
+        r=r,
+        evidence=evidence,
+        settings=settings or AutoSettings(),
+        sharing=sharing,
+    )
 
 
 @dataclass
@@ -153,6 +162,7 @@ class AdaptiveK:
     r: float = 0.1  # drafter/target cost ratio to assume before any drafter step was timed
     evidence: Evidence | None = None  # what it starts from and learns into (uag.core.evidence); None: nothing yet
     settings: AutoSettings = field(default_factory=AutoSettings)
+    sharing: Sharing | None = None  # a server's batch: the run's target passes shared with others' (priced so)
     prices: Prices = field(init=False)  # what each phase of a cycle costs (uag.core.evidence)
     # --- this run's state: `begin` sets it, `observe` and `rehearsed` update it
     unread: int = field(default=0, init=False)  # committed tokens the drafter has not read (prompt, parked steps)
@@ -169,7 +179,7 @@ class AdaptiveK:
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1 (got {self.k_max})")
         self.evidence = Evidence() if self.evidence is None else self.evidence
-        self.prices = Prices(self.profile, self.evidence, self.r, self.settings.learn_costs)
+        self.prices = Prices(self.profile, self.evidence, self.r, self.settings.learn_costs, self.sharing)
         self.rehearsal_gap = self.settings.rehearse_every
 
     # --- what a proposal earns and costs -----------------------------------------------------------------

@@ -24,7 +24,6 @@ the same numbers. Definitions (also in docs/how-it-works.md#metrics):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -377,11 +376,3 @@ class Sharing:
     def mean_size(self) -> float:
         """The batch size this request ran at, averaged over its target passes (1 when it ran alone)."""
         return self.summed / self.passes if self.passes else 1.0
-
-
-SHARING: ContextVar[Sharing | None] = ContextVar("uag_sharing", default=None)  # set in each batched request
-
-
-def sharing() -> Sharing | None:
-    """The running request's `Sharing` when a server batches it with others; None for a request run alone."""
-    return SHARING.get()

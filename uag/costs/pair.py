@@ -5,7 +5,7 @@ earlier runs of the pair accepted (`saved_evidence`, `keep_evidence`): auto's op
 
 A run that finds the saved costs off (`uag.costs.profiles.why_measure_again`) never removes them: the CLI and
 the API say so in one warning line, and a server (`open_auto(…, schedule=…)`) measures them again off the
-request's path (uag.server.costs.CostKeeper), saving the new ones only if they were not measured busier.
+request's path (uag.runtime.keeper.CostKeeper), saving the new ones only if they were not measured busier.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 `uag serve --shard` starts on every rank. Each joins the group and loads its shard on the MLX worker thread
 (MLX arrays and streams belong to the thread that made them, and rank 0's server runs every job on that
-thread). Rank 0 then serves HTTP: its `Service` (uag.server.service) runs requests through `Leader.stream`,
+thread). Rank 0 then serves HTTP: its `Host` (uag.runtime.host) runs requests through `Leader.stream`,
 which first tells the other ranks what to run — the prompt's ids and the `GenerationConfig` — and then runs
 `stream_sharded` with them (uag.distributed.sharded), so that every rank verifies and commits the same
 tokens. The other ranks `follow`: wait for rank 0's word, run what it says, wait again.
@@ -15,7 +15,7 @@ the payload (ids and settings as integers):
 - CALIBRATE: rank 0 measures a pair's costs for `auto` (uag.costs.calibrate), which takes every rank's passes;
   the others time the same passes (`calibrate_target`, the target side of every calibration) and discard them.
   At startup, and while the server is idle for a pair without costs or whose costs a run found off (the
-  Service's CostKeeper, through `Leader.measure`): never inside a request.
+  host's CostKeeper, uag.runtime.keeper, through `Leader.measure`): never inside a request.
 - WAIT a: rank 0 is about to load a drafter: the next word may take `a` seconds.
 - HEARTBEAT: nothing to run; rank 0 is alive.
 - SHUTDOWN: rank 0 is stopping (Ctrl-C, SIGTERM): the others leave their loop and exit 0.
@@ -46,14 +46,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
-from pathlib import Path
 
 import mlx.core as mx
 
 from uag.core.config import DrafterSpec, GenerationConfig
-from uag.core.drafters import DrafterChoice
+from uag.core.drafters import DrafterChoice, load_drafter_choice
 from uag.core.engine import prompt_ids
 from uag.core.records import Event
+from uag.costs.calibrate import QUICK, calibrate, calibrate_target
 from uag.distributed.collective import Link, RankLost, RanksDisagree, others
 from uag.distributed.decisions import STOP, Stopped, message_width
 from uag.distributed.sharded import (
@@ -66,7 +66,7 @@ from uag.distributed.sharded import (
     stream_sharded,
 )
 from uag.errors import ModelError, UserError
-from uag.models.store import LoadedModel, ModelStore
+from uag.models.store import LoadedModel, ModelStore, check_pair
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,6 @@ def join(name: str, shard: str, *, connect_timeout_s: float, timeout_s: float, p
 def follow(ranks: Ranks, target: LoadedModel) -> int:
     """A rank other than 0: run rank 0's requests in lockstep until it says SHUTDOWN; returns the runs made.
     A request that rank 0 refused the same way (bad settings) is skipped; a lost rank ends the loop (RankLost)."""
-    from uag.costs.calibrate import QUICK, calibrate_target
-
     link = Link(ranks.group, WORD, ranks.watchdog)
     limit, runs = LOAD_TIMEOUT_S, 0  # at first rank 0 may still be loading its drafters
     while True:
@@ -138,12 +136,13 @@ def follow(ranks: Ranks, target: LoadedModel) -> int:
 
 
 class Leader:
-    """Rank 0 of a sharded server: the `stream` its Service runs requests with, the store that hands out the
-    sharded target, the drafters loaded and measured before serving, heartbeats, and the last word.
+    """Rank 0 of a sharded server: the `stream` and `measure` its host runs and measures pairs with
+    (uag.runtime.host's `Streams` and uag.runtime.keeper's `Measures`), the store that hands out the sharded
+    target, the drafters loaded before serving, heartbeats, and the last word.
 
-    Every method that sends a word runs on the MLX worker thread (`worker`), as do `prepare` and
-    `measure_missing`. `lost` holds the error once a rank is gone; `on_lost` (set by the server) is called
-    then, from the worker thread, to stop serving."""
+    Every method that sends a word runs on the MLX worker thread (`worker`), as does `prepare`. `lost` holds the
+    error once a rank is gone; `on_lost` (set by the server) is called then, from the worker thread, to stop
+    serving."""
 
     def __init__(self, ranks: Ranks, target: LoadedModel, worker, *, check_every: int = 0):
         self.ranks, self.target, self.worker, self.check_every = ranks, target, worker, check_every
@@ -154,7 +153,6 @@ class Leader:
         self._last_word = time.monotonic()
         self._ended = False
         self._closing = threading.Event()
-        self._offered: dict[str | None, tuple[DrafterSpec, Path]] = {}  # drafter model -> (spec, auto's costs)
         target.model = _RankZeroShard(target.model, self)
 
     # --- what the server calls -------------------------------------------------------------------------
@@ -174,11 +172,9 @@ class Leader:
         profile=None,
         evidence=None,
     ) -> Iterator[Event]:
-        """`uag.core.engine.stream`'s signature (what Service calls, once per request, with the prompt read and
-        checked and `auto`'s inputs opened as every front end's: uag.runtime.pair, uag.costs.pair.open_auto),
+        """`uag.core.engine.stream`'s signature (what the host calls, once per request, with the prompt read and
+        checked and `auto`'s inputs opened as every front end's: uag.runtime.pair, uag.runtime.host.Host.open_auto),
         over the shards. `caches` is not used: every request reads its whole prompt, and `cached_tokens` is 0."""
-        from uag.models.store import check_pair
-
         assert target is self.target, (target.name, self.target.name)
         check_sharded(config, drafter, 0)  # before the others hear of it: a refusal leaves nobody waiting
         if config.speculative and drafter.model is not None:
@@ -225,40 +221,15 @@ class Leader:
             self._last_word = time.monotonic()
 
     def prepare(self, store: ModelStore, drafters: Sequence[str], progress: Progress | None = None) -> None:
-        """Load the drafters the server offers, and measure what `measure_missing` measures."""
-        from uag.core.loading import load_drafter_choice
-
+        """Load the drafters the server offers before serving (the host then measures the pairs without costs
+        over the shards, through `measure`: uag.runtime.host.Host.measure_missing)."""
         for text in drafters:
-            spec = DrafterSpec.parse(text)
-            if spec.model not in self._offered:  # lookup and lookup+D share D's costs, or the target's alone
-                choice = load_drafter_choice(store, spec, progress=progress)
-                self._offered[spec.model] = (spec, _profile_path(self.target, choice))
-        self.measure_missing(store, progress)
-
-    def measure_missing(self, store: ModelStore, progress: Progress | None = None) -> None:
-        """At startup: measure over the shards the costs `auto` decides by for each pair the server offers that
-        has none saved (model drafters first: a pair's measurement also gives lookup its target-only costs)."""
-        from uag.core.loading import load_drafter_choice
-        from uag.costs.pair import keep_measured
-
-        say = progress or log.info
-        for spec, path in sorted(self._offered.values(), key=lambda offered: offered[0].model is None):
-            if path.exists():
-                continue
-            choice = load_drafter_choice(store, spec, progress=progress)
-            say(
-                f"measuring {self.target.name} ← {choice.model.name if choice.model else 'lookup'} over the shards "
-                "(auto decides by these costs; saved for next time)"
-            )
-            say(keep_measured(self.measure(self.target, choice), self.target)[1])
+            load_drafter_choice(store, DrafterSpec.parse(text), progress=progress)
 
     def measure(self, target: LoadedModel, choice: DrafterChoice, *, progress=None, cancel=None):
-        """One quick calibration of the pair over the shards (the Service's `measure`): CALIBRATE, then every rank
+        """One quick calibration of the pair over the shards (the host's `measure`): CALIBRATE, then every rank
         times the target's passes with rank 0. `cancel` is not asked: rank 0 cannot stop part way alone, the
         others would wait in a pass it never takes (a request waits for the whole measurement, seconds)."""
-        from uag.costs.calibrate import QUICK, calibrate, calibrate_target
-        from uag.models.store import check_pair
-
         assert target is self.target, (target.name, self.target.name)
         self._say([CALIBRATE])
         with self._lockstep(), _bounded(self.ranks, self.link, "measuring the target's costs"):
@@ -424,14 +395,6 @@ class _Either:
 
     def is_set(self) -> bool:
         return self.left.is_set() or (self.cancel is not None and self.cancel.is_set())
-
-
-def _profile_path(target: LoadedModel, choice: DrafterChoice) -> Path:
-    """Where `auto`'s costs for this pair are saved (uag.costs.pair.open_auto reads them there)."""
-    from uag.costs.pair import evidence_key
-    from uag.costs.profiles import profile_path
-
-    return profile_path(evidence_key(target, choice))
 
 
 @contextmanager

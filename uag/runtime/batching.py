@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import greenlet
+import mlx.core as mx
 
-from uag.runtime.jobs import Busy
+from uag.core.passes import batched_pass, mergeable
+from uag.core.records import Sharing
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,8 @@ class SharedModel:
 
     def alone(self) -> bool:
         """Whether a call made now is the model's own: outside a batch, or from a member running alone in it
-        (`Batch.solo`); only then may a caller change the model for one pass (a tree pass's rope: uag.core.passes)."""
+        (`Batch.solo`); only then may a caller change the model for one pass (a tree pass's rope: uag.core.passes,
+        which asks it as a `uag.core.passes.Shareable`)."""
         member = greenlet.getcurrent()
         return not isinstance(member, Member) or member.batch.solo()
 
@@ -91,16 +94,18 @@ class Member(greenlet.greenlet):
     """A job running in the batch: its greenlet, and how its target passes were shared (`Sharing`)."""
 
     def __init__(self, job: Any, parent: greenlet.greenlet, batch: Batch):
-        from uag.core.records import Sharing
-
         super().__init__(self._main, parent)
         self.job, self.sharing, self.batch = job, Sharing(), batch
 
     def _main(self, *_start) -> None:
-        from uag.core.records import SHARING
-
-        SHARING.set(self.sharing)  # this greenlet's own context: the engine's `auto` reads it
         self.job._run()
+
+
+def sharing_now() -> Sharing | None:
+    """The running request's `Sharing` when it runs in a batch (its engine's `auto` is passed it, and its report
+    says it); None for a request run alone, outside any batch."""
+    member = greenlet.getcurrent()
+    return member.sharing if isinstance(member, Member) else None
 
 
 class Batch:
@@ -161,8 +166,6 @@ class Batch:
     def _decode(self, members: list[Member]) -> list[tuple[Member, Any, BaseException | None]]:
         """The members' narrow passes: one batched pass where their caches merge, else one pass each. A failed
         pass fails the members it served (their engines clean up); the others go on."""
-        from uag.core.passes import batched_pass, mergeable
-
         passes = [self.waiting[m] for m in members]
         model = passes[0].model
         tic = self.clock()
@@ -197,8 +200,6 @@ class Batch:
 
     def _read(self, member: Member, alone: bool) -> list[tuple[Member, Any, BaseException | None]]:
         """One chunk of a member's read (all of it when nobody else waits); its logits once it is read."""
-        import mlx.core as mx
-
         waiting = self.waiting[member]
         self.kept.pop(id(waiting.model), None)  # its cache grows outside the merged copy
         end = waiting.width if alone else min(waiting.width, waiting.read + self.read_chunk)
@@ -292,30 +293,6 @@ class PassCosts:
         return min(max(fixed / slope, 1.0), 1000.0)
 
 
-class NoRoom(Busy):
-    """The request's KV caches would not fit in memory beside those of the requests running now."""
-
-
-def room_for(target: Any, tokens: int, batch: Batch | None, *, available: int | None = None) -> None:
-    """NoRoom unless a request of up to `tokens` tokens fits in memory beside the batch's members: its caches,
-    and their copy in each batched pass (`available` replaces what this machine has free: tests)."""
-    from uag.core.passes import kv_bytes
-    from uag.models.memory import available_bytes
-
-    if batch is None or not batch:
-        return
-    free = available_bytes() if available is None else available
-    need = 2 * kv_bytes(target.model, tokens)
-    if free is not None and need > free:
-        raise NoRoom(
-            f"this request's KV caches ({need / 1e9:.1f} GB with their batched copy) would not fit in the "
-            f"{free / 1e9:.1f} GB free beside the {len(batch)} request{'s' * (len(batch) != 1)} running now: "
-            "retry when one has finished, or ask for fewer max_tokens"
-        )
-
-
 def _evaluated(out: list, passes: list[Pass]) -> None:
     """Run a shared pass now, while the batch waits on it, rather than in whichever member reads its rows first."""
-    import mlx.core as mx
-
     mx.eval(out, [c.state for p in passes for c in p.cache])

@@ -21,17 +21,13 @@ from functools import partial
 from typing import Any
 
 from uag.errors import UserError
-from uag.runtime.worker import TICK, Job, MLXWorker
+from uag.runtime.worker import TICK, Busy, Job, MLXWorker
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PER_CLIENT = 2  # jobs one client may have queued or running at once
 DEFAULT_BUDGET_S = 300.0  # worker time one request may take: loading, reading the prompt and generating
 HEARTBEAT_S = 0.25  # the consumer gets control back at least this often
-
-
-class Busy(UserError):
-    """The client already has as many jobs queued or running as it may (and its job was not to wait)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Measuring a pair's costs off every request's path: `CostKeeper` measures the costs auto decides by, for a pair
 with none saved or whose saved ones a run found off, on the MLX worker only while it is idle, stops for a request
-and measures a pair at most once per interval (`due`). What is measured and saved is `uag.server.service`'s
-(`Service._measure`) and `uag.costs.pair`'s; this module only decides when. Standard library only.
+and measures a pair at most once per interval (`due`). `measure_wanted` is the one measurement every front end's
+host makes (`uag.runtime.host.Host`): the pair's quick calibration (`uag.costs.pair.measure_costs`, or a sharded
+target's over its ranks: any `Measures`), kept unless the saved one was measured quieter.
 
     keeper = CostKeeper(worker, measure, ready)
     keeper.want(Wanted(key, "lookup+demo-drafter", "no costs are saved for it yet"))   # -> "scheduled"
@@ -16,7 +17,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+from uag.costs.calibrate import MeasurementStopped
+from uag.costs.pair import keep_measured, measure_costs, read_calibration
+from uag.costs.profiles import machine_load, others_load, pair_name, replaces
 from uag.runtime.worker import Job, MLXWorker
 
 log = logging.getLogger(__name__)
@@ -25,6 +30,22 @@ REMEASURE_S = 600.0  # a pair's costs are measured at most this often: a few bus
 SETTLE_S = 2.0  # the worker idle this long before a background measurement starts
 POLL_S = 0.25  # how often the keeper looks at the worker
 LOAD_EVERY_S = 5.0  # how often it reads the load, so that this process's own share follows its work
+PROGRESS_EVERY_S = 3.0  # a start-up measurement's progress on the console, at most this often
+
+
+class Measures(Protocol):
+    """A pair's quick calibration: `uag.costs.pair.measure_costs`, or a sharded target's over its ranks
+    (`uag.distributed.serving.Leader.measure`). `cancel`, asked between passes, stops it by raising
+    `uag.costs.calibrate.MeasurementStopped`; the result is not saved (`uag.costs.pair.keep_measured` decides)."""
+
+    def __call__(
+        self,
+        target: Any,
+        choice: Any,
+        *,
+        progress: Callable[[str], None] | None = None,
+        cancel: Callable[[], bool] | None = None,
+    ) -> Any: ...
 
 
 def due(last_s: float | None, now_s: float, interval_s: float = REMEASURE_S) -> bool:
@@ -150,8 +171,6 @@ class CostKeeper:
             running.wait(timeout_s)
 
     def _loop(self) -> None:
-        from uag.costs.profiles import others_load
-
         idle_since, read_load = None, 0.0
         while not self._closing.is_set():
             self._wake.wait(self.poll_s)
@@ -204,3 +223,52 @@ def every(say: Callable[[str], None], seconds: float) -> Callable[[str], None]:
             say(text)
 
     return throttled
+
+
+def measure_wanted(
+    target: Any,
+    choice: Any,
+    wanted: Wanted,
+    *,
+    measure: Measures = measure_costs,
+    cancel: Callable[[], bool],
+    job: Job,
+    progress: Callable[[str], None] | None = None,
+    interval_s: float = REMEASURE_S,
+) -> bool:
+    """Measure the loaded pair (target, choice) that `wanted` names and keep its costs: True once done with it
+    (measured and saved, or kept because the saved costs were measured quieter, or not measured because the
+    machine is busy now and they were), False when a request stopped the measurement (`cancel`). `progress`: the
+    console at start-up (at most every `PROGRESS_EVERY_S`); the job's own progress line is always kept."""
+    name, saved, now = pair_name(wanted.key), read_calibration(wanted.key), machine_load()
+    if saved is not None and not replaces(now, saved):
+        log.info(
+            "not measuring auto's costs for %s now: the machine is busy (%s) and the saved ones were "
+            "measured at %s; tried again after %g min",
+            name,
+            now,
+            saved.load,
+            interval_s / 60,
+        )
+        return True
+    log.info(
+        "measuring auto's costs for %s (%s)%s", name, wanted.reason, "; a request stops it" if progress is None else ""
+    )
+    tell = None if progress is None else every(progress, PROGRESS_EVERY_S)
+
+    def said(text: str) -> None:
+        job.progress = text
+        if tell is not None:
+            tell(f"{name}: {text}")
+
+    tic = time.monotonic()
+    try:
+        calibration = measure(target, choice, progress=said, cancel=cancel)
+    except MeasurementStopped:
+        log.info(
+            "stopped measuring auto's costs for %s: a request came in (measured when the server is idle again)", name
+        )
+        return False
+    kept, line = keep_measured(calibration, target)
+    (log.info if kept else log.warning)("%s (in %.0f s)", line, time.monotonic() - tic)
+    return True

@@ -18,12 +18,14 @@ from typing import Any, Protocol
 
 from uag.core.config import DrafterSpec, GenerationConfig
 from uag.core.costmodel import CostProfile
-from uag.core.drafters import DrafterChoice
-from uag.core.loading import check_drafter_fits, check_memory, load_model
+from uag.core.drafters import DrafterChoice, check_drafter_fits
+from uag.core.engine import PromptCaches, prompt_ids
+from uag.core.engine import stream as engine_stream
 from uag.core.prompt_input import check_context
 from uag.core.records import Event, Run
 from uag.costs.pair import saved_profile
 from uag.errors import InputError
+from uag.models.loading import check_memory, load_model
 from uag.models.store import LoadedModel, ModelStore, Pair, check_pair
 from uag.runtime.divergence import Divergence
 from uag.runtime.margins import compare_runs
@@ -32,7 +34,7 @@ Progress = Callable[[str], None]
 
 
 class Load(Protocol):
-    """How a front end loads one model: `uag.core.loading.load_model`'s signature (the app's says more)."""
+    """How a front end loads one model: `uag.models.loading.load_model`'s signature (the app's says more)."""
 
     def __call__(
         self,
@@ -170,8 +172,6 @@ def prompt_ids_for(loaded: Loaded, prompt: str | Sequence[int], config: Generati
 
     Example: prompt_ids_for(loaded, "Stolica Polski to", GenerationConfig()) -> [1, 29879, …]
     """
-    from uag.core.engine import prompt_ids
-
     target = loaded.target
     if isinstance(prompt, str):
         check_prompt_chars(target, len(prompt))  # a prompt far too long is not tokenised
@@ -227,9 +227,6 @@ def check_against_target(
     cold, as `uag generate --strategy baseline` would), unless the caller ran it already (`baseline`), and the
     verdict on the two greedy outputs (uag.runtime.margins.compare_runs): identical, a near-tie the dtype's
     rounding may turn, or a mismatch (a bug). `stream`: the engine's (a sharded server's runs over its ranks)."""
-    from uag.core.engine import PromptCaches
-    from uag.core.engine import stream as engine_stream
-
     target = loaded.target if isinstance(loaded, Loaded) else loaded
     if run.generated == 0:
         return Checked(run, baseline, None, "the reply has no tokens")

@@ -1,4 +1,4 @@
-"""One thread for all MLX work, fed by a queue. Standard library only.
+"""One thread for all MLX work, fed by a queue.
 
 MLX streams are bound to the thread that created them, while a web server steps a handler's generator
 on whichever thread is free. So the app never touches a model outside this worker: a handler submits a
@@ -28,10 +28,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from uag.errors import UserError
+from uag.runtime.batching import Batch
+
 log = logging.getLogger(__name__)
 
 _DONE = object()  # end of a job's items
 TICK = object()  # yielded by `Job.items(heartbeat)` when nothing came for `heartbeat` seconds
+
+
+class Busy(UserError):
+    """The client already has as many jobs queued or running as it may (and its job was not to wait), or the
+    request would not fit beside those running now."""
 
 
 class Job:
@@ -238,9 +246,7 @@ class MLXWorker:
             self.batch = self._new_batch()
             return self.batch
 
-    def _new_batch(self):
-        from uag.runtime.batching import Batch
-
+    def _new_batch(self) -> Batch:
         batch = Batch(self.max_batch)
         batch.queued = lambda: not self._jobs.empty()  # a lone member yields at its next pass once a job waits
         return batch

@@ -297,9 +297,11 @@ def _loopback(host: str) -> bool:
 
 
 def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=None, stream=None, measure=None):
-    """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service). `stream` and `measure`:
-    the Service's (a sharded server's run over its ranks)."""
+    """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service): one `Host` that both the
+    API's Service and the app's Session use. `stream` and `measure`: the host's (a sharded server's run over its
+    ranks)."""
     from uag.models.store import ModelStore
+    from uag.runtime.host import Host
     from uag.runtime.jobs import JobRunner
     from uag.runtime.worker import MLXWorker
     from uag.server.protocol import ServerDefaults
@@ -320,38 +322,29 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         checks=not getattr(args, "shard", None),
         aliases=tuple(getattr(args, "model_alias", None) or ()),
     )
+    # One host: one per-client count, one Evidence per pair and one cost policy for /ui's runs and the API's
+    # (costs measured off the requests' path, by the host's keeper).
+    host = Host(
+        store,
+        JobRunner(worker, per_client=args.per_client, budget_s=args.time_budget),
+        target=args.target,
+        target_dtype=opts.get("target_dtype"),
+        drafter_dtype=opts.get("drafter_dtype"),
+        stream=stream,
+        measure=measure,
+        auto=opts.get("auto"),
+        lookup_memory=getattr(args, "lookup_memory", 0),
+        off_path=True,
+    )
     session = None
-    if args.no_ui:
-        runner = JobRunner(worker, per_client=args.per_client, budget_s=args.time_budget)
-    else:
+    if not args.no_ui:
         from uag.app.session import Session
         from uag.runtime.access import ServedModels
 
         # /ui loads what the API serves, for every user (uag.runtime.access.ServedModels)
         served = ServedModels(args.target, defaults.allowed, opts.get("target_dtype"), opts.get("drafter_dtype"))
-        session = Session(
-            store,
-            worker,
-            target=args.target,
-            drafter=(defaults.allowed or ("lookup",))[0],
-            per_client=args.per_client,
-            budget_s=args.time_budget,
-            served=served,
-        )
-        runner = session.runner  # one per-client count for the app's runs and the API's
-    service = Service(
-        store,
-        runner,
-        defaults,
-        target=args.target,
-        cache_bytes=args.cache_gb * 1e9,
-        stream=stream,
-        target_dtype=opts.get("target_dtype"),
-        drafter_dtype=opts.get("drafter_dtype"),
-        measure=measure,
-        auto=opts.get("auto"),
-        lookup_memory=getattr(args, "lookup_memory", 0),
-    )
+        session = Session(host=host, target=args.target, drafter=(defaults.allowed or ("lookup",))[0], served=served)
+    service = Service(host, defaults, cache_bytes=args.cache_gb * 1e9)
     app = create_app(
         service,
         api_key=opts["key"],
@@ -360,7 +353,6 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         perimeter=opts.get("perimeter"),
     )
     if session is not None:
-        session.evidence = service.evidence  # one Evidence per pair for /ui's auto runs and the API's
         _mount_ui(app, session, service, opts["key"])
     return app, service
 
@@ -506,8 +498,9 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
             args.no_ui = True
         connections = _logging_and_connections(args, opts)
         store = leader.store(args.target, max_models=args.max_models)
-        app, _ = build(args, opts, store=store, worker=worker, stream=leader.stream, measure=leader.measure)
+        app, service = build(args, opts, store=store, worker=worker, stream=leader.stream, measure=leader.measure)
         worker.call(leader.prepare, store, opts["drafters"], progress)
+        service.preload(progress=progress).wait()  # the offered pairs without costs measured over the shards, first
         server = uvicorn.Server(server_config(app, host=args.host, port=args.port, **connections))
         leader.on_lost = lambda: setattr(server, "should_exit", True)  # a lost rank: stop serving, say which
         leader.keep_in_touch()

@@ -34,6 +34,7 @@ DEFAULT_STORED = 256  # stored responses kept, over all keys
 DEFAULT_STORED_BYTES = 64 * 2**20  # their conversations' size in all (JSON bytes)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+UNSEEN = "[an {kind} the model here cannot read]"  # what a tool's image or file output reads as
 # Client-run tools of OpenAI's own kinds and hosted ones: the model here can call neither, so they are dropped.
 HOSTED = (
     "web_search",
@@ -311,7 +312,7 @@ def _input(value: Any, namespaces: Mapping[str, tuple[str, str]]) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else _content(output, f"{where}.output")
+            text = output if isinstance(output, str) else _content(output, f"{where}.output", UNSEEN)
             call_id = text_of(item.get("call_id"), f"{where}.call_id")
             out.append({"role": "tool", "content": text_of(text, f"{where}.output"), "tool_call_id": call_id})
         elif kind == "reasoning":
@@ -324,8 +325,9 @@ def _input(value: Any, namespaces: Mapping[str, tuple[str, str]]) -> list[dict]:
     return out
 
 
-def _content(content: Any, param: str) -> str:
-    """A message's text: a string, or its input_text / output_text parts joined; images and files are a 400."""
+def _content(content: Any, param: str, unseen: str | None = None) -> str:
+    """A message's text: a string, or its input_text / output_text parts joined; images and files are a 400, or
+    in a tool's output (`unseen`) that text in their place: an agent's next turn goes on without them."""
     if isinstance(content, str):
         return text_of(content, param)
     if not isinstance(content, list):
@@ -334,6 +336,9 @@ def _content(content: Any, param: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_image", "input_file", "input_audio"):
+            if unseen is not None:
+                texts.append(unseen.format(kind=kind.removeprefix("input_")))
+                continue
             raise bad(f"{param}[{j}]", f"the model here reads text only: leave {kind} parts out")
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise bad(f"{param}[{j}]", f'must be {{"type": "input_text", "text": …}} (got a part of type {show(kind)})')

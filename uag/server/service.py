@@ -1,41 +1,33 @@
-"""What a request runs on the MLX worker: load the pair, render and check the prompt, run the engine's stream with
-the conversation's caches and the pair's evidence, and hand back text deltas and one final report. Also what
-the Server tab shows: the recent requests and the time speculation saved.
+"""The OpenAI-side adapter over the `Host` (uag.runtime.host): what a request runs on the MLX worker — render and
+check the prompt, run the pair on the host with the conversation's caches, cut stop strings, take tool calls, and
+hand back text deltas and one final report (finish reason, usage, speculative, timings). Also what the Server tab
+shows: the recent requests and the time speculation saved.
 
-The HTTP layer (uag.server.routes) never touches a model: it queues `Service.job` through the `JobRunner` that the
-app's Session shares, so API requests and the app's comparisons run on one worker, in turn. No request measures
-costs: `CostKeeper` measures a pair's missing or stale costs while the worker is idle, and stops for a request.
+The HTTP layer (uag.server.routes) never touches a model: it queues `Service.job` through the host's `JobRunner`,
+which the app at /ui shares, so API requests and the app's comparisons run on one worker, in turn. The host holds
+the pairs, auto's evidence, the shared lookup index and the cost keeper: no request measures costs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
 
-from uag.core.config import DrafterSpec
-from uag.costs.pair import open_auto
+from uag.core.engine import PromptCaches
+from uag.costs.pair import read_calibration, saved_profile
+from uag.costs.profiles import target_key
 from uag.errors import InputError
-from uag.models.store import ModelStore
-from uag.runtime.batching import room_for, share
-from uag.runtime.jobs import JobRunner
-from uag.runtime.pair import (
-    Loaded,
-    check_against_target,
-    check_prompt_chars,
-    max_prompt_chars,
-    open_pair,
-    prompt_ids_for,
-)
+from uag.runtime.host import Host
+from uag.runtime.jobs import JobRunner, tell
+from uag.runtime.keeper import CostKeeper
+from uag.runtime.pair import Loaded, check_prompt_chars, max_prompt_chars, prompt_ids_for
 from uag.runtime.worker import Job
 from uag.server.chat import render
-from uag.server.costs import CostKeeper, Wanted, every
 from uag.server.errors import APIError, bad
 from uag.server.prompt_cache import ConversationCaches
 from uag.server.protocol import Request, ServerDefaults
@@ -46,7 +38,6 @@ log = logging.getLogger(__name__)
 
 RECENT = 200  # requests the Server tab keeps
 FINISH = {"eos": "stop", "length": "length", "stopped": "stop"}
-PROGRESS_EVERY_S = 3.0  # a start-up measurement's progress on the console, at most this often
 
 
 @dataclass(frozen=True)
@@ -75,123 +66,70 @@ class Done:
 
 
 class Service:
-    """The server's state: one model store, the conversation caches, each pair's `auto` evidence, the log of
-    requests, the `CostKeeper`. `stream` is the engine's (`uag.core.engine.stream`) and `measure` a pair's quick
-    calibration (`uag.costs.pair.measure_costs`; a sharded server's over its ranks); tests may pass
-    others with their signatures."""
+    """The OpenAI-side adapter over a `Host` (the pairs, auto's evidence, the shared lookup index, the cost keeper:
+    uag.runtime.host): the server's defaults, the conversation caches, the log of requests the Server tab shows,
+    and the step times served here."""
 
-    def __init__(
-        self,
-        store: ModelStore,
-        runner: JobRunner,
-        defaults: ServerDefaults,
-        *,
-        target: str,
-        cache_bytes: float,
-        stream: Callable[..., Iterator[Any]] | None = None,
-        target_dtype: str | None = None,
-        drafter_dtype: str | None = None,
-        measure: Callable[..., Any] | None = None,
-        auto: Any = None,
-        lookup_memory: int = 0,
-    ):
-        from uag.core.engine import stream as engine_stream
-        from uag.core.lookup import SharedIndexes
-
-        self.store, self.runner, self.defaults, self.target_name = store, runner, defaults, target
-        self.target_dtype, self.drafter_dtype = target_dtype, drafter_dtype  # None: as stored
+    def __init__(self, host: Host, defaults: ServerDefaults, *, cache_bytes: float):
+        self.host, self.defaults = host, defaults
         self.caches = ConversationCaches(cache_bytes)
-        self.stream = stream or engine_stream
-        self.measure = measure
-        self.auto = auto  # AutoSettings with parts of auto switched off (`--auto-off`, an ablation); None: as shipped
-        self.batched = runner.worker.max_batch > 1  # requests run together (`--max-batch`)
-        self.costs = CostKeeper(runner.worker, self._measure, lambda wanted: self.holds(wanted.drafter))
-        self.evidence: dict[str, Any] = {}  # per pair: the uag.core.evidence.Evidence its auto runs share
-        # earlier requests' prompts and replies, per API key and target, that prompt lookup drafts from (None: off)
-        self.memory = SharedIndexes(lookup_memory) if lookup_memory > 0 else None
         self.recent: deque[Served] = deque(maxlen=RECENT)
         self.saved_s = 0.0
         self._steps: dict[str, StepTime] = {}  # target -> its step time as served here (speculation off)
         self._lock = threading.Lock()
-        self._starting: Job | None = None  # `preload`'s job: loading the default pair, then measuring its costs
-        store.on_evict.append(lambda model: self.caches.forget(model.name))
+        host.store.on_evict.append(lambda model: self.caches.forget(model.name))
+
+    @property
+    def runner(self) -> JobRunner:
+        return self.host.runner
+
+    @property
+    def batched(self) -> bool:
+        """Whether requests run together (`--max-batch`): the routes submit them as shared jobs."""
+        return self.host.batched
+
+    @property
+    def costs(self) -> CostKeeper:
+        return self.host.costs
+
+    @property
+    def store(self):
+        return self.host.store
+
+    @property
+    def target_name(self) -> str:
+        return self.host.target_name
 
     def starting(self) -> str | None:
         """What the server still does at start-up (loading the default pair, then measuring auto's costs where
         none are saved), or None once that is done: a request sent meanwhile is served, but waits for the models
         and stops the measurement, and auto then runs without measured costs until the server is next idle."""
-        job = self._starting
-        return None if job is None or job.done.is_set() else job.label
+        return self.host.starting()
 
     def preload(self, progress: Callable[[str], None] | None = None) -> Job:
         """Load the default pair in the background, so that the first request finds it loaded, then measure the
         costs auto decides by where none are saved, for every drafter offered whose models are loaded now (the
-        default's pair, and prompt lookup's target alone). A request queued meanwhile stops the measuring, which
-        the `CostKeeper` takes up again when the worker is idle; a drafter loaded later is measured then."""
-
-        def job(job: Job) -> Iterator[str]:
-            target = self.load(job, self.defaults.drafter, progress=progress).target
-            max_prompt_chars(target)  # worked out now, not in the first request
-            yield target.name
-            job.label = "measuring auto's costs (stops for a request)"
-            self._measure_missing(job, progress)
-
-        def drain(queued: Job) -> None:
-            try:
-                for _ in queued:
-                    pass
-            except Exception:  # said again, to the client, on the first request
-                log.warning("preloading the default pair failed", exc_info=True)
-
-        queued = self._starting = self.runner.worker.submit(job, label=f"loading {self.target_name}")
-        threading.Thread(target=drain, args=(queued,), name="uag-serve-preload", daemon=True).start()
-        self.costs.start()
-        return queued
+        default's pair, and prompt lookup's target alone): `Host.start`."""
+        then = lambda loaded: max_prompt_chars(loaded.target)  # noqa: E731  worked out now, not in the first request
+        return self.host.start(self.defaults.drafter, self.defaults.allowed, progress=progress, then=then)
 
     # --- on the worker thread ------------------------------------------------------------------------------
     def load(self, job: Job, drafter: str | None, progress: Callable[[str], None] | None = None) -> Loaded:
-        """The target and the drafter (None: the target alone) in the server's dtypes, loaded once and checked as a
-        pair (uag.runtime.pair.open_pair), failures as user messages; a job cancelled meanwhile (its client left,
-        its time budget ran out) stops between the two."""
-        from uag.runtime.jobs import tell
-
+        """The target and the drafter (None: the target alone) in the server's dtypes, opened on the host (loaded
+        once, checked as a pair, shared for batching), failures as user messages; a job cancelled meanwhile (its
+        client left, its time budget ran out) stops between the two."""
         go_on = lambda: self._go_on(job, "loading the models")  # noqa: E731
-        loaded = open_pair(
-            self.store,
-            self.target_name,
+        host = self.host
+        loaded = host.open(
+            host.target_name,
             drafter,
-            target_dtype=self.target_dtype,
-            drafter_dtype=self.drafter_dtype,
+            target_dtype=host.target_dtype,
+            drafter_dtype=host.drafter_dtype,
             progress=progress or (lambda text: tell(job, text)),
             between=go_on,
         )
         go_on()
-        if self.batched:  # requests running together share the models' passes (uag.runtime.batching)
-            share(loaded.target, "target")
-            if loaded.choice is not None and loaded.choice.model is not None:
-                share(loaded.choice.model, "drafter")
         return loaded
-
-    def holds(self, drafter: str | None) -> bool:
-        """Whether the server holds the models of the target's pair with `drafter` now (touches none of them)."""
-        model = None if drafter is None else DrafterSpec.parse(drafter).model
-        return self.store.has(self.target_name, self.target_dtype) and (
-            model is None or self.store.has(model, self.drafter_dtype)
-        )
-
-    def loaded(self, drafter: str | None):
-        """(target, `DrafterChoice` or None) when the server holds the pair's models now (`holds`); None
-        otherwise. Loads nothing."""
-        from uag.core.drafters import DrafterChoice
-
-        if not self.holds(drafter):
-            return None
-        target = self.store.get(self.target_name, dtype=self.target_dtype)
-        if drafter is None:
-            return target, None
-        spec = DrafterSpec.parse(drafter)
-        held = None if spec.model is None else self.store.get(spec.model, dtype=self.drafter_dtype)
-        return target, DrafterChoice(lookup=spec.lookup, model=held)
 
     def _go_on(self, job: Job, doing: str) -> None:
         """Stop a request whose client left or whose time budget ran out before it generates anything."""
@@ -228,57 +166,33 @@ class Service:
         """The job function (`JobRunner.run(service.job, request, …)`): `Accepted`, `Delta`s, then one `Done`.
         `key`: the API key it presented (None: the server's one key, or none); prompt lookup drafts from the
         earlier requests of that key alone, and this one's prompt and reply join them when it ends."""
-        from dataclasses import replace
-
-        from uag.core.engine import PromptCaches
-
         job.limit(self.runner.budget_s)  # loading and reading the prompt count too
         loaded = self.load(job, request.drafter)
         target, choice = loaded.target, loaded.choice
         ids = self.prompt(loaded, request)
         self._go_on(job, "reading the prompt")
-        if self.batched:
-            room_for(target, len(ids) + request.config.max_tokens, self.runner.worker.batch)
+        self.host.admit(target, len(ids) + request.config.max_tokens)
         config = request.config
         auto = None
-        if config.k_policy == "adaptive":  # costs missing or off are measured later, while the worker is idle
-            schedule = lambda key, why: self._want(Wanted(key, request.drafter, why))  # noqa: E731
-            auto = open_auto(target, choice, held=self.evidence, schedule=schedule, keep=self.auto is None)
+        if config.k_policy == "adaptive":  # under `uag serve`, costs missing or off are measured while idle
+            auto = self.host.open_auto(loaded, request.drafter)
         # Keyed by the target: the caches name the models that filled them, and the engine reuses a drafter's
         # cache only for that drafter, so a conversation keeps its target cache when speculation changes.
         pair = target.name
         caches = self.caches.take(pair, ids) or PromptCaches.empty()
         yield Accepted(len(ids))
         text = ReplyText(request.stop, request.tools)
-        run, stopped, clean = None, False, False
-        extra = {} if auto is None else auto.engine_kwargs()
-        if self.auto is not None:
-            from uag.core.engine import Seams
-
-            extra["seams"] = Seams(auto=self.auto)
-        owner = (hashlib.sha256((key or "").encode()).hexdigest(), target.name)  # never the key itself
-        drafting = choice
-        if self.memory is not None and choice is not None and choice.lookup:
-            drafting = replace(choice, shared_index=self.memory.get(owner))
-        events = self.stream(target, drafting, ids, config, cancel=job.cancelled, caches=caches, **extra)
+        run, stopped = None, False
         fed = 0  # characters of the run's text given to `text` so far
-        try:
-            for event in events:
+        with self.host.running(job, loaded, ids, config, auto=auto, key=key, remember=True, caches=caches) as running:
+            for event in running:
                 run, fed = event.run, fed + len(event.text)
                 out, stopped = text.feed(event.text)
                 if out:
                     yield Delta(out)
                 if stopped:
                     break
-            clean = True
-        finally:
-            events.close()  # the engine's finally leaves the caches exact, also when stopped early
-            if clean:
-                self.caches.put(pair, caches)
-                if self.memory is not None and run is not None:
-                    self.memory.add(owner, [*run.prompt_ids, *run.token_ids])
-            if auto is not None:
-                auto.finish()  # the pair's next process opens from its evidence; costs found off are measured again
+        self.caches.put(pair, caches)  # the run ended without an error: its caches are exact for the next turn
         if run is None or run.finish_reason is None:
             raise RuntimeError("the engine's stream ended without a final record")
         if not stopped and (rest := run.text[fed:]):  # what the detokenizer held back to the end (a trailing space)
@@ -301,9 +215,7 @@ class Service:
             drafter=request.drafter,
             step=step,
         )
-        from uag.core.records import sharing
-
-        if (shared := sharing()) is not None:
+        if (shared := running.sharing) is not None:
             done_report["speculative"]["batch"] = {"mean": round(shared.mean_size, 2), "largest": shared.largest}
         if job.out_of_time:
             done_report["speculative"]["note"] = f"stopped by the server's time budget of {self.runner.budget_s:g} s"
@@ -316,19 +228,14 @@ class Service:
         """The request's `"check": true` (uag.runtime.pair.check_against_target, as `uag generate --compare`): the
         target alone on the same prompt for as many tokens as the reply, and the verdict on the two greedy
         outputs; a reply cut by a stop string is compared on the tokens it generated, as a length cut."""
-        from dataclasses import replace
-
         if run.finish_reason == "stopped":
             run = replace(run, finish_reason="length")
-        return check_against_target(loaded, ids, config, run, cancel=job.cancelled, stream=self.stream).to_dict()
+        return self.host.check(loaded, ids, config, run, cancel=job.cancelled).to_dict()
 
     def step_time(self, target, choice, run, evidence=None) -> StepTime | None:
         """The target's plain step time on this machine: its calibration, else this server's own runs of it
         alone (which also keep that figure current), else what auto's runs of the pair timed of one-token target
         passes (`evidence`: before the pair's costs are measured)."""
-        from uag.costs.pair import read_calibration, saved_profile
-        from uag.costs.profiles import target_key
-
         if run.strategy == "baseline" and run.tokens_per_second:
             with self._lock:
                 self._steps[target.name] = StepTime(1000 / run.tokens_per_second, "served with speculation off")
@@ -342,106 +249,6 @@ class Service:
             return self._steps[target.name]
         timed = None if evidence is None else evidence.verify_ms.get(1)
         return None if not timed else StepTime(timed, "auto's own target passes")
-
-    # --- what auto decides by: measured off the requests' path ---------------------------------------------
-    def _want(self, wanted: Wanted) -> None:
-        from uag.costs.profiles import pair_name
-
-        state = self.costs.want(wanted)
-        if state == "deferred":
-            log.info(
-                "auto's costs for %s: %s; measured %.0f min ago, so not again before %g min have passed (until "
-                "then auto rescales them as it runs)",
-                pair_name(wanted.key),
-                wanted.reason,
-                (self.costs.since(wanted.key) or 0) / 60,
-                self.costs.interval_s / 60,
-            )
-        if state == "scheduled":
-            first = wanted.reason.startswith("no costs")
-            log.warning(
-                "auto's costs for %s: %s; measuring them%s in the background when the server is idle (until "
-                "then auto %s)",
-                pair_name(wanted.key),
-                wanted.reason,
-                "" if first else " again",
-                "learns them as it runs" if first else "rescales the saved ones as it runs",
-            )
-
-    def _measure_missing(self, job: Job, progress: Callable[[str], None] | None) -> None:
-        """At start-up: measure every offered pair whose models are loaded and that has no costs saved, or a
-        verify curve short of what its lookup copies (`why_short`; model drafters first: a pair's measurement also
-        gives prompt lookup its target-only costs)."""
-        from uag.costs.pair import evidence_key, read_calibration, why_short
-
-        offered = sorted(self.defaults.allowed, key=lambda text: DrafterSpec.parse(text).model is None)
-        stopped = False
-        for drafter in offered:
-            pair = self.loaded(drafter)
-            if pair is None:
-                continue  # measured once a request has loaded it
-            key = evidence_key(*pair)
-            saved = read_calibration(key)
-            why = "no costs are saved for it yet" if saved is None else why_short(saved, pair[1])
-            if why is None:
-                continue
-            wanted = Wanted(key, drafter, why)
-            stopped = stopped or not self._measure(job, wanted, self.costs.cancel_for(job), progress)
-            if stopped:  # a request came in: the rest wait for an idle moment
-                self._want(wanted)
-            else:
-                self.costs.measured(key)
-
-    def _measure(self, job: Job, wanted: Wanted, cancel: Callable[[], bool], progress=None) -> bool:
-        """Measure the pair `wanted` names (`CostKeeper`'s `measure`): True once done with it (measured and saved,
-        or kept because the saved costs were measured quieter, or not measured because the machine is busy now
-        and they were), False when its models are not loaded or a request stopped the measurement."""
-        from uag.costs.calibrate import MeasurementStopped
-        from uag.costs.pair import evidence_key, keep_measured, measure_costs, read_calibration
-        from uag.costs.profiles import machine_load, pair_name, replaces
-
-        pair = self.loaded(wanted.drafter)
-        if pair is None:
-            return False
-        target, choice = pair
-        if evidence_key(target, choice) != wanted.key:  # the models loaded now are not those it was asked for
-            return True
-        name, saved, now = pair_name(wanted.key), read_calibration(wanted.key), machine_load()
-        if saved is not None and not replaces(now, saved):
-            log.info(
-                "not measuring auto's costs for %s now: the machine is busy (%s) and the saved ones were "
-                "measured at %s; tried again after %g min",
-                name,
-                now,
-                saved.load,
-                self.costs.interval_s / 60,
-            )
-        else:
-            log.info(
-                "measuring auto's costs for %s (%s)%s",
-                name,
-                wanted.reason,
-                "; a request stops it" if progress is None else "",
-            )
-
-            def said(text: str) -> None:
-                job.progress = text
-                if tell is not None:
-                    tell(f"{name}: {text}")
-
-            tell = None if progress is None else every(progress, PROGRESS_EVERY_S)
-            tic = time.monotonic()
-            try:
-                calibration = (self.measure or measure_costs)(target, choice, progress=said, cancel=cancel)
-            except MeasurementStopped:
-                log.info(
-                    "stopped measuring auto's costs for %s: a request came in (measured when the server is idle again)",
-                    name,
-                )
-                return False
-            kept, line = keep_measured(calibration, target)
-            (log.info if kept else log.warning)("%s (in %.0f s)", line, time.monotonic() - tic)
-        return True
 
     def _record(self, request: Request, run, done_report: dict, step: StepTime | None, choice, target) -> None:
         speedup = done_report["speculative"]["estimated_speedup"]
