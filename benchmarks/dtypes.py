@@ -34,12 +34,13 @@ from side_by_side import Condition  # (this folder; loads uag first)
 import mlx.core as mx
 
 from uag.core.config import GenerationConfig
+from uag.core.drafters import load_drafter_choice
 from uag.core.engine import generate
-from uag.core.loading import check_memory, load_drafter_choice, load_model
 from uag.core.passes import prefill
 from uag.costs.pair import profile_for
 from uag.machine import backend, blas, device_name
 from uag.models.dtypes import DTYPES
+from uag.models.loading import check_memory, load_model
 from uag.models.store import ModelStore
 from uag.runtime.divergence import DIVERGED, IDENTICAL, NEAR_TIE, near_tie_margin
 from uag.runtime.margins import compare_runs

@@ -6,7 +6,7 @@
     run = uag.generate(target, drafter, "Stolica Polski to", uag.GenerationConfig(translation="context", k=2))
     run.text, run.acceptance_rate, run.tokens_per_second
 
-Models load once per process (a shared `ModelStore`), through `uag.core.loading`: a broken model folder is a
+Models load once per process (a shared `ModelStore`), through `uag.models.loading`: a broken model folder is a
 `uag.UserError` saying what is wrong with it, as on the command line and in the app. Strategy "auto" decides
 by the pair's measured costs on this machine (uag.costs.pair): the profile `python -m uag calibrate`
 (or the app) saved, or on first use a quick calibration that is saved for next time (a run that finds them off
@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from uag.core.config import GenerationConfig
-from uag.core.drafters import DrafterChoice
+from uag.core.drafters import DrafterChoice, load_drafter_choice
 from uag.core.engine import last_run
 from uag.core.engine import stream as _stream
-from uag.core.loading import load_drafter_choice, load_model
 from uag.core.records import Event, Run
 from uag.costs.pair import open_auto, profile_for, saved_profile
+from uag.models.loading import load_model
 from uag.models.store import LoadedModel, ModelStore
 
 __all__ = ["generate", "load", "load_drafter", "profile_for", "saved_profile", "store", "stream"]

@@ -180,8 +180,8 @@ def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt
     the others. The prompt is read and checked as every front end's (uag.runtime.pair); the pair is loaded its
     own way (a sharded target, the drafter on rank 0 only) and `auto` opens from no saved costs: measuring them
     would take every rank's passes (`uag serve --shard` measures them over the shards)."""
-    from uag.core.loading import user_facing_load_errors
     from uag.distributed.sharded import connect, generate_sharded, load_rank0_drafter, load_sharded
+    from uag.models.loading import user_facing_load_errors
     from uag.models.store import ModelStore
     from uag.runtime.pair import pair_of, prompt_ids_for
 

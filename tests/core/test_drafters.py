@@ -12,9 +12,8 @@ from mlx_lm.sample_utils import make_sampler
 from tests.support.tiny_models import build_tiny, tiny_pair
 from uag.core.anatomy import Loss
 from uag.core.config import DrafterSpec, GenerationConfig
-from uag.core.drafters import DrafterChoice, LookupDrafter, lookup_offer, make_drafter
+from uag.core.drafters import DrafterChoice, LookupDrafter, load_drafter_choice, lookup_offer, make_drafter
 from uag.core.engine import PromptCaches, Seams, generate, prompt_ids, stream
-from uag.core.loading import load_drafter_choice
 from uag.core.lookup import LOOKUP_REACH, MATCH_CAP, NgramIndex, match_band
 from uag.core.translate import make_translator
 from uag.errors import InputError

@@ -288,7 +288,7 @@ def test_nbytes_counts_both_caches(tiny):
     ],
 )
 def test_demo_pair_second_turn_with_reused_caches_equals_a_cold_run(demo_pair, store, strategy, drafter):
-    from uag.core.loading import load_drafter_choice
+    from uag.core.drafters import load_drafter_choice
 
     target, _ = demo_pair
     choice = None if drafter is None else load_drafter_choice(store, drafter)

@@ -90,7 +90,7 @@ def test_a_damaged_folder_gets_a_message_the_user_can_act_on(tiny, tmp_path, dam
 
 
 def test_the_api_loads_a_damaged_folder_with_the_same_message(tiny, tmp_path, monkeypatch):
-    """`uag.load` goes through uag.core.loading, as the command line and the app do: one line, a UserError."""
+    """`uag.load` goes through uag.models.loading, as the command line and the app do: one line, a UserError."""
     import uag
     from uag import api
 
@@ -107,7 +107,7 @@ def test_the_api_loads_a_damaged_folder_with_the_same_message(tiny, tmp_path, mo
 
 def test_the_api_says_what_is_wrong_with_a_broken_hub_model(tmp_path):
     """A hub model whose config.json names no architecture: mlx-lm's KeyError('model_type') becomes the user's
-    message (uag.core.loading), not a KeyError."""
+    message (uag.models.loading), not a KeyError."""
     import subprocess
     import sys
 

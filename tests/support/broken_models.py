@@ -3,7 +3,7 @@
 ``broken_hub_cache(root)`` writes a Hugging Face cache holding ``org/broken``: a tiny model whose config.json
 names no architecture (a download from a repository that lacks it). A hub model never passes the model
 store's folder checks, so mlx-lm's own ``KeyError('model_type')`` reaches whoever loads it: only
-`uag.core.loading` turns it into a message. It returns the environment for a subprocess that loads from
+`uag.models.loading` turns it into a message. It returns the environment for a subprocess that loads from
 that cache offline.
 """
 

@@ -7,12 +7,14 @@ each run turns it into a stateful `Drafter` that proposes target tokens every cy
 - `LookupDrafter`: the continuation of the latest earlier occurrence of the last n tokens (uag.core.lookup).
 - `HybridDrafter`: lookup where the context offers a match, the model elsewhere; the policy picks the
   source each cycle (uag.core.policy).
+
+`load_drafter_choice` loads what a user named; `check_drafter_fits` refuses a prompt that leaves it no room.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,8 +30,9 @@ from uag.core.prompt_input import check_context
 from uag.core.records import Cycle, Offer, Rehearsal
 from uag.core.translate import IntersectionTranslator, Proposal, Resync, TextTranslator, Translator, make_translator
 from uag.core.verify import IdMap, draft_distribution
+from uag.models.loading import user_facing_load_errors
 from uag.models.store import LoadedModel
-from uag.models.vocab import Vocab
+from uag.models.vocab import Vocab, same_vocabulary
 
 REHEARSAL_SPAN = 64  # positions per pass of a rehearsal (its logits are kept: one row per position)
 
@@ -459,3 +462,29 @@ def make_drafter(
     )
     model = ModelDrafter(choice.model, translator, config, caches)
     return model if lookup is None else HybridDrafter(lookup, model)
+
+
+def load_drafter_choice(
+    store, spec: str | DrafterSpec, *, progress: Callable[[str], None] | None = None, dtype: str | None = None
+) -> DrafterChoice:
+    """The `DrafterChoice` that `spec` names ("demo-drafter", "lookup", "lookup+demo-drafter"), its model loaded
+    once through `store` in `dtype` (None: as stored), load failures said as ModelError; lookup loads nothing."""
+    spec = spec if isinstance(spec, DrafterSpec) else DrafterSpec.parse(spec)
+    with user_facing_load_errors("drafter", spec.model or str(spec)):
+        model = None if spec.model is None else store.get(spec.model, dtype=dtype, progress=progress)
+        return DrafterChoice(lookup=spec.lookup, model=model)
+
+
+def check_drafter_fits(target, drafter, ids: Sequence[int], config: GenerationConfig) -> None:
+    """InputError when the prompt `ids` (the target's) leaves the drafter model no room to generate in its
+    context; nothing to check for the baseline or prompt lookup alone (`drafter`: a `DrafterChoice`, a loaded
+    model or None). The length checked is the translator's own drafter-side prompt, so exactly what the run
+    will feed the drafter (the target's own check is uag.core.engine.prompt_ids)."""
+    if drafter is None or not config.speculative:
+        return
+    model = DrafterChoice.of(drafter).model
+    if model is None or model.context_length is None:
+        return
+    shared = same_vocabulary(target.vocab, model.vocab)
+    translator = make_translator(config.translation, target.vocab, model.vocab, window=config.window, shared=shared)
+    check_context(len(translator.start(ids)), model.context_length, "drafter", model.name)

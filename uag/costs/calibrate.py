@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from uag.core.loading import load_model
+    from uag.models.loading import load_model
 
     spec = DrafterSpec.parse(args.drafter)
     if args.reset:  # no models to load: the saved files name them (a hybrid's are its model's pair)

@@ -178,7 +178,7 @@ def load_sharded(name: str, shard: str, ranks: Ranks, *, progress: Callable[[str
 
 def load_rank0_drafter(store: ModelStore, spec: str | DrafterSpec, ranks: Ranks, **kw) -> DrafterChoice | None:
     """The drafter, loaded on rank 0 only (the other ranks never hold it)."""
-    from uag.core.loading import load_drafter_choice
+    from uag.core.drafters import load_drafter_choice
 
     return load_drafter_choice(store, spec, **kw) if ranks.rank == 0 else None
 

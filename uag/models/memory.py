@@ -2,7 +2,7 @@
 this machine has free for it, and the one-line refusal when a pair does not fit.
 
 Loading a pair that does not fit does not fail cleanly: the machine swaps until everything crawls, or the
-process is killed. So every interface checks first (uag.core.loading.check_memory) and says how big each
+process is killed. So every interface checks first (uag.models.loading.check_memory) and says how big each
 model is, how much there is, and what to change.
 
     >>> need = [Need("target", "demo-target", "q4", 170e6), Need("drafter", "coder-target", "float32", 7.1e9)]

@@ -172,9 +172,10 @@ def _say(message: str) -> None:
 
 def _load(sweep: Sweep):
     """Load the models and check the pairs."""
-    from uag.core.loading import check_memory, load_drafter_choice, load_model
+    from uag.core.drafters import load_drafter_choice
     from uag.machine import backend
     from uag.models.dtypes import slow_dtype_note
+    from uag.models.loading import check_memory, load_model
     from uag.models.store import ModelStore, check_pair
 
     store = ModelStore()
@@ -193,8 +194,8 @@ def _load(sweep: Sweep):
 
 def _prompt_ids(target, choices, pending: list[PlannedRun]) -> dict:
     """Every pending prompt's ids for the target, checked against both contexts before any run."""
+    from uag.core.drafters import check_drafter_fits
     from uag.core.engine import prompt_ids
-    from uag.core.loading import check_drafter_fits
 
     ids = {}
     for job in pending:
