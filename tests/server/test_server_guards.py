@@ -23,7 +23,7 @@ from tests.support.server import serving
 from uag.runtime.jobs import JobRunner
 from uag.runtime.worker import MLXWorker
 from uag.server.guards import KeyBackoff, Perimeter
-from uag.server.logs import JSONLines, QuietRepeats, request_fields, request_line
+from uag.server.logs import TEXT_FORMAT, JSONLines, PrintableText, QuietRepeats, request_fields, request_line
 from uag.server.protocol import ServerDefaults
 from uag.server.routes import create_app
 from uag.server.service import Accepted, Delta, Done
@@ -56,7 +56,6 @@ class FakeService:
         self.release.set()
         self.forever = False
         self.doing: str | None = None  # what `starting` says (None: start-up finished)
-        self.metrics = None  # no GET /metrics here (tests/server/test_server_metrics.py scrapes one)
 
     def starting(self) -> str | None:
         return self.doing
@@ -129,6 +128,15 @@ def test_a_foreign_host_is_refused_dns_rebinding(fake):
     assert "rebind.attacker.example" in response.json()["error"]["message"]
 
 
+def test_an_empty_host_is_refused_as_a_foreign_one(fake):
+    with serving(_app(fake)) as url, closing(_connect(url)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: \r\n\r\n")
+        answer = sock.recv(4096)
+        while not answer.endswith(b"}"):  # the JSON body may come apart from the head
+            answer += sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"an empty Host header" in answer
+
+
 def test_a_foreign_origin_post_to_the_app_is_refused(fake):
     http = TestClient(_app(fake), base_url=LOCAL)
     refused = http.post("/ui/gradio_api/run", json={"data": []}, headers={"Origin": "https://evil.example"})
@@ -153,6 +161,10 @@ def test_a_foreign_origin_post_to_the_app_is_refused(fake):
         ("0.0.0.0", ("uag.example.com",), "my-mac.local:8000", False),
         ("0.0.0.0", ("uag.example.com",), "192.168.1.5:8000", True),  # an address is never a rebinding
         ("my-mac.local", ("uag.example.com",), "my-mac.local:8000", True),  # the name it is bound to
+        ("127.0.0.1", (), "", False),  # an empty Host names nothing (HTTP/1.1 refuses it), bound anywhere
+        ("0.0.0.0", (), " ", False),
+        ("0.0.0.0", (), ":8000", False),
+        ("127.0.0.1", (), None, True),  # none at all: HTTP/1.0, no browser's
     ],
 )
 def test_the_host_rule(bind, allowed, host, ok):
@@ -201,37 +213,46 @@ def test_forwarded_addresses_are_read_only_from_a_trusted_proxy(fake, caplog, pe
 
 
 # --- failed keys cost time ---------------------------------------------------------------------------------------
-def test_key_backoff_grows_is_capped_and_resets():
+def test_key_backoff_holds_wrong_answers_longer_one_after_another_and_forgets():
     now = [0.0]
     backoff = KeyBackoff(free=3, first_s=1, cap_s=8, clock=lambda: now[0])
-    waits = []
-    for _ in range(8):
-        backoff.failed("a")
-        waits.append(backoff.retry_after("a"))
-    assert waits == [0, 0, 1, 2, 4, 8, 8, 8] and backoff.retry_after("b") == 0
-    now[0] += 8
-    assert backoff.retry_after("a") == 0
-    backoff.succeeded("a")
-    backoff.failed("a")
-    assert backoff.retry_after("a") == 0
+    holds = []
+    for _ in range(8):  # one after another: each waits out its answer
+        holds.append(backoff.failed("a"))
+        now[0] += holds[-1]
+    assert holds == [0, 0, 0, 1, 2, 4, 8, 8] and backoff.failed("b") == 0
+    now[0] += 8.5  # quiet for cap_s after its last answer: forgotten
+    assert backoff.failed("a") == 0
+    at_once = KeyBackoff(free=3, first_s=1, cap_s=8, clock=lambda: now[0])
+    assert [at_once.failed("a") for _ in range(8)] == [0, 0, 0, 1, 3, 7, 8, 8]  # in parallel: answered in turn
 
 
-def test_wrong_keys_then_a_wait_with_retry_after_also_at_the_app_login(fake):
-    http = TestClient(_app(fake, backoff=KeyBackoff(free=3, first_s=60)), base_url=LOCAL)
-    assert [http.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code for _ in range(3)] == [401] * 3
-    refused = http.get("/v1/models", headers=AUTH)  # even the right key waits its turn now
-    assert refused.status_code == 429 and refused.headers["Retry-After"] == "60"
-    assert refused.json()["error"]["code"] == "too_many_failed_keys"
-    login = http.post("/ui/login", data={"username": "x", "password": KEY})  # the same address, the same wait
-    assert login.status_code == 429 and int(login.headers["Retry-After"]) >= 59
+def _held(call) -> tuple[threading.Thread, list]:
+    """`call()` in a thread (a wrong key whose answer is held); the thread and, once it is done, its status."""
+    status: list = []
+    thread = threading.Thread(target=lambda: status.append(call().status_code), daemon=True)
+    thread.start()
+    return thread, status
 
-    other = TestClient(_app(fake, backoff=KeyBackoff(free=2, first_s=60)), base_url=LOCAL)
-    assert [other.post("/ui/login", data={"username": "x", "password": "no"}).status_code for _ in range(3)] == [
-        400,
-        400,
-        429,
-    ]
-    assert other.get("/v1/models", headers=AUTH).status_code == 429
+
+def test_a_right_key_always_passes_and_only_wrong_ones_wait_also_at_the_app_login(fake):
+    """On loopback every local process is one client: wrong keys from it must not lock the key holder out. The
+    answer to a wrong key is held (here 2 s after the first); a right key is answered meanwhile, and does not
+    clear the count either."""
+    http = TestClient(_app(fake, backoff=KeyBackoff(free=1, first_s=2)), base_url=LOCAL)
+    wrong = {"Authorization": "Bearer nope"}
+    assert http.get("/v1/models", headers=wrong).status_code == 401  # the free one: answered at once
+    guess, status = _held(lambda: http.get("/v1/models", headers=wrong))
+    time.sleep(0.2)
+    assert http.get("/v1/models", headers=AUTH).status_code == 200 and guess.is_alive()
+    assert http.post("/ui/login", data={"username": "x", "password": KEY}).status_code == 200 and guess.is_alive()
+    guess.join(30)
+    assert status == [401]
+    login, status = _held(lambda: http.post("/ui/login", data={"username": "x", "password": "no"}))  # held 4 s
+    time.sleep(0.2)
+    assert http.get("/v1/models", headers=AUTH).status_code == 200 and login.is_alive()
+    login.join(30)
+    assert status == [400]
 
 
 # --- routes as operators expect ------------------------------------------------------------------------------------
@@ -263,6 +284,22 @@ def test_one_log_line_per_request_as_text_and_as_json(fake, caplog):
     assert entry["logger"] == "uag.server" and entry["status"] == 200 and entry["saved_s"] == pytest.approx(0.8)
     assert (entry["prompt_tokens"], entry["cached_tokens"], entry["generated_tokens"]) == (35, 20, 64)
     assert request_line(request_fields("GET", "/x", None, "a", 0.5)) == "GET /x - a 0.50 s"
+
+
+def test_a_path_cannot_forge_a_log_line_or_reach_the_terminal(fake, caplog):
+    """No key needed: every refusal is logged, so a web page's <img> could send this path. Its line break, ESC and
+    C1 CSI, and bidi override come out escaped, in the record's fields, the text line and the JSON line alike."""
+    http = TestClient(_app(fake), base_url=LOCAL)
+    caplog.set_level(logging.INFO, logger="uag.server")
+    http.get("/v1/x%0a[uag] INFO uag.server: POST /v1/chat/completions 200%1b[2J%c2%9b31m%e2%80%ae")
+    (record,) = [r for r in caplog.records if r.name == "uag.server"]
+    lines = [PrintableText(TEXT_FORMAT).format(record), JSONLines().format(record), record.request["path"]]
+    for line in lines:
+        assert "\n" not in line and "\x1b" not in line and "\x9b" not in line and "\u202e" not in line, line
+    assert "/v1/x\\n[uag] INFO uag.server: POST /v1/chat/completions 200\\x1b[2J\\x9b31m\\u202e 404" in lines[0]
+    assert json.loads(lines[1])["path"] == record.request["path"]
+    error = logging.LogRecord("uag.core.grammar", logging.WARNING, "f", 1, "the grammar (%s) gave up", ("a\nb",), None)
+    assert PrintableText(TEXT_FORMAT).format(error).endswith("the grammar (a\\nb) gave up")  # any record's text
 
 
 def test_repeated_errors_are_logged_once_a_minute():
@@ -370,6 +407,29 @@ def test_a_whole_reply_is_cancelled_when_its_client_leaves(fake):
         assert fake.started.wait(10)
         sock.close()  # the client leaves while its (non-streamed) reply is being generated
         assert fake.cancelled.wait(10)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_client_still_sending_a_body_over_the_limit_reads_its_413(fake, chunked):
+    """A client that sends its whole body before it reads (httpx, requests) must find the 413 waiting, not a reset:
+    the server reads the rest of the body and drops it. Here the client sends 3 MB over a 1 MB limit slowly
+    enough to outlast the time an answered connection may wait for its next request (--idle-timeout, cut to 0.3 s
+    from 15 s so that the test is quick): a server that answered at once closed it mid-body."""
+    body = b'{"model": "' + b"x" * (3 * 2**20) + b'"}'
+    framing = b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"Content-Length: %d\r\n\r\n" % len(body)
+    with serving(_app(fake, max_body=2**20), idle_timeout_s=0.3) as url, closing(_connect(url)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2**16)
+        sock.sendall(HEAD + framing)
+        started = time.monotonic()
+        for i in range(0, len(body), 2**16):
+            part = body[i : i + 2**16]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+            time.sleep(max(0.0, started + 0.02 * i / 2**16 - time.monotonic()))  # about 1 s in all
+        sock.sendall(b"0\r\n\r\n" if chunked else b"")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 413 ")
 
 
 def test_a_client_that_leaves_mid_body_is_no_internal_error(fake, caplog):

@@ -3,7 +3,7 @@
 A browser page from another site may send "simple" requests (a text/plain POST) without asking, and a name of its
 own that resolves to 127.0.0.1 (DNS rebinding) reaches a loopback server. So the `Guard` refuses a Host that is not
 this server's (`Perimeter.host_allowed`), an unsafe request whose Origin is another site's, and an API POST that is
-not JSON; it reads forwarded addresses only from trusted proxies, and makes failed keys cost time (`KeyBackoff`).
+not JSON; it reads forwarded addresses only from trusted proxies, and makes wrong keys cost time (`KeyBackoff`).
 
     Perimeter().host_allowed("localhost:8000") -> True;  Perimeter().host_allowed("evil.example:8000") -> False
 """
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import anyio
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
@@ -27,7 +28,6 @@ from starlette.responses import JSONResponse
 from uag.errors import InputError
 from uag.runtime.access import client_of, is_trusted
 from uag.server.errors import APIError
-from uag.server.logs import NotingStatus
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +130,18 @@ class Perimeter:
 
     def host_allowed(self, host: str | None) -> bool:
         """Whether a request's Host header names this server (with any port). An IP address always does: DNS
-        rebinding needs a name. No Host at all (HTTP/1.0) is no browser's.
+        rebinding needs a name. No Host at all (HTTP/1.0) is no browser's; an empty one names nothing (HTTP/1.1
+        refuses it), bound anywhere.
 
-        Example: Perimeter().host_allowed("127.0.0.1:8000") -> True;  ("rebind.example") -> False
+        Example: Perimeter().host_allowed("127.0.0.1:8000") -> True;  ("rebind.example") -> False;  ("") -> False
         """
-        if not host or self.any_host:
+        if host is None:
             return True
         name = _name(host)
+        if not name:
+            return False
+        if self.any_host:
+            return True
         return self._named(name) or _ip(name) is not None
 
     def origin_allowed(self, origin: str, host: str | None) -> bool:
@@ -161,10 +166,14 @@ class Perimeter:
 
 
 class KeyBackoff:
-    """Failed keys cost time: after `free` failures in a row a client must wait `first_s` · 2^(failures − free),
-    at most `cap_s`, before its next try is even checked; a success forgets its failures.
+    """Wrong keys cost time, right ones nothing: after a client's `free` wrong keys, the answer to each further one
+    is held `first_s` · 2^(wrong − free − 1), at most `cap_s`, and its held answers go out one after another, so that
+    guessing in parallel gains nothing. A right key is answered at once and does not clear the count: on loopback
+    every local process is one client, so a wait on the address would let any of them lock the key holder out, and
+    the holder's requests would reset a guesser's count. A client quiet for `cap_s` after its last answer is
+    forgotten.
 
-    Example: free=5, first_s=1: failures 1–4 -> no wait; the 5th -> 1 s; the 6th -> 2 s; the 7th -> 4 s; … 300 s
+    Example: free=5, first_s=1: wrong keys 1–5 -> answered at once; the 6th -> after 1 s; the 7th -> 2 s; … 300 s
     """
 
     def __init__(
@@ -180,25 +189,20 @@ class KeyBackoff:
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # client -> (failures, may retry at)
         self._lock = threading.Lock()
 
-    def retry_after(self, client: str) -> float:
-        """Seconds before `client` may try a key again (0: now)."""
-        with self._lock:
-            _, until = self._failures.get(client, (0, 0.0))
-        return max(until - self.clock(), 0.0)
-
-    def failed(self, client: str) -> None:
+    def failed(self, client: str) -> float:
+        """Count a wrong key from `client`; the seconds its answer is held (0: none)."""
         now = self.clock()
         with self._lock:
-            count, _ = self._failures.pop(client, (0, 0.0))
+            count, last = self._failures.pop(client, (0, 0.0))
+            if now - last > self.cap_s:  # quiet long enough: forgotten
+                count = 0
             count += 1
-            wait = 0.0 if count < self.free else min(self.first_s * 2 ** min(count - self.free, 32), self.cap_s)
-            self._failures[client] = (count, now + wait)
+            wait = 0.0 if count <= self.free else min(self.first_s * 2 ** min(count - self.free - 1, 32), self.cap_s)
+            hold = min(max(last - now, 0.0) + wait, self.cap_s) if wait else 0.0  # after its earlier held answers
+            self._failures[client] = (count, now + hold)  # (wrong keys, when the last answer goes out)
             while len(self._failures) > self.max_clients:  # the longest quiet first
                 self._failures.popitem(last=False)
-
-    def succeeded(self, client: str) -> None:
-        with self._lock:
-            self._failures.pop(client, None)
+        return hold
 
 
 class RetryLater(APIError):
@@ -219,20 +223,11 @@ def answer(
     return JSONResponse(err.body() if shape is None else shape(err), status_code=err.status, headers=headers)
 
 
-def too_many_failures(seconds: float) -> RetryLater:
-    """What a client whose wrong keys cost it `seconds` more is told (the API's and the app login's)."""
-    return RetryLater(
-        429,
-        f"too many wrong keys from your address: retry in {math.ceil(seconds)} s",
-        code="too_many_failed_keys",
-        seconds=seconds,
-    )
-
-
 class Guard:
     """ASGI middleware over the whole app. In order: the real client (from a trusted proxy's forwarded address),
     the Host, the Origin of an unsafe request, JSON for API POSTs; then the app, with trailing slashes of API paths
-    dropped, failed logins at /ui/login counted, and a client that leaves mid-body let go quietly."""
+    dropped, the answers to wrong keys held (`KeyBackoff`: a 401, or a 400 from the app's login form, where the key
+    is the password), and a client that leaves mid-body let go quietly."""
 
     def __init__(self, app: Callable, *, perimeter: Perimeter, backoff: KeyBackoff):
         self.app, self.perimeter, self.backoff = app, perimeter, backoff
@@ -256,9 +251,10 @@ class Guard:
         if scope["type"] == "http" and path.endswith("/") and (path.startswith(API_PREFIX) or path == "/health/"):
             scope["path"] = path.rstrip("/")  # OpenAI clients differ on the slash: answer both, never 307
             scope["raw_path"] = (scope.get("raw_path") or path.encode()).rstrip(b"/")
-        if scope["type"] == "http" and scope["method"] == "POST" and path in LOGIN_PATHS:
-            await self._login(scope, receive, send)
-            return
+        login = scope["type"] == "http" and scope["method"] == "POST" and path in LOGIN_PATHS
+        if login or (scope["type"] == "http" and not path.startswith("/ui")):  # /ui's other 401s are no key tried
+            client = scope["client"][0] if scope.get("client") else "unknown"
+            send = HoldingWrongKeys(send, self.backoff, client, wrong=400 if login else 401)
         try:
             await self.app(scope, receive, send)
         except ClientDisconnect:  # the client left while its body was read: nobody to answer, nothing to log
@@ -268,10 +264,11 @@ class Guard:
         """The answer that refuses this request at the door, or None to let it in."""
         host = headers.get("host")
         if not self.perimeter.host_allowed(host):
+            named = f"the name {_name(host or '')[:100]!r}" if _name(host or "") else "an empty Host header"
             return answer(
                 APIError(
                     403,
-                    f"this server does not answer to the name {_name(host or '')[:100]!r}: use "
+                    f"this server does not answer to {named}: use "
                     "its address, localhost, or a name its operator allows (--allowed-host)",
                     code="host_not_allowed",
                 )
@@ -301,19 +298,16 @@ class Guard:
                 )
         return None
 
-    async def _login(self, scope, receive, send) -> None:
-        """The app's login form, where the API key is the password: failures cost time as wrong API keys do."""
-        client = scope["client"][0] if scope.get("client") else "unknown"
-        if (wait := self.backoff.retry_after(client)) > 0:
-            await answer(too_many_failures(wait))(scope, receive, send)
-            return
-        sending = NotingStatus(send)
-        try:
-            await self.app(scope, receive, sending)
-        except ClientDisconnect:
-            return
-        status = sending.status
-        if status == 400:
-            self.backoff.failed(client)
-        elif status is not None and status < 300:
-            self.backoff.succeeded(client)
+
+class HoldingWrongKeys:
+    """An ASGI `send` that holds the answer to a wrong key (a response with status `wrong`) for as long as the
+    client's `KeyBackoff` says, and passes everything else on at once."""
+
+    def __init__(self, send: Callable, backoff: KeyBackoff, client: str, wrong: int):
+        self.send, self.backoff, self.client, self.wrong = send, backoff, client, wrong
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start" and message["status"] == self.wrong:
+            if (hold := self.backoff.failed(self.client)) > 0:
+                await anyio.sleep(hold)
+        await self.send(message)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, MutableMapping
@@ -26,6 +27,28 @@ SERVED = "uag.served"  # where a request's run report waits for its log line (in
 NOISY = ("asyncio", "uvicorn", "uvicorn.error", "uag.server.connections")
 
 
+# Characters that a client's text must not bring into a log as they are: C0 and C1 controls (a line break forges a
+# line, ESC drives the operator's terminal), line and paragraph separators, and the bidi controls that reorder text.
+_OTHERS = "\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069"  # beyond C0: what JSON leaves as it is
+_CONTROLS = re.compile("[\x00-\x1f" + _OTHERS + "]")
+_CONTROLS_BUT_LINES = re.compile("[\x00-\x09\x0b-\x1f" + _OTHERS + "]")
+_JSON_RAW = re.compile("[" + _OTHERS + "]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match) -> str:
+    char = match.group()
+    return _NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """`text` with every control character written as its escape (`lines`: line breaks kept, for a traceback).
+
+    Example: "/v1/x" + a line break + "[uag] INFO forged" -> "/v1/x\\n[uag] INFO forged" (one line);  ESC -> "\\x1b"
+    """
+    return (_CONTROLS_BUT_LINES if lines else _CONTROLS).sub(_escape, text)
+
+
 def note_served(scope: MutableMapping[str, Any], report: dict) -> None:
     """Keep a run's usage/speculative/timings report for this request's log line."""
     scope.setdefault("state", {})[SERVED] = report
@@ -38,11 +61,11 @@ def request_fields(
 
     Example: a chat request that generated 64 tokens in 2.0 s with speedup 1.4 -> {..., "saved_s": 0.8}
     """
-    fields: dict[str, Any] = {
-        "method": method,
-        "path": path,
+    fields: dict[str, Any] = {  # the method, path and client as the client sent them, escaped
+        "method": printable(method),
+        "path": printable(path),
         "status": status,
-        "client": client,
+        "client": printable(client),
         "seconds": round(seconds, 3),
     }
     if report:
@@ -132,8 +155,21 @@ class RequestLog:
                 self.count(scope["path"], status)
 
 
+class PrintableText(logging.Formatter):
+    """The text format, with control characters in a record's message escaped (`printable`): a client's text
+    (a path, a schema's name) cannot forge a log line or reach the operator's terminal as an escape sequence."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
+
+    def formatException(self, ei) -> str:
+        return printable(super().formatException(ei), lines=True)
+
+
 class JSONLines(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, a request's fields, and an error's traceback."""
+    """One JSON object per record: time, level, logger, message, a request's fields, and an error's traceback.
+    JSON escapes control characters itself; the C1 controls, separators and bidi controls it would leave as they
+    are are written as \\u escapes too."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -145,7 +181,7 @@ class JSONLines(logging.Formatter):
         }
         if record.exc_info:
             entry["error"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        return _JSON_RAW.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(entry, ensure_ascii=False, default=str))
 
 
 class QuietRepeats(logging.Filter):
@@ -199,7 +235,7 @@ def configure(log_format: str = "text") -> logging.Handler:
         raise ValueError(f"log_format must be one of {LOG_FORMATS} (got {log_format!r})")
     from uag.command import log_to_stderr
 
-    formatter = JSONLines() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    formatter = JSONLines() if log_format == "json" else PrintableText(TEXT_FORMAT)
     handler = log_to_stderr(formatter, {"uag": logging.INFO, "uvicorn": logging.WARNING, "asyncio": logging.WARNING})
     quiet_repeats()
     return handler

@@ -4,11 +4,12 @@ model call is a job on the one MLX worker (`JobRunner`), so it never generates a
     POST /v1/chat/completions    POST /v1/completions    GET /v1/models[/{id}]    GET|HEAD /health
 
 Limits, in the order a request meets them: open connections and the time to send a request's head
-(uag.server.connections); Host, Origin and JSON POSTs (uag.server.guards); the wait after failed keys (429); the
-API key; the body size; the fields (uag.server.protocol); the queue (`max_queue` requests, at most half one
-client's, then 429); the client's share of the worker (`per_client`: beyond it a request waits, held back so that
-others go between); the wait for the worker (`queue_wait_s`, then 503); the generation time (`budget_s`, then
-finish_reason "length"). 429 and 503 carry Retry-After. A client that leaves cancels its job within a second.
+(uag.server.connections); Host, Origin and JSON POSTs (uag.server.guards); the API key (a wrong one's 401 held
+longer after each of a client's wrong keys, a right one never); the body size; the fields (uag.server.protocol);
+the queue (`max_queue` requests, at most half one client's, then 429); the client's share of the worker
+(`per_client`: beyond it a request waits, held back so that others go between); the wait for the worker
+(`queue_wait_s`, then 503); the generation time (`budget_s`, then finish_reason "length"). 429 and 503 carry
+Retry-After. A client that leaves cancels its job within a second.
 Errors are OpenAI's error object; internal errors are logged with their traceback and answered with a neutral 500.
 """
 
@@ -33,7 +34,7 @@ from starlette.requests import ClientDisconnect
 from uag.errors import UserError
 from uag.runtime.jobs import Busy, Waiting
 from uag.server.errors import APIError
-from uag.server.guards import Guard, KeyBackoff, Perimeter, RetryLater, answer, too_many_failures
+from uag.server.guards import Guard, KeyBackoff, Perimeter, RetryLater, answer
 from uag.server.logs import RequestLog, note_served
 from uag.server.protocol import parse_chat, parse_completion
 from uag.server.responses import chat_response, chunk, completion_response, new_id, now, usage_chunk
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 4 * 2**20  # bytes of a request body (a long code conversation is well under 1 MB)
 DEFAULT_MAX_QUEUE = 8
+DRAIN_BYTES = 64 * 2**20  # of a body over the limit, read and dropped so that its client reads the 413
 DISCONNECT_CHECK_S = 0.5  # how often a request looks whether its client is still there, whatever arrives
 RETRY_FULL_S = 5  # Retry-After when the queue is full: a short request's time
 RETRY_OVERLOADED_S = 30  # Retry-After when a request waited too long for the worker
@@ -126,7 +128,7 @@ def create_app(
             expose_headers=["Retry-After"],
         )
     _answer_errors(app)
-    authorise = _key_check(api_key, backoff)
+    authorise = _key_check(api_key)
 
     def served_model() -> dict:
         return {"id": service.defaults.model, "object": "model", "created": now(), "owned_by": "uag"}
@@ -219,24 +221,20 @@ def _answer_errors(app: FastAPI) -> None:
         return JSONResponse(internal().body(), status_code=500)
 
 
-def _key_check(api_key: str | None, backoff: KeyBackoff) -> Callable[[Request], str | None]:
+def _key_check(api_key: str | None) -> Callable[[Request], str | None]:
     """What every /v1 route calls first: 401 unless the request carries `api_key` as its bearer token (nothing
-    to check when the server has no key), 429 while its client waits out `backoff` after failed keys. It returns
-    the key the request presented (None without one): what the request may draft from is that key's alone."""
+    to check when the server has no key). A right key always passes; the Guard holds the answers to a client's wrong
+    keys (uag.server.guards.KeyBackoff). It returns the key the request presented (None without one): what the
+    request may draft from is that key's alone."""
 
     def authorise(request: Request) -> str | None:
         if api_key is None:
             return None
-        client = _client(request)
-        if (wait := backoff.retry_after(client)) > 0:
-            raise too_many_failures(wait)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            backoff.failed(client)
             raise APIError(
                 401, "a valid API key is required: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
-        backoff.succeeded(client)
         return given.strip()
 
     return authorise
@@ -361,18 +359,26 @@ async def stream(request: Request, parsed, feed: Feed, first: Any, leave: Callab
 
 async def read_json(request: Request, limit: int) -> Any:
     """The body as JSON, at most `limit` bytes (413 beyond it, also when Content-Length lies or is absent);
-    Disconnected when the client leaves before sending all of it."""
+    Disconnected when the client leaves before sending all of it. The rest of a body over the limit is read and
+    dropped (up to `DRAIN_BYTES`) before the 413: most clients read nothing until they have sent all of it, and a
+    connection closed under them would be a reset, not the 413."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    data = bytearray()
+    over = declared is not None and declared.isdigit() and int(declared) > limit
+    if over and request.headers.get("expect", "").lower() == "100-continue":
+        raise _too_large(limit)  # the client waits for a go-ahead before sending its body: it sends none
+    data, dropped = bytearray(), 0
     try:
         async for part in request.stream():
-            data += part
-            if len(data) > limit:
-                raise _too_large(limit)
+            if not over:
+                data += part
+                over = len(data) > limit
+            dropped += len(part) if over else 0
+            if dropped > DRAIN_BYTES:
+                break  # a client that sends this much over the limit may find its connection closed
     except ClientDisconnect:
         raise Disconnected from None
+    if over:
+        raise _too_large(limit)
     if not data:
         raise APIError(400, "the request has no body: send a JSON object")
     try:
