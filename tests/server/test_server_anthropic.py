@@ -5,6 +5,9 @@ official `anthropic` SDK against the demo pair (slow: one module server, max_tok
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -379,6 +382,35 @@ def test_claude_code_s_recorded_request_is_served(tiny):
     assert "Rename add to plus in calc.py" in prompt and '"name": "Edit"' in prompt
     counted = httpx.post(url + "/v1/messages/count_tokens?beta=true", json=recorded["body"], headers=headers)
     assert counted.json() == {"input_tokens": len(script.prompts[-1])}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which(os.environ.get("UAG_CLAUDE", "claude")), reason="Claude Code is not installed")
+def test_claude_code_renames_a_function_through_uag_serve(tiny, tmp_path):
+    """Claude Code itself (`npm install @anthropic-ai/claude-code@2.1.332`; UAG_CLAUDE: its path) against the server:
+    the scripted model reads the file and edits it with fenced calls, and the client runs both tools."""
+    url, _, script = tiny
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    path = str(repo / "calc.py")
+    read = {"name": "Read", "arguments": {"file_path": path}}
+    edit = {"name": "Edit", "arguments": {"file_path": path, "old_string": "def add(", "new_string": "def plus("}}
+    script.replies += [f"```json\n{json.dumps(read)}\n```", f"Renaming it.\n```json\n{json.dumps(edit)}\n```", "Done."]
+    env = {**os.environ, "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "none"}
+    env.update(DISABLE_TELEMETRY="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1")
+    command = [shutil.which(os.environ.get("UAG_CLAUDE", "claude")), "-p", "Rename add to plus in calc.py"]
+    command += ["--model", "coder-target", "--permission-mode", "acceptEdits", "--max-turns", "4"]
+    command += ["--output-format", "stream-json", "--verbose"]
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    uses = [
+        b["name"] for m in lines if m["type"] == "assistant" for b in m["message"]["content"] if b["type"] == "tool_use"
+    ]
+    assert done.returncode == 0 and lines[-1]["subtype"] == "success", done.stdout[-2000:] + done.stderr[-2000:]
+    assert uses == ["Read", "Edit"] and lines[-1]["result"] == "Done."
+    assert (repo / "calc.py").read_text() == "def plus(a, b):\n    return a + b\n"
 
 
 # --- the demo pair, as the SDK sees it (slow) -------------------------------------------------------------------
