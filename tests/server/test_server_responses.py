@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from uag.core.config import MAX_TOKENS
 from uag.server.dialects import Accepted, Done
 from uag.server.errors import APIError
 from uag.server.openai_responses import ResponsesReply, StoredResponses, flat_name, owner_of, parse_responses
@@ -86,6 +87,9 @@ def test_input_items_become_the_chat_conversation():
     assert tool1 == {"role": "tool", "content": "12 C", "tool_call_id": "c1"} and tool2["content"] == "x = 1"
     assert image["content"] == "[an image the model here cannot read]"  # a tool's image: the agent goes on
     assert parse({"input": "Hi"}).messages == ({"role": "user", "content": "Hi"},)
+    # no max_output_tokens: uag's most, not the server's --max-tokens (Codex retries a reply cut short)
+    assert parse({"input": "Hi"}).config.max_tokens == MAX_TOKENS
+    assert parse({"input": "Hi", "max_output_tokens": 5}).config.max_tokens == 5
 
 
 def test_namespaced_functions_get_flat_names():

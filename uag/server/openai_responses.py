@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from uag.core.config import MAX_TOKENS
 from uag.core.grammar import response_format_constraint
 from uag.errors import InputError
 from uag.server.dialects import Accepted, Dialect, Done, openai_error
@@ -193,11 +194,14 @@ def parse_responses(body: Any, defaults: ServerDefaults, key: str | None, stored
     if store is not None and not isinstance(store, bool):
         raise bad("store", f"must be true or false (got {show(store)})")
     store = store is not False  # OpenAI's default: stored
-    common = common_fields(
-        {k: body[k] for k in ("model", "stream", "max_output_tokens", "seed", "speculative", *SAMPLING) if k in body},
-        defaults,
-        "max_output_tokens",
-    )
+    shared = {
+        k: body[k] for k in ("model", "stream", "max_output_tokens", "seed", "speculative", *SAMPLING) if k in body
+    }
+    if shared.get("max_output_tokens") is None:
+        # As OpenAI's: no cap of its own (uag's most), not --max-tokens: Codex takes a cut reply for a failed one
+        # and sends the whole turn again.
+        shared["max_output_tokens"] = MAX_TOKENS
+    common = common_fields(shared, defaults, "max_output_tokens")
     owner = owner_of(key)
     previous = body.get("previous_response_id")
     history: tuple[dict, ...] = ()
