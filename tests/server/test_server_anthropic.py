@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -309,7 +310,8 @@ def test_the_stop_text_names_the_stop_sequence_that_ended_the_reply():
 # --- tool calls through the server: a tiny Qwen2.5 with the real template, scripted replies ----------------------
 @pytest.fixture(scope="module")
 def tiny():
-    """(base URL, Service, Script) of `uag serve` on a tiny random Qwen2.5, `--model-alias coder-target`."""
+    """(base URL, Service, Script) of `uag serve` on a tiny random Qwen2.5, `--model-alias coder-target`; a reply
+    waits `script.pause_s` before its first token (a long prompt read)."""
     from tests.server.test_server_tools import Script
     from tests.support.server import serve_args, serving
     from tests.support.tiny_models import build_tiny
@@ -320,7 +322,13 @@ def tiny():
         "--target", folder, "--drafter", "off", "--no-ui", "--max-tokens", "64", "--model-alias", "coder-target"
     )
     script = Script()
-    app, service = build(args, opts, stream=script)
+    script.pause_s = 0.0
+
+    def stream(*args, **kw):
+        time.sleep(script.pause_s)
+        yield from script(*args, **kw)
+
+    app, service = build(args, opts, stream=stream)
     try:
         with serving(app) as url:
             yield url, service, script
@@ -382,6 +390,29 @@ def test_claude_code_s_recorded_request_is_served(tiny):
     assert "Rename add to plus in calc.py" in prompt and '"name": "Edit"' in prompt
     counted = httpx.post(url + "/v1/messages/count_tokens?beta=true", json=recorded["body"], headers=headers)
     assert counted.json() == {"input_tokens": len(script.prompts[-1])}
+
+
+def test_a_quiet_stream_is_kept_open_with_pings(tiny, monkeypatch):
+    from uag.server import routes
+
+    url, _, script = tiny
+    monkeypatch.setattr(routes, "KEEPALIVE_S", 0.3)
+    script.replies.append("Hi.")
+    script.pause_s = 1.5
+    try:
+        response = httpx.post(url + "/v1/messages", json=body(model="coder-target", stream=True), timeout=60)
+    finally:
+        script.pause_s = 0.0
+    names = [part.split("\n")[0].removeprefix("event: ") for part in response.text.split("\n\n") if part]
+    first = names.index("content_block_start")
+    assert names[0] == "message_start" and names[1:first] == ["ping"] * (first - 1) and first >= 4, names
+    assert names[first:] == [
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
 
 
 @pytest.mark.slow

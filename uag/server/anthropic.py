@@ -413,7 +413,10 @@ def anthropic_error(err: APIError) -> dict:
 class AnthropicReply:
     """A Message, whole or as Anthropic's events: message_start and a ping; a text block opened at the first text
     (content_block_start, text_delta's, content_block_stop); each tool call as a tool_use block whose input comes as
-    one input_json_delta; message_delta with the stop reason and the usage; message_stop."""
+    one input_json_delta; message_delta with the stop reason and the usage; message_stop. Another ping goes out
+    whenever the stream is quiet for a while (a long prompt read)."""
+
+    keepalive = event("ping", {"type": "ping"})  # what uag.server.routes sends while a stream is quiet
 
     def __init__(self, request: Request):
         self.model, self.ignored = request.model, list(request.extra.get("ignored", ()))
@@ -437,7 +440,7 @@ class AnthropicReply:
         read = {"input_tokens": accepted.prompt_tokens, "output_tokens": 0}  # message_delta's usage corrects it
         read.update(cache_creation_input_tokens=0, cache_read_input_tokens=0)
         yield event("message_start", {"type": "message_start", "message": self.message([], (None, None), read)})
-        yield event("ping", {"type": "ping"})
+        yield self.keepalive
 
     def delta(self, text: str) -> Iterable[bytes]:
         if not text:
