@@ -25,6 +25,7 @@ from uag.errors import InputError, UserError
 from uag.models.dtypes import add_dtype_options, parse_dtype
 from uag.runtime.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT
 from uag.runtime.presets import DEFAULT
+from uag.server.disk_cache import DEFAULT_CACHE_DIR_GB
 from uag.server.prompt_cache import DEFAULT_CACHE_GB
 
 KEY_ENV = "UAG_API_KEY"
@@ -75,11 +76,35 @@ def build_parser() -> argparse.ArgumentParser:
         "other users of this machine cannot read in the process list",
     )
     p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="require one of this file's keys: a `name: key` (or `name: sha256:<hex>`) line each, read again when "
+        "it changes; each key is its own client (docs/server.md#several-api-keys)",
+    )
+    p.add_argument(
+        "--hash-key",
+        action="store_true",
+        help="print the key read from standard input as a key file holds it (sha256:<hex>), and exit",
+    )
+    p.add_argument(
         "--cache-gb",
         type=float,
         default=DEFAULT_CACHE_GB,
         help="KV caches of recent conversations "
         f"kept for their next turn, in GB (default {DEFAULT_CACHE_GB:g}; 0: off)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="also keep conversations' KV caches in this folder, per API key and model, read back after a restart "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--cache-dir-gb",
+        type=float,
+        default=DEFAULT_CACHE_DIR_GB,
+        help=f"the most --cache-dir holds, in GB; the least recently used files go first (default "
+        f"{DEFAULT_CACHE_DIR_GB:g})",
     )
     p.add_argument(
         "--lookup-memory",
@@ -255,9 +280,22 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         )
     except InputError as err:
         problems.append(str(err))
-    if key is None and not _loopback(args.host):
+    keys = key
+    if getattr(args, "api_key_file", None):
+        from uag.server.keys import DEFAULT_NAME, ApiKeys, digest_of
+
+        try:
+            keys = ApiKeys({DEFAULT_NAME: digest_of(key)} if key else None, args.api_key_file)
+        except InputError as err:
+            problems.append(str(err))
+    if getattr(args, "cache_dir", None) is not None:
+        if not args.cache_dir_gb > 0:
+            problems.append(f"--cache-dir-gb must be more than 0 (got {args.cache_dir_gb:g})")
+        if getattr(args, "shard", None):
+            problems.append("--cache-dir: a sharded server keeps no conversation caches: drop it with --shard")
+    if keys is None and not _loopback(args.host):
         problems.append(
-            f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key) so that only "
+            f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key, --api-key-file) so that only "
             "clients with the key can run models"
         )
     dtypes = {}
@@ -280,6 +318,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         "drafter": drafters[0] if drafter else None,
         "drafters": tuple(drafters),
         "key": key,
+        "keys": keys,  # what create_app checks: the one key, an ApiKeys of a key file's (uag.server.keys), or None
         "perimeter": perimeter,
         "auto": AutoSettings(**dict.fromkeys(off, False)) if off else None,
         "target_dtype": dtypes["target"],
@@ -344,23 +383,27 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         # /ui loads what the API serves, for every user (uag.runtime.access.ServedModels)
         served = ServedModels(args.target, defaults.allowed, opts.get("target_dtype"), opts.get("drafter_dtype"))
         session = Session(host=host, target=args.target, drafter=(defaults.allowed or ("lookup",))[0], served=served)
-    service = Service(host, defaults, cache_bytes=args.cache_gb * 1e9)
+    disk = None
+    if getattr(args, "cache_dir", None) is not None:  # conversation caches that survive a restart
+        from uag.server.disk_cache import DiskCaches
+
+        disk = DiskCaches(args.cache_dir, args.cache_dir_gb * 1e9)
+    service = Service(host, defaults, cache_bytes=args.cache_gb * 1e9, disk=disk)
     app = create_app(
         service,
-        api_key=opts["key"],
+        api_key=opts.get("keys", opts["key"]),
         max_body=int(args.max_body_mb * 2**20),
         max_queue=args.max_queue,
         perimeter=opts.get("perimeter"),
     )
     if session is not None:
-        _mount_ui(app, session, service, opts["key"])
+        _mount_ui(app, session, service, opts.get("keys", opts["key"]))
     return app, service
 
 
-def _mount_ui(app, session, service, key: str | None) -> None:
-    """The app at /ui (behind the API key, as its password, when there is one); / sends a browser there."""
-    import hmac
-
+def _mount_ui(app, session, service, key) -> None:
+    """The app at /ui (behind the API key, as its password, when there is one: any of a key file's); / sends a
+    browser there."""
     import gradio as gr
     from fastapi.responses import RedirectResponse
 
@@ -370,7 +413,10 @@ def _mount_ui(app, session, service, key: str | None) -> None:
 
     demo = build(session)
     add_server_tab(demo, service)
-    auth = None if key is None else (lambda _user, password: hmac.compare_digest(password.encode(), key.encode()))
+    from uag.server.keys import ApiKeys
+
+    keys = ApiKeys.one(key) if isinstance(key, str) else key
+    auth = None if keys is None else (lambda _user, password: keys.match(password.strip()) is not None)
     app.add_api_route("/", lambda: RedirectResponse("/ui/"), include_in_schema=False)
     gr.mount_gradio_app(
         app,
@@ -390,6 +436,13 @@ def serve(args: argparse.Namespace) -> int:
 
     from uag.server.connections import server_config
 
+    if args.hash_key:  # a key file's line without the key in it: `printf %s KEY | python -m uag serve --hash-key`
+        import sys
+
+        from uag.server.keys import hash_line
+
+        print(hash_line(sys.stdin.readline()))
+        return 0
     opts = options(args)
     if args.shard:
         return _serve_sharded(args, opts)

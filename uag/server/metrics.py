@@ -160,6 +160,20 @@ class Metrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        # Per API key, by its name (never the key; only with keys): a label as bounded as the key file.
+        self.key_requests = Counter(
+            "uag:key_request_success",
+            "Replies finished, per API key and finish reason",
+            ["key", "finished_reason"],
+            registry=r,
+        )
+        self.key_prompt_tokens = Counter("uag:key_prompt_tokens", "Prompt tokens per API key", ["key"], registry=r)
+        self.key_cached_tokens = Counter(
+            "uag:key_prompt_tokens_cached", "Prompt tokens read from a cache, per API key", ["key"], registry=r
+        )
+        self.key_generation_tokens = Counter(
+            "uag:key_generation_tokens", "Generated tokens per API key", ["key"], registry=r
+        )
         for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.drafts):
             metric.labels(model_name)  # present, at 0, from the start: a rate() has a first sample
         for metric in (self.draft_tokens, self.accepted_tokens, self.ttft, self.tpot, self.e2e):
@@ -171,11 +185,19 @@ class Metrics:
         r.register(self._now)
 
     # --- fed by the server ---------------------------------------------------------------------------------------
-    def finished(self, model: str, run: Any, report: dict, finish: str, *, queued_at: float | None = None) -> None:
+    def finished(
+        self, model: str, run: Any, report: dict, finish: str, *, queued_at: float | None = None, key: str | None = None
+    ) -> None:
         """One finished reply: its `report` (uag.server.responses.report) as the client got it and the `run` it came
         from (per position and source), `finish` its finish_reason; `queued_at` (perf_counter) when its job was
-        queued, where the time to first token and the latency count from."""
+        queued, where the time to first token and the latency count from; `key` the name of its API key (None: a
+        server without keys)."""
         usage, spec = report["usage"], report["speculative"]
+        if key is not None:
+            self.key_requests.labels(key, finish).inc()
+            self.key_prompt_tokens.labels(key).inc(usage["prompt_tokens"])
+            self.key_cached_tokens.labels(key).inc(usage["prompt_tokens_details"]["cached_tokens"])
+            self.key_generation_tokens.labels(key).inc(usage["completion_tokens"])
         self.success.labels(model, finish).inc()
         self.prompt_tokens.labels(model).inc(usage["prompt_tokens"])
         self.cached_tokens.labels(model).inc(usage["prompt_tokens_details"]["cached_tokens"])

@@ -15,7 +15,6 @@ Errors are OpenAI's error object; internal errors are logged with their tracebac
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import threading
@@ -35,6 +34,7 @@ from uag.errors import UserError
 from uag.runtime.jobs import Busy, Waiting
 from uag.server.errors import APIError
 from uag.server.guards import Guard, KeyBackoff, Perimeter, RetryLater, answer
+from uag.server.keys import ApiKeys, Key
 from uag.server.logs import RequestLog, note_served
 from uag.server.protocol import parse_chat, parse_completion
 from uag.server.responses import chat_response, chunk, completion_response, new_id, now, usage_chunk
@@ -103,7 +103,7 @@ class Gate:
 def create_app(
     service: Service,
     *,
-    api_key: str | None = None,
+    api_key: ApiKeys | str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     max_queue: int = DEFAULT_MAX_QUEUE,
     queue_wait_s: float | None = None,
@@ -129,6 +129,7 @@ def create_app(
         )
     _answer_errors(app)
     authorise = _key_check(api_key)
+    by_key = isinstance(api_key, ApiKeys) and api_key.from_file  # each key its own client
 
     def served_model() -> dict:
         return {"id": service.defaults.model, "object": "model", "created": now(), "owned_by": "uag"}
@@ -170,7 +171,7 @@ def create_app(
         except Disconnected:  # left mid-body: nobody to answer
             return Response(status_code=499)
         parsed = parse(body, service.defaults)
-        client = _client(request)
+        client = _client(request, key, by_key)
         gate.enter(client)
         feed = Feed(request, _guarded(service, parsed, client, key), wait_s)
         handed_over = False
@@ -221,27 +222,36 @@ def _answer_errors(app: FastAPI) -> None:
         return JSONResponse(internal().body(), status_code=500)
 
 
-def _key_check(api_key: str | None) -> Callable[[Request], str | None]:
-    """What every /v1 route calls first: 401 unless the request carries `api_key` as its bearer token (nothing
-    to check when the server has no key). A right key always passes; the Guard holds the answers to a client's wrong
-    keys (uag.server.guards.KeyBackoff). It returns the key the request presented (None without one): what the
-    request may draft from is that key's alone."""
+def _key_check(api_key: ApiKeys | str | None) -> Callable[[Request], Key | None]:
+    """What every /v1 route calls first: 401 unless the request carries one of the server's keys (`api_key`: its
+    one key, or its key file's: uag.server.keys) as its bearer token (nothing to check when the server has no key).
+    A right key always passes; the Guard holds the answers to a client's wrong keys (uag.server.guards.KeyBackoff).
+    It returns the key the request presented as a `Key` (its digest, and its name; None without keys): what the
+    request may draft from, the conversation caches it may reuse and the responses it may read are that key's
+    alone."""
+    keys = ApiKeys.one(api_key) if isinstance(api_key, str) else api_key
 
-    def authorise(request: Request) -> str | None:
-        if api_key is None:
+    def authorise(request: Request) -> Key | None:
+        if keys is None:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        key = keys.match(given.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
             raise APIError(
-                401, "a valid API key is required: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"
+                401,
+                "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
             )
-        return given.strip()
+        return key
 
     return authorise
 
 
-def _client(request: Request) -> str:
-    """Who the request counts as (the Guard has already put a trusted proxy's forwarded address here)."""
+def _client(request: Request, key: Key | None = None, by_key: bool = False) -> str:
+    """Who the request counts as for the per-client limits: with a key file (`by_key`), its key; else its address
+    (the Guard has already put a trusted proxy's forwarded address here)."""
+    if by_key and key is not None:
+        return f"key {key.name}"
     return request.client.host if request.client else "unknown"
 
 

@@ -10,6 +10,7 @@ the pairs, auto's evidence, the shared lookup index and the cost keeper: no requ
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -70,9 +71,10 @@ class Service:
     uag.runtime.host): the server's defaults, the conversation caches, the log of requests the Server tab shows,
     and the step times served here."""
 
-    def __init__(self, host: Host, defaults: ServerDefaults, *, cache_bytes: float):
+    def __init__(self, host: Host, defaults: ServerDefaults, *, cache_bytes: float, disk=None):
         self.host, self.defaults = host, defaults
         self.caches = ConversationCaches(cache_bytes)
+        self.disk = disk  # uag.server.disk_cache.DiskCaches (--cache-dir): caches that survive a restart; None: off
         self.recent: deque[Served] = deque(maxlen=RECENT)
         self.saved_s = 0.0
         self._steps: dict[str, StepTime] = {}  # target -> its step time as served here (speculation off)
@@ -176,10 +178,16 @@ class Service:
         auto = None
         if config.k_policy == "adaptive":  # under `uag serve`, costs missing or off are measured while idle
             auto = self.host.open_auto(loaded, request.drafter)
-        # Keyed by the target: the caches name the models that filled them, and the engine reuses a drafter's
-        # cache only for that drafter, so a conversation keeps its target cache when speculation changes.
-        pair = target.name
-        caches = self.caches.take(pair, ids) or PromptCaches.empty()
+        # Keyed by the API key's digest and the target: the caches name the models that filled them, and the engine
+        # reuses a drafter's cache only for that drafter, so a conversation keeps its target cache when speculation
+        # changes; another key's conversation is never reused, however alike.
+        owner = hashlib.sha256((key or "").encode()).hexdigest()
+        pair = (owner, target.name)
+        drafter_model = None if choice is None else choice.model
+        caches = self.caches.take(pair, ids)
+        if caches is None and self.disk is not None:
+            caches = self.disk.take(owner, target, drafter_model, ids)
+        caches = caches or PromptCaches.empty()
         yield Accepted(len(ids))
         text = ReplyText(request.stop, request.tools)
         run, stopped = None, False
@@ -192,6 +200,7 @@ class Service:
                     yield Delta(out)
                 if stopped:
                     break
+        held = None if self.disk is None else self.disk.hold(owner, target, drafter_model, caches)
         self.caches.put(pair, caches)  # the run ended without an error: its caches are exact for the next turn
         if run is None or run.finish_reason is None:
             raise RuntimeError("the engine's stream ended without a final record")
@@ -223,6 +232,8 @@ class Service:
             done_report["speculative"]["check"] = self.check(job, loaded, ids, config, run)
         self._record(request, run, done_report, step, choice, target)
         yield Done(text.hold.content, finish, done_report, calls, tail)  # content: the text outside the calls
+        if held is not None:  # the reply has gone out: the worker writes the caches before its next job
+            self.disk.save(held)
 
     def check(self, job: Job, loaded: Loaded, ids: list[int], config, run) -> dict:
         """The request's `"check": true` (uag.runtime.pair.check_against_target, as `uag generate --compare`): the
