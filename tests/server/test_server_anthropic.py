@@ -530,3 +530,71 @@ def test_count_tokens_and_errors_as_typed_sdk_exceptions(served, client):
     }
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="gpt-4o", messages=SAY)
+
+
+# --- fuzzed bodies: a Request or a 4xx, never anything else --------------------------------------------------------
+def _bodies():
+    from hypothesis import strategies as st
+
+    from tests.server.test_server_fuzz import JUNK, NAME, PLAIN, TEXT
+
+    def maybe(valid):  # a wrong value one time in six, so that most bodies reach their later fields
+        return st.sampled_from([valid] * 5 + [JUNK]).flatmap(lambda chosen: chosen)
+
+    def block(kind, **fields):
+        return st.fixed_dictionaries({"type": st.just(kind), **{k: maybe(v) for k, v in fields.items()}})
+
+    text = block("text", text=TEXT)
+    use = block("tool_use", id=NAME, name=NAME, input=st.dictionaries(TEXT, PLAIN, max_size=2))
+    result = block("tool_result", tool_use_id=NAME, content=TEXT | st.lists(text, max_size=2), is_error=st.booleans())
+    blocks = st.lists(maybe(st.one_of(text, use, result, block("thinking"), block("tool_reference"))), max_size=3)
+    message = st.fixed_dictionaries(
+        {"role": maybe(st.sampled_from(["user", "assistant", "system"])), "content": maybe(TEXT | blocks)}
+    )
+    schema = st.fixed_dictionaries({"type": st.just("object")}, optional={"properties": maybe(st.just({}))})
+    tool = st.fixed_dictionaries(
+        {"name": maybe(NAME), "input_schema": maybe(schema)},
+        optional={"type": maybe(st.sampled_from(["custom", "web_search_20250305"])), "defer_loading": JUNK},
+    )
+    choice = st.fixed_dictionaries(
+        {"type": maybe(st.sampled_from(["auto", "any", "tool", "none"]))},
+        optional={"name": maybe(NAME), "disable_parallel_tool_use": maybe(st.booleans())},
+    )
+    optional = {
+        "system": TEXT | st.lists(text, max_size=2),
+        "tools": st.lists(tool, max_size=2),
+        "tool_choice": choice,
+        "stop_sequences": st.lists(NAME, max_size=2),
+        "temperature": st.floats(0, 1),
+        "top_k": st.integers(0, 100),
+        "thinking": JUNK,
+        "output_config": st.fixed_dictionaries({}, optional={"effort": TEXT, "format": JUNK}),
+        "junk_field": JUNK,
+    }
+    return st.fixed_dictionaries(
+        {
+            "model": st.just(MODEL),
+            "max_tokens": maybe(st.integers(1, 10**5)),
+            "messages": maybe(st.lists(message, max_size=3)),
+        },
+        optional={k: maybe(v) for k, v in optional.items()},
+    )
+
+
+def test_fuzzed_bodies_are_a_request_or_a_4xx():
+    from hypothesis import given
+
+    from tests.server.test_server_fuzz import FUZZ
+
+    @FUZZ
+    @given(_bodies())
+    def check(request):
+        try:
+            parsed = parse(request, DEFAULTS)
+        except APIError as err:
+            assert 400 <= err.status < 500
+            json.dumps(anthropic_error(err), ensure_ascii=False).encode()
+            return
+        assert parsed.messages and parsed.messages[-1]["role"] != "assistant"
+
+    check()

@@ -309,7 +309,7 @@ def _tools(value: Any, ignored: list[str], loaded: set[str]) -> tuple[dict, ...]
             raise bad(
                 f"{where}.input_schema", f"required: the tool's input as a JSON Schema object (got {show(schema)})"
             )
-        if tool.get("defer_loading") is True and tool.get("name") not in loaded:
+        if tool.get("defer_loading") is True and not (isinstance(tool.get("name"), str) and tool["name"] in loaded):
             continue
         function = {"name": tool.get("name"), "parameters": schema}
         if tool.get("description") is not None:
@@ -330,7 +330,7 @@ def _tool_choice(value: Any) -> tuple[str, str | None, bool]:
     if value is None:
         return "auto", None, True
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in TOOL_CHOICES:
+    if not isinstance(kind, str) or kind not in TOOL_CHOICES:
         raise bad(
             "tool_choice",
             'must be {"type": "auto"}, {"type": "any"}, {"type": "tool", "name": …} or {"type": "none"} '
