@@ -516,17 +516,21 @@ def test_under_uag_serve_the_app_and_the_api_follow_one_cost_policy(cache, now_q
         return Scripted._events(run, "Warszawa.")
 
     monkeypatch.setattr(main, "_mount_ui", lambda app, session, service, key: mounted.append(session))
-    args, opts = serve_args("--target", "org/target", "--drafter", "lookup", "--drafters", "lookup", "--max-batch", "1")
+    # a target of its own: other tests' keepers, still measuring "org/target" in the background, save into this cache
+    args, opts = serve_args(
+        "--target", "org/ui-target", "--drafter", "lookup", "--drafters", "lookup", "--max-batch", "1"
+    )
     _, served = main.build(args, opts, store=ModelStore(), stream=stream, measure=measure)
     (session,) = mounted
     host = served.host
     assert session.host is host and session.runner is served.runner
     target, choice = fake_target(), DrafterChoice(lookup=True)
+    target.name = "org/ui-target"
     host.open = lambda *_args, **_kw: Loaded(target, choice, None)
     host.loaded, host.holds = lambda drafter: (target, choice), lambda drafter: True
     host.costs.settle_s, host.costs.poll_s = 30.0, 0.01  # the keeper holds off while both front ends run
 
-    updates = list(session.compare("Stolica Polski to", Settings(target="org/target", drafter="lookup")))
+    updates = list(session.compare("Stolica Polski to", Settings(target="org/ui-target", drafter="lookup")))
     assert updates[-1].state == "done", updates[-1]
     assert measure.calls == 0 and [w.drafter for w in host.costs.pending] == ["lookup"]  # not in /ui's run
     assert ask(served)[-1].finish == "stop"

@@ -171,10 +171,14 @@ class Leader:
         caches=None,
         profile=None,
         evidence=None,
+        seams=None,
+        sharing=None,
     ) -> Iterator[Event]:
         """`uag.core.engine.stream`'s signature (what the host calls, once per request, with the prompt read and
         checked and `auto`'s inputs opened as every front end's: uag.runtime.pair, uag.runtime.host.Host.open_auto),
-        over the shards. `caches` is not used: every request reads its whole prompt, and `cached_tokens` is 0."""
+        over the shards. `caches` is not used: every request reads its whole prompt, and `cached_tokens` is 0.
+        `seams` and `sharing` are never given: `serve --shard` refuses --auto-off and --max-batch."""
+        assert seams is None and sharing is None, "a sharded server runs auto as shipped, one request at a time"
         assert target is self.target, (target.name, self.target.name)
         check_sharded(config, drafter, 0)  # before the others hear of it: a refusal leaves nobody waiting
         if config.speculative and drafter.model is not None:

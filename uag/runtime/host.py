@@ -51,7 +51,8 @@ WARM_UP_PROMPT = "Hello"
 
 class Streams(Protocol):
     """How a host runs a pair: `uag.core.engine.stream`'s signature, or a sharded target's run over its ranks
-    (`uag.distributed.serving.Leader.stream`). `sharing` is passed only to a request batched with others."""
+    (`uag.distributed.serving.Leader.stream`). `seams` is passed only to an ablated auto (`uag serve --auto-off`)
+    and `sharing` only to a request batched with others."""
 
     def __call__(
         self,
@@ -64,7 +65,8 @@ class Streams(Protocol):
         caches: Any = None,
         profile: Any = None,
         evidence: Evidence | None = None,
-        **kw: Any,
+        seams: Seams | None = None,
+        sharing: Sharing | None = None,
     ) -> Iterator[Event]: ...
 
 
@@ -184,6 +186,19 @@ class Host:
             self._warm.add(key)
         return loaded
 
+    def open_target(
+        self, drafter: str | None, *, progress: Progress | None = None, between: Callable[[], None] | None = None
+    ) -> Loaded:
+        """`open` the host's target (the one a server serves) with `drafter`, in the host's dtypes."""
+        return self.open(
+            self.target_name,
+            drafter,
+            target_dtype=self.target_dtype,
+            drafter_dtype=self.drafter_dtype,
+            progress=progress,
+            between=between,
+        )
+
     def opened(self, target: str, drafter: str, target_dtype=None, drafter_dtype=None) -> Loaded | None:
         """The pair as opened here, if it was and its models are still loaded (loads nothing)."""
         return self.pairs.get(pair_key(target, drafter, target_dtype, drafter_dtype))
@@ -297,13 +312,7 @@ class Host:
         worker is idle; a drafter loaded later is measured then. `then(loaded)`: what else to do once it is loaded."""
 
         def job(job: Job) -> Iterator[str]:
-            loaded = self.open(
-                self.target_name,
-                drafter,
-                target_dtype=self.target_dtype,
-                drafter_dtype=self.drafter_dtype,
-                progress=progress or (lambda text: tell(job, text)),
-            )
+            loaded = self.open_target(drafter, progress=progress or (lambda text: tell(job, text)))
             if then is not None:
                 then(loaded)
             yield loaded.target.name

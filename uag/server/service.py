@@ -121,15 +121,7 @@ class Service:
         once, checked as a pair, shared for batching), failures as user messages; a job cancelled meanwhile (its
         client left, its time budget ran out) stops between the two."""
         go_on = lambda: self._go_on(job, "loading the models")  # noqa: E731
-        host = self.host
-        loaded = host.open(
-            host.target_name,
-            drafter,
-            target_dtype=host.target_dtype,
-            drafter_dtype=host.drafter_dtype,
-            progress=progress or (lambda text: tell(job, text)),
-            between=go_on,
-        )
+        loaded = self.host.open_target(drafter, progress=progress or (lambda text: tell(job, text)), between=go_on)
         go_on()
         return loaded
 
