@@ -328,7 +328,7 @@ BAD = [  # (name, path, body (dict or raw bytes), headers, status)
     ("top_p 0", CHAT, {**GOOD, "top_p": 0}, None, 400),
     ("seed negative", CHAT, {**GOOD, "seed": -5}, None, 400),
     ("stop a number", CHAT, {**GOOD, "stop": 7}, None, 400),
-    ("five stops", CHAT, {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, None, 400),
+    ("seventeen stops", CHAT, {**GOOD, "stop": [chr(97 + i) for i in range(17)]}, None, 400),
     ("stream_options without stream", CHAT, {**GOOD, "stream_options": {"include_usage": True}}, None, 400),
     ("logprobs", CHAT, {**GOOD, "logprobs": True}, None, 400),
     ("drafter not served", CHAT, {**GOOD, "speculative": {"drafter": "coder-drafter"}}, None, 400),

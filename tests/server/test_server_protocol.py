@@ -90,7 +90,7 @@ def test_speculative_narrows_the_defaults(speculative, drafter, strategy, k):
         ({"seed": -1}, 400, "seed", "from 0 to"),
         ({"max_tokens": 0}, 400, "max_tokens", "from 1"),
         ({"max_tokens": 10**6}, 400, "max_tokens", "max tokens"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "1 to 4"),
+        ({"stop": [chr(97 + i) for i in range(17)]}, 400, "stop", "1 to 16"),
         ({"stop": [""]}, 400, "stop", "cannot be empty"),
         ({"stream": "yes"}, 400, "stream", "true or false"),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when stream"),

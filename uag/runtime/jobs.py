@@ -4,7 +4,8 @@
 worker, hands over what the job yields (with a heartbeat, so that a web server can close the consumer at
 any time), and cancels the job whenever the consumer stops reading: the Stop button, an API client's
 cancel, a client that went away. It also keeps each client to its share of the worker's queue (beyond it
-a job is refused, or held back until one of the client's ends) and starts each job's time budget.
+a job is refused, or held back until one of the client's ends) and starts each job's time budget (none by
+default in `uag serve`) and its stall guard (no progress for `DEFAULT_STALL_S`).
 `failure` turns an exception into the line a user sees: a `UserError` is theirs to fix; anything else is
 a bug, logged with its traceback and shown as an internal error. Standard library only.
 """
@@ -26,7 +27,8 @@ from uag.runtime.worker import TICK, Busy, Job, MLXWorker
 log = logging.getLogger(__name__)
 
 DEFAULT_PER_CLIENT = 2  # jobs one client may have queued or running at once
-DEFAULT_BUDGET_S = 300.0  # worker time one request may take: loading, reading the prompt and generating
+DEFAULT_BUDGET_S = 300.0  # the app's generation time per run (`uag app --time-budget`); `uag serve` sets none
+DEFAULT_STALL_S = 600.0  # a request that makes no progress this long is stopped (a stall, never a long reply)
 HEARTBEAT_S = 0.25  # the consumer gets control back at least this often
 
 
@@ -99,12 +101,14 @@ class JobRunner:
         per_client: int = DEFAULT_PER_CLIENT,
         budget_s: float | None = DEFAULT_BUDGET_S,
         heartbeat_s: float = HEARTBEAT_S,
+        stall_s: float | None = DEFAULT_STALL_S,
     ):
         if per_client < 1:
             raise ValueError(f"per_client must be at least 1 (got {per_client})")
         self.worker = worker
         self.per_client = per_client
-        self.budget_s = budget_s
+        self.budget_s = budget_s  # None: none
+        self.stall_s = stall_s  # None: no stall guard
         self.heartbeat_s = heartbeat_s
         self._lock = threading.Lock()
         self._turn = threading.Condition(self._lock)  # a client's job ended: its next held job may go
@@ -155,6 +159,17 @@ class JobRunner:
                     if self._owned.get(owner) is job:
                         del self._owned[owner]
             self._release(client)
+
+    def limit(self, job: Job) -> None:
+        """Start `job`'s time budget and its stall guard from now (a job function calls it first)."""
+        job.limit(self.budget_s)
+        job.watch(self.stall_s)
+
+    def reason(self, job: Job) -> str:
+        """Why the server stopped `job` (`job.cut`), in words a client reads."""
+        if job.cut == "stalled":
+            return f"stopped after making no progress for {self.stall_s:g} s (a stalled request)"
+        return f"stopped by the server's time budget of {self.budget_s:g} s per request (--time-budget)"
 
     def stop(self, owner: str | None) -> bool:
         """Cancel `owner`'s job within a cycle; False when it has none."""
@@ -243,3 +258,17 @@ class JobRunner:
             if self._clients[client] <= 0:
                 del self._clients[client]
             self._turn.notify_all()
+
+
+def watched(job: Job, events: Iterator[Any]) -> Iterator[Any]:
+    """The engine's `events` of `job`'s run, each one progress for its stall guard (`Job.watch`); the prompt read
+    before the first is `reading`. Closing this closes `events` (the engine's `finally` leaves the caches exact)."""
+    job.reading = True
+    try:
+        for event in events:
+            job.reading = False
+            job.progressed()
+            yield event
+    finally:
+        job.reading = False
+        events.close()

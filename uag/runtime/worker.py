@@ -53,11 +53,15 @@ class Job:
         self.done = threading.Event()  # the job function has returned (or raised, or was skipped)
         self.progress = ""  # the job's latest progress line ("converting the demo model…"), for those who wait
         self.out_of_time = False  # cancelled by its time budget, not by a person
+        self.cut: str | None = None  # why the server stopped it: "time_budget", or "stalled" (no progress)
+        self.reading = False  # reading a prompt: one pass nothing stops midway, never judged stalled
+        self.moved = time.monotonic()  # its last sign of progress: an item handed over, or `progressed()`
         self.queued_at = time.perf_counter()  # where a request's time to first token counts from (GET /metrics)
         self._fn, self._args = fn, args
         self._items: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._timer: threading.Timer | None = None
+        self._watch: threading.Timer | None = None
 
     def __repr__(self) -> str:
         state = "done" if self.done.is_set() else "running" if self.started.is_set() else "queued"
@@ -69,6 +73,7 @@ class Job:
 
     def emit(self, item: Any) -> None:
         """Hand an item to the consumer (for callbacks inside the job function; thread-safe)."""
+        self.moved = time.monotonic()
         self._items.put(item)
 
     def limit(self, seconds: float | None) -> None:
@@ -78,12 +83,39 @@ class Job:
 
         def expire() -> None:
             if not self.done.is_set():
-                self.out_of_time = True
+                self.out_of_time, self.cut = True, self.cut or "time_budget"
                 self.cancel()
 
         self._timer = threading.Timer(seconds, expire)
         self._timer.daemon = True
         self._timer.start()
+
+    def progressed(self) -> None:
+        """A sign of progress (a token, a prompt read): the stall guard (`watch`) counts from here."""
+        self.moved = time.monotonic()
+
+    def watch(self, seconds: float | None) -> None:
+        """Cancel the job once it has made no progress for `seconds` (its stall guard), marking it `out_of_time`
+        and cut "stalled"; None: no guard. A prompt read (`reading`) is never judged: nothing stops it midway."""
+        if seconds is None or self.done.is_set():
+            return
+        self.progressed()
+
+        def check() -> None:
+            if self.done.is_set():
+                return
+            idle = time.monotonic() - self.moved
+            if idle >= seconds and not self.reading:
+                self.out_of_time, self.cut = True, self.cut or "stalled"
+                self.cancel()
+                return
+            self._watch = threading.Timer(seconds - idle if idle < seconds else seconds, check)
+            self._watch.daemon = True
+            self._watch.start()
+
+        self._watch = threading.Timer(seconds, check)
+        self._watch.daemon = True
+        self._watch.start()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
@@ -130,6 +162,7 @@ class Job:
                     raise TypeError(f"a job function must be a generator function (got {self._fn!r})")
                 try:
                     for item in items:
+                        self.moved = time.monotonic()
                         self._items.put(item)
                 finally:
                     items.close()  # on this thread, so MLX state is released where it was made
@@ -137,8 +170,9 @@ class Job:
             if not self.done.is_set():
                 self._error = err
         finally:
-            if self._timer is not None:
-                self._timer.cancel()
+            for timer in (self._timer, self._watch):
+                if timer is not None:
+                    timer.cancel()
             self._items.put(_DONE)
             self.done.set()
 

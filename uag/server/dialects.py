@@ -123,7 +123,8 @@ class OpenAIReply:
             }
             yield self._piece({"tool_calls": [head]})
             yield self._piece({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
-        yield self._piece({} if self.kind == "chat" else "", done.finish)
+        last = chunk(self.kind, self.rid, self.created, self.model, {} if self.kind == "chat" else "", done.finish)
+        yield sse({**last, **{k: done.report[k] for k in ("uag",) if k in done.report}})  # why a reply was cut
         if self.request.include_usage:
             yield sse(usage_chunk(self.kind, self.rid, self.created, self.model, done.report))
         yield DONE

@@ -23,7 +23,7 @@ from uag.core.policy import MECHANISMS, AutoSettings
 from uag.core.translate import DEFAULT_WINDOW
 from uag.errors import InputError, UserError
 from uag.models.dtypes import add_dtype_options, parse_dtype
-from uag.runtime.jobs import DEFAULT_BUDGET_S, DEFAULT_PER_CLIENT
+from uag.runtime.jobs import DEFAULT_PER_CLIENT, DEFAULT_STALL_S
 from uag.runtime.presets import DEFAULT
 from uag.server.disk_cache import DEFAULT_CACHE_DIR_GB
 from uag.server.prompt_cache import DEFAULT_CACHE_GB
@@ -130,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--time-budget",
         type=float,
-        default=DEFAULT_BUDGET_S,
         metavar="SECONDS",
-        help=f"worker time per request, loading and reading included (default {DEFAULT_BUDGET_S:g}), "
-        "then finish_reason length",
+        help="worker time per request, loading and reading included, then finish_reason length with the reason in "
+        "the reply and the log (default: none; a request that makes no progress for "
+        f"{DEFAULT_STALL_S / 60:g} min is stopped)",
     )
     p.add_argument(
         "--model-alias",
@@ -251,7 +251,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         if value < lo:
             problems.append(f"{flag} must be at least {lo} (got {value})")
     for flag, value in (("--time-budget", args.time_budget), ("--max-body-mb", args.max_body_mb)):
-        if not value > 0:
+        if value is not None and not value > 0:
             problems.append(f"{flag} must be more than 0 (got {value:g})")
     if not args.cache_gb >= 0:
         problems.append(f"--cache-gb must be at least 0 (got {args.cache_gb:g})")

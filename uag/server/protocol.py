@@ -22,9 +22,11 @@ from uag.core.config import DEFAULT_K, FIELD, MAX_K, MAX_WINDOW, SPECULATIVE, Dr
 from uag.core.grammar import response_format_constraint, tool_constraint
 from uag.errors import InputError
 from uag.server.errors import APIError, bad, show
+from uag.server.fim import STOPS as FIM_STOPS
+from uag.server.fim import Fill
 from uag.server.messages import parse_message, parse_tools, plain, text_of
 
-MAX_STOP = 4  # stop sequences, as OpenAI allows
+MAX_STOP = 16  # stop sequences (OpenAI allows 4; Continue sends 9 with a FIM template, DeepSeek takes 16)
 TOOL_CHOICES = ("auto", "none", "required")  # or {"type": "function", "function": {"name": …}}
 MAX_MESSAGE = 300  # characters of a grammar engine's error a 400 repeats
 
@@ -71,6 +73,7 @@ class Request:
     parallel_tool_calls: bool = True  # False: a reply's first tool call only
     check: bool = False  # also run the target alone and say whether the outputs agree (uag.runtime.divergence)
     extra: dict = field(default_factory=dict)
+    fill: Fill | None = None  # fill-in-the-middle: `prompt` is its prefix; the target's FIM tokens lay it out
 
 
 # --- request fields -------------------------------------------------------------------------------------------
@@ -113,7 +116,6 @@ NEUTRAL = {
     "logprobs": (False, None),
     "top_logprobs": (None, 0),
     "echo": (False, None),
-    "suffix": (None, ""),
     "best_of": (1, None),
     "service_tier": (None, "auto", "default"),
     "reasoning_effort": (None,),
@@ -397,9 +399,13 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> Request:
     if not isinstance(prompt, str):
         raise bad("prompt", f"must be one string (got {show(prompt)})")
     prompt = text_of(prompt, "prompt")
-    if not prompt.strip():
+    suffix = text_of(body.get("suffix") or "", "suffix")
+    if not prompt.strip() and not suffix.strip():  # with a suffix, the cursor may be at the file's start
         raise bad("prompt", "the prompt is empty")
     common = constrained(common, _response_format(body), defaults, "response_format")
+    if suffix:  # fill-in-the-middle: the reply goes between the prompt and the suffix (uag.server.fim)
+        common["stop"] = (*common["stop"], *FIM_STOPS)
+        return Request("completion", prompt=prompt, fill=Fill(prompt, suffix), **common)
     return Request("completion", prompt=prompt, **common)
 
 

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 4 * 2**20  # bytes of a request body (a long code conversation is well under 1 MB)
 DEFAULT_MAX_QUEUE = 8
+DEFAULT_QUEUE_WAIT_S = 300.0  # a request that waits this long for the worker gets 503 (the worker is overloaded)
 DRAIN_BYTES = 64 * 2**20  # of a body over the limit, read and dropped so that its client reads the 413
 DISCONNECT_CHECK_S = 0.5  # how often a request looks whether its client is still there, whatever arrives
 RETRY_FULL_S = 5  # Retry-After when the queue is full: a short request's time
@@ -116,7 +117,7 @@ def create_app(
     perimeter = perimeter or Perimeter()
     backoff = backoff or KeyBackoff()
     gate = Gate(max_queue, max(service.runner.per_client, max_queue // 2))
-    wait_s = queue_wait_s if queue_wait_s is not None else service.runner.budget_s
+    wait_s = DEFAULT_QUEUE_WAIT_S if queue_wait_s is None else queue_wait_s
     app.add_middleware(Guard, perimeter=perimeter, backoff=backoff)
     app.add_middleware(RequestLog)
     if perimeter.cors_origins:

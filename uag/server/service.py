@@ -24,10 +24,11 @@ from uag.costs.pair import read_calibration, saved_profile
 from uag.costs.profiles import target_key
 from uag.errors import InputError
 from uag.runtime.host import Host
-from uag.runtime.jobs import JobRunner, tell
+from uag.runtime.jobs import JobRunner, tell, watched
 from uag.runtime.keeper import CostKeeper
 from uag.runtime.pair import Loaded, check_prompt_chars, max_prompt_chars, prompt_ids_for
 from uag.runtime.worker import Job
+from uag.server import fim
 from uag.server.chat import render
 from uag.server.errors import APIError, bad
 from uag.server.prompt_cache import ConversationCaches
@@ -132,8 +133,7 @@ class Service:
         if job.out_of_time:
             raise APIError(
                 503,
-                f"this request's time budget of {self.runner.budget_s:g} s (--time-budget) ran out "
-                f"while {doing}; what was loaded stays loaded: retry",
+                f"this request was {self.runner.reason(job)} while {doing}; what was loaded stays loaded: retry",
                 code="timeout",
             )
         raise APIError(499, "the request was cancelled", code="cancelled")  # nobody is left to read it
@@ -145,9 +145,11 @@ class Service:
         target = loaded.target
         chars = sum(len(m["content"]) for m in request.messages) if request.kind == "chat" else len(request.prompt)
         try:
-            check_prompt_chars(target, chars)
+            check_prompt_chars(target, request.fill.chars if request.fill else chars)
             if request.kind == "chat":
                 ids = render(target.tokenizer, request.messages, request.tools)
+            elif request.fill is not None:  # the target's FIM tokens around the user's text, read as text
+                ids = fim.prompt_ids(target.tokenizer, request.fill)
             else:
                 ids = list(target.tokenizer.encode(request.prompt))
             if not ids:
@@ -160,7 +162,7 @@ class Service:
         """The job function (`JobRunner.run(service.job, request, …)`): `Accepted`, `Delta`s, then one `Done`.
         `key`: the API key it presented (None: the server's one key, or none); prompt lookup drafts from the
         earlier requests of that key alone, and this one's prompt and reply join them when it ends."""
-        job.limit(self.runner.budget_s)  # loading and reading the prompt count too
+        self.runner.limit(job)  # its time budget (--time-budget; none by default) and stall guard: loading counts too
         loaded = self.load(job, request.drafter)
         target, choice = loaded.target, loaded.choice
         ids = self.prompt(loaded, request)
@@ -185,13 +187,17 @@ class Service:
         run, stopped = None, False
         fed = 0  # characters of the run's text given to `text` so far
         with self.host.running(job, loaded, ids, config, auto=auto, key=key, remember=True, caches=caches) as running:
-            for event in running:
-                run, fed = event.run, fed + len(event.text)
-                out, stopped = text.feed(event.text)
-                if out:
-                    yield Delta(out)
-                if stopped:
-                    break
+            events = watched(job, iter(running))
+            try:
+                for event in events:
+                    run, fed = event.run, fed + len(event.text)
+                    out, stopped = text.feed(event.text)
+                    if out:
+                        yield Delta(out)
+                    if stopped:
+                        break
+            finally:
+                events.close()
         held = None if self.disk is None else self.disk.hold(owner, target, drafter_model, caches)
         self.caches.put(pair, caches)  # the run ended without an error: its caches are exact for the next turn
         if run is None or run.finish_reason is None:
@@ -218,8 +224,11 @@ class Service:
         )
         if (shared := running.sharing) is not None:
             done_report["speculative"]["batch"] = {"mean": round(shared.mean_size, 2), "largest": shared.largest}
-        if job.out_of_time:
-            done_report["speculative"]["note"] = f"stopped by the server's time budget of {self.runner.budget_s:g} s"
+        if job.out_of_time:  # finish_reason "length", and why, where a client reads it
+            note = self.runner.reason(job)
+            done_report["speculative"]["note"] = note
+            done_report["uag"] = {"stopped_by": job.cut, "message": f"the reply was {note}"}
+            log.warning("a request was %s after %d tokens", note, run.generated)
         elif request.check and request.drafter is not None:
             done_report["speculative"]["check"] = self.check(job, loaded, ids, config, run)
         self._record(request, run, done_report, step, choice, target)
