@@ -5,7 +5,7 @@ prefix; the reply whole (`{"content", "stop": true, "tokens_predicted", "timings
 FIM tokens on the worker (uag.server.fim). Pure: no mlx, no HTTP.
 
     INFILL.parse({"input_prefix": "def f(x):\\n    ", "input_suffix": "\\n", "n_predict": 64}, defaults)
-        -> Request("completion", fill=Fill("def f(x):\\n    ", "\\n", repo_level=True), config=…max_tokens=64…)
+        -> Request("completion", fill=Fill("def f(x):\\n    ", "\\n"), config=…max_tokens=64…)
 
 Fields llama-server takes that do not apply here (model: the served one answers; cache_prompt: always on;
 samplers, t_max_prompt_ms, t_max_predict_ms, n_indent, id_slot, n_probs, typical_p, mirostat, …) are accepted and
@@ -43,13 +43,10 @@ def parse_infill(body: Any, defaults: ServerDefaults) -> Request:
     """A /infill body as a `Request` whose `fill` the worker lays out; APIError naming the first problem."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
-    fill = Fill(
-        _text(body, "input_prefix"),
-        _text(body, "input_suffix"),
-        _files(body.get("input_extra")),
-        _text(body, "prompt"),
-        repo_level=True,
-    )
+    files = _files(body.get("input_extra"))
+    # the project's files as Qwen2.5-Coder's repository layout; a file alone as plain FIM (its names would be
+    # llama-server's placeholders, which make an instruct-tuned coder ramble on past the middle)
+    fill = Fill(_text(body, "input_prefix"), _text(body, "input_suffix"), files, _text(body, "prompt"), bool(files))
     mapped: dict[str, Any] = {"model": defaults.model}  # llama-server serves its one model, whatever a client names
     for name in (*SAMPLING, "stop", "stream", "speculative"):
         if body.get(name) is not None:
