@@ -137,7 +137,7 @@ def _messages(junk: bool) -> st.SearchStrategy:
         {"content": st.none() | content},
         junk,
     )
-    answer = _object({"role": st.just("tool"), "content": content}, {"tool_call_id": TEXT}, junk)
+    answer = _object({"role": st.just("tool"), "content": content, "tool_call_id": TEXT}, {}, junk)
     message = said | calls | answer
     return st.lists(_or_junk(message, junk), min_size=1, max_size=3)
 
@@ -190,13 +190,15 @@ def _fields(kind: str, junk: bool) -> tuple[dict, dict]:
 
 
 def _consistent(body: dict) -> dict:
-    """The fields that depend on each other, made to agree (check is greedy; stream_options streams), so that a body
-    is refused for its wrong values, not for these."""
+    """The fields that depend on each other, made to agree (check is greedy; stream_options streams; max_tokens is
+    max_completion_tokens), so that a body is refused for its wrong values, not for these."""
     speculative = body.get("speculative")
     if isinstance(speculative, dict) and speculative.get("check"):
         body.pop("temperature", None)
     if "stream_options" in body:
         body["stream"] = True
+    if "max_completion_tokens" in body and "max_tokens" in body:  # two names of one setting: they must agree
+        body["max_tokens"] = body["max_completion_tokens"]
     return body
 
 

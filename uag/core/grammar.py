@@ -306,7 +306,7 @@ def _parts(node: Any, at: str) -> list[tuple[str, str]]:
             parts += [(f"{at}/{key}/{i}", role) for i in range(len(node[key]))]
     properties = node.get("properties") if isinstance(node.get("properties"), Mapping) else {}
     required = node.get("required") if isinstance(node.get("required"), list) else []
-    for name in required:
+    for name in filter(lambda name: isinstance(name, str), required):
         if name in properties:
             parts.append((f"{at}/properties/{_escaped(name)}", "object"))
         elif isinstance(node.get("additionalProperties"), Mapping) and not node.get("patternProperties"):
