@@ -18,6 +18,7 @@ from uag.errors import InputError
 from uag.runtime.host import Host
 from uag.runtime.jobs import JobRunner
 from uag.runtime.worker import MLXWorker
+from uag.server.keys import digest_of
 from uag.server.main import DEFAULT_LOOKUP_MEMORY
 from uag.server.protocol import Request, ServerDefaults
 from uag.server.service import Delta, Done, Service
@@ -97,7 +98,8 @@ def test_over_http_the_key_a_request_presented_is_the_one_it_drafts_within(store
     assert second.status_code == 200, second.text
     assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     assert second.json()["speculative"]["shared_lookup_cycles"] >= 1
-    assert served.host.memory.get((hashlib.sha256(b"key-a").hexdigest(), served.target_name)) is not None
+    held = hashlib.sha256(digest_of("key-a").encode()).hexdigest()  # the routes pass the key on as its digest
+    assert served.host.memory.get((held, served.target_name)) is not None
 
 
 def test_the_lookup_summary_counts_proposed_and_kept_tokens_per_lookup_cycle():
