@@ -9,7 +9,7 @@ import pytest
 from uag.app.session import Session
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
-from uag.costs.profiles import Calibration, find_profile, profile_key, profile_path, save
+from uag.costs.profiles import Calibration, find_calibration, profile_key, profile_path, save
 from uag.models.store import ModelStore, Pair
 from uag.runtime.access import Access
 from uag.runtime.pair import Loaded
@@ -123,7 +123,7 @@ def test_auto_reads_a_damaged_profile_as_none_and_a_saved_one_as_it_is(cache, mo
     assert pair_costs.saved_profile(pair.target, DrafterChoice(model=pair.drafter)) is None
     assert _as_loaded(pair).saved_profile() is None and "could not be read" in caplog.text
     save(Calibration(profile_key(pair), PROFILE, MEASURED_AT, context=256))
-    assert _as_loaded(pair).saved_profile() == PROFILE == find_profile(pair)
+    assert _as_loaded(pair).saved_profile() == PROFILE == find_calibration(pair).profile
     assert pair_costs.saved_profile(pair.target, None) is None
 
 
@@ -162,7 +162,7 @@ def test_calibrate_pair_measures_saves_and_shows_the_profile(cache, tiny_session
     assert str(saved) in final.status
     again = session.cost_view(target, drafter)
     assert again.calibration == final.view.calibration and again.figure is not None
-    assert find_profile(session.host.pairs[(target, drafter)].pair) == profile
+    assert find_calibration(session.host.pairs[(target, drafter)].pair).profile == profile
 
 
 def test_a_stopped_calibration_saves_nothing(cache, tiny_session):

@@ -39,19 +39,19 @@ def test_the_new_settings_are_neutral_by_default_and_stay_out_of_the_apps_contro
     config = GenerationConfig()
     assert (config.top_p, config.top_k, config.min_p) == (1.0, 0, 0.0)
     assert (config.repetition_penalty, config.presence_penalty, config.frequency_penalty) == (1.0, 0.0, 0.0)
-    assert not config.processed and not config.penalized and not config.truncated
+    assert not config.penalized and not config.truncated
     assert {f.name for f in SAMPLING_FIELDS} == set(NEW) <= {f.name for f in fields(GenerationConfig)}
     assert not set(NEW) & {f.name for f in FIELDS}
 
 
-def test_what_counts_as_processed():
-    assert not GenerationConfig(top_k=40, top_p=0.9, min_p=0.1).processed  # greedy: the argmax is in every cut
+def test_what_counts_as_truncated_or_penalized():
+    assert not GenerationConfig(top_k=40, top_p=0.9, min_p=0.1).truncated  # greedy: the argmax is in every cut
     assert GenerationConfig(temperature=0.7, top_k=40).truncated
-    assert GenerationConfig(temperature=0.7, top_p=0.9).processed
-    assert not GenerationConfig(temperature=0.7, top_p=1.0, top_k=0, min_p=0.0).processed
+    assert GenerationConfig(temperature=0.7, top_p=0.9).truncated
+    assert not GenerationConfig(temperature=0.7, top_p=1.0, top_k=0, min_p=0.0).truncated
     for penalty in PENALTIES:
         config = GenerationConfig(**penalty)
-        assert config.penalized and config.processed and not config.truncated
+        assert config.penalized and not config.truncated
 
 
 def test_settings_are_parsed_from_loose_input():

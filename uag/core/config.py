@@ -151,15 +151,6 @@ class GenerationConfig:
         """Whether top_p, top_k or min_p cut the target's distribution (they act when it samples)."""
         return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
 
-    @property
-    def processed(self) -> bool:
-        """Whether the target picks from anything but its plain distribution at the temperature.
-
-        Example: GenerationConfig(top_k=40).processed -> False (greedy);  GenerationConfig(temperature=1,
-                 top_k=40).processed -> True;  GenerationConfig(repetition_penalty=1.1).processed -> True
-        """
-        return self.penalized or self.truncated
-
     def validate(self) -> GenerationConfig:
         """Raise InputError listing every setting out of bounds; return self."""
         GenerationConfig.parse(**asdict(self))

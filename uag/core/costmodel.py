@@ -24,7 +24,6 @@ Form = Literal["study", "leviathan"]
 FORMS: tuple[str, ...] = ("study", "leviathan")
 
 DEFAULT_K_MAX = 8
-DEFAULT_W_MAX = 16  # target forward widths a calibration measures: w = 1..16 new tokens
 
 _BISECT_TOL = 1e-13
 
@@ -123,23 +122,6 @@ class CostProfile:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite non-negative number (got {value!r})")
             setattr(self, name, value)
-
-    @classmethod
-    def from_parametric(
-        cls, r: float, c: float, target_ms1: float = 1.0, *, w_max: int = DEFAULT_W_MAX, form: Form = "study"
-    ) -> CostProfile:
-        """The study's model as a profile: cycle_ms(k) / target_ms[1] = 1 + k·r + c·k² exactly.
-
-        Mapping: one drafter step costs r target steps, translation is free (the fitted c absorbs it), and
-        a verification over w = k + 1 tokens costs 1 + c·k² target steps: target_ms[w] = T1·(1 + c·(w−1)²).
-        The table runs to ``w_max``; beyond it ``target_at`` extrapolates linearly, so the profile matches the
-        quadratic only for k < w_max. ``form="study"`` reproduces uag.core.speedup's ``speedup``/``break_even``;
-        ``"leviathan"`` its ``break_even_leviathan``.
-        """
-        if w_max < 1:
-            raise ValueError(f"w_max must be >= 1 (got {w_max})")
-        table = {w: target_ms1 * (1.0 + c * (w - 1) ** 2) for w in range(1, w_max + 1)}
-        return cls(target_ms=table, drafter_ms=r * target_ms1, translate_ms=0.0, form=form)
 
     def target_at(self, w: int) -> float:
         """Target forward time for w new tokens: the table, linear interpolation between its entries, and

@@ -1,4 +1,4 @@
-"""Fitting the study's cost model to observations: c (and r) from break-evens, c from per-run speedups. No mlx.
+"""Fitting the study's cost model to observations: c from per-run speedups. No mlx.
 
 The model itself is uag.core.speedup (S(α, k), α*) and uag.core.costmodel (Leviathan's E); uag.study.analyze
 and the app's history fit it to measured runs here.
@@ -7,44 +7,12 @@ and the app's history fit it to measured runs here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from uag.core.costmodel import Form, check_form, draft_lengths, expected_tokens
-
-
-def fit_c(points: Iterable[tuple[float, float]], r: float) -> float:
-    """Least-squares c in α* = r + c·k from observed (k, α*) pairs, r fixed: c = Σ k(α* − r) / Σ k².
-
-    Example: (2, 0.44), (4, 0.81) with r = 0.07 -> (2·0.37 + 4·0.74) / (4 + 16) = 0.185
-    >>> round(fit_c([(2, 0.44), (4, 0.81)], 0.07), 12)
-    0.185
-    """
-    pts = np.asarray(list(points), dtype=float).reshape(-1, 2)
-    k, alpha_star = pts[:, 0], pts[:, 1]
-    denominator = float(np.sum(k * k))
-    if denominator == 0:
-        raise ValueError(f"fit_c needs at least one point with k > 0 (got {pts.tolist()})")
-    return float(np.sum(k * (alpha_star - r)) / denominator)
-
-
-def fit_r_c(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (r, c) in α* = r + c·k from observed (k, α*) pairs (ordinary line fit).
-
-    Example: the paper's (2, .44), (4, .81), (6, 1.18), (8, 1.55) -> (0.07, 0.185)
-    >>> [round(x, 12) for x in fit_r_c([(2, .44), (4, .81), (6, 1.18), (8, 1.55)])]
-    [0.07, 0.185]
-    """
-    pts = np.asarray(list(points), dtype=float).reshape(-1, 2)
-    k, alpha_star = pts[:, 0], pts[:, 1]
-    if len(np.unique(k)) < 2:
-        raise ValueError(f"fit_r_c needs points at two or more distinct k (got {pts.tolist()})")
-    k_mean = k.mean()
-    c = float(np.sum((k - k_mean) * (alpha_star - alpha_star.mean())) / np.sum((k - k_mean) ** 2))
-    return float(alpha_star.mean() - c * k_mean), c
 
 
 @dataclass(frozen=True, slots=True)

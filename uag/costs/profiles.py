@@ -343,12 +343,6 @@ def find_calibration(pair: _Pair | dict) -> Calibration | None:
     return Calibration.from_dict(json.loads(path.read_text()))
 
 
-def find_profile(pair: _Pair | dict) -> CostProfile | None:
-    """The saved profile for this pair on this machine, if it was calibrated."""
-    calibration = find_calibration(pair)
-    return calibration.profile if calibration else None
-
-
 def save(calibration: Calibration) -> Path:
     """Write atomically (a reader never sees half a file)."""
     return _write(profile_path(calibration.key), calibration.to_dict())
