@@ -164,18 +164,28 @@ def test_key_b_gets_nothing_of_key_as_identical_request(served):
 
 def test_each_key_counts_apart_in_metrics_by_its_name(served):
     http, _, _, _ = served
+
+    def scrape() -> dict:
+        answer = http.get("/metrics", headers=auth(ALICE))
+        assert answer.status_code == 200 and ALICE not in answer.text and BOB not in answer.text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(answer.text)
+            for s in family.samples
+        }
+
+    before = scrape()
     replies = [complete(http, BOB, speculative=False), complete(http, BOB, speculative=False)]
-    scrape = http.get("/metrics", headers=auth(ALICE))
-    assert scrape.status_code == 200 and ALICE not in scrape.text and BOB not in scrape.text
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(scrape.text)
-        for s in family.samples
-    }
+    after = scrape()
     bob = (("key", "bob"),)
-    assert samples[("uag:key_generation_tokens_total", bob)] >= sum(r["usage"]["completion_tokens"] for r in replies)
-    assert samples[("uag:key_prompt_tokens_total", bob)] >= sum(r["usage"]["prompt_tokens"] for r in replies)
-    assert samples[("uag:key_prompt_tokens_total", (("key", "alice"),))] > 0
+    added = lambda name, labels=bob: after.get((name, labels), 0) - before.get((name, labels), 0)  # noqa: E731
+    assert added("uag:key_generation_tokens_total") == sum(r["usage"]["completion_tokens"] for r in replies)
+    assert added("uag:key_prompt_tokens_total") == sum(r["usage"]["prompt_tokens"] for r in replies)
+    assert added("uag:key_prompt_tokens_cached_total") == sum(
+        r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies
+    )
+    assert added("uag:key_request_success_total", (("finished_reason", "length"), ("key", "bob"))) == 2
+    assert added("uag:key_prompt_tokens_total", (("key", "alice"),)) == 0  # alice's count is alice's
 
 
 def test_key_b_cannot_read_key_as_stored_response(served):

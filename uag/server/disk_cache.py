@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import struct
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,7 +126,6 @@ class DiskCaches:
         self.max_bytes, self.min_tokens = max_bytes, min_tokens
         self.index: dict[Path, Saved] = {}
         self._warned: set[Path] = set()
-        self._lock = threading.Lock()
         self.saves = self.loads = self.skipped = 0
         for path in sorted(self.folder.glob("*" + SUFFIX)):
             if path.name.endswith(PARTIAL):

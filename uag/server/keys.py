@@ -121,11 +121,6 @@ class ApiKeys:
         """Whether the keys come from a file (each key is then its own client: uag.server.routes)."""
         return self.path is not None
 
-    def names(self) -> list[str]:
-        self._refresh()
-        with self._lock:
-            return sorted(self._keys)
-
     def match(self, given: str) -> Key | None:
         """The held key `given` is, compared by digest with `hmac.compare_digest` against every key (no early
         exit), or None."""
