@@ -1,4 +1,4 @@
-"""The Python API: load models, generate, stream. What the CLI and sweeps run through too.
+"""The Python API: load models, generate, stream. What `uag generate` runs through too.
 
     import uag
     target = uag.load("demo-target")
@@ -7,12 +7,13 @@
     run.text, run.acceptance_rate, run.tokens_per_second
 
 Models load once per process (a shared `ModelStore`), through `uag.models.loading`: a broken model folder is a
-`uag.UserError` saying what is wrong with it, as on the command line and in the app. Strategy "auto" decides
-by the pair's measured costs on this machine (uag.costs.pair): the profile `python -m uag calibrate`
-(or the app) saved, or on first use a quick calibration that is saved for next time (a run that finds them off
-keeps them and says so in one warning line: `uag calibrate` measures them again); it opens from what earlier
-runs of the pair accepted here, and saves what this run taught (`uag calibrate --reset` forgets both). The
-engine itself reads and writes no files.
+`uag.UserError` saying what is wrong with it, as on the command line and in the app. Adaptive k ("auto":
+`GenerationConfig(k_policy="adaptive")`) decides by the pair's measured costs on this machine (uag.costs.pair):
+the profile `python -m uag calibrate` (or the app) saved, or on first use a quick calibration that is saved for
+next time (a run that finds them off, or whose verify curve stops short of a copy's pass, keeps them and says so
+in one warning line: `uag calibrate` measures them again); it opens from what earlier runs of the pair accepted
+here, and saves what this run taught (`uag calibrate --reset` forgets both). The engine itself reads and writes
+no files; the sweeps (uag.study.bench) call it with the pair's profile and no saved evidence.
 """
 
 from __future__ import annotations

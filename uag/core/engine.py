@@ -364,7 +364,7 @@ def stream(
 
     `drafter`: a loaded model, a `DrafterChoice` (lookup, or lookup+model), a ready `Drafter` (ranks of a
     sharded target that only relay drafts: uag.distributed.sharded), or None for the baseline.
-    `profile`: the pair's measured costs (uag.costs.profiles.find_profile), which seed adaptive k ("auto");
+    `profile`: the pair's measured costs (uag.costs.pair.saved_profile), which seed adaptive k ("auto");
     `evidence`: what auto learned in earlier runs of this pair, carried on and updated in place.
     `caches`: the conversation's caches; the run reads only the prompt tokens they do not hold already
     (`Run.cached_tokens` counts those that they do) and leaves them ready for the next run.
