@@ -165,3 +165,15 @@ def test_the_cache_dir_options(tmp_path):
     with pytest.raises(InputError, match="--cache-dir-gb must be more than 0"):
         serve_args("--cache-dir", str(tmp_path), "--cache-dir-gb", "0")
     assert DiskCaches(tmp_path / "new", 1e9).index == {}  # made where missing
+
+
+def test_a_pending_write_is_replaced_by_its_conversations_later_turn(tmp_path):
+    from uag.server.disk_cache import Held
+
+    disk = DiskCaches(tmp_path, 1e9)
+    turn = lambda tokens, owner="a": Held(owner, "m", tokens, [], 1)  # noqa: E731
+    first, second = turn(list(range(40))), turn([*range(40), 7, 7])
+    other, theirs = turn([9] * 40), turn(list(range(40)), owner="b")
+    for held in (first, other, second, theirs):
+        disk.later(held)
+    assert disk.pending == [other, second, theirs]  # the first turn's write is the second's; another key's stays

@@ -5,7 +5,8 @@ whose prompt starts with what a file holds.
     disk = DiskCaches("~/.cache/uag/kv", max_bytes=8e9)
     caches = disk.take(owner, target, drafter, ids)   # on the worker: a file's caches, or None
     held = disk.hold(owner, target, drafter, caches)  # before the caches go back to the memory LRU
-    disk.save(held)                                   # after the reply went out, still on the worker
+    disk.later(held)                                  # after the reply went out, still on the worker …
+    disk.flush()                                      # … written when no other request waits for it
 
 A file is named and checked by the API key's digest (`owner`), the model's identity (name, folder, dtype, config
 and weight files: `model_identity`) and a hash of its tokens, with uag's format version; its header is read first,
@@ -40,6 +41,7 @@ PARTIAL = ".partial" + SUFFIX  # a file being written (renamed when whole)
 MIN_TOKENS = 256  # a shorter head is read in a moment: neither saved nor looked for (uag.server.prompt_cache)
 MAX_HEADER = 64 * 2**20  # bytes of a file's JSON header beyond which it is not a cache file of ours
 DEFAULT_CACHE_DIR_GB = 8.0
+MAX_PENDING = 4  # conversations whose caches wait for an idle worker to be written; beyond it the oldest is written
 
 
 def model_identity(model: Any) -> str:
@@ -126,6 +128,7 @@ class DiskCaches:
         self.max_bytes, self.min_tokens = max_bytes, min_tokens
         self.index: dict[Path, Saved] = {}
         self._warned: set[Path] = set()
+        self.pending: list[Held] = []  # what `later` keeps for `flush`, oldest first
         self.saves = self.loads = self.skipped = 0
         for path in sorted(self.folder.glob("*" + SUFFIX)):
             if path.name.endswith(PARTIAL):
@@ -248,6 +251,18 @@ class DiskCaches:
         mx.eval(held.arrays)  # views of what the caches hold now (a later run's writes copy, never change them)
         return held
 
+    def later(self, held: Held) -> None:
+        """Keep `held` to be written by `flush` (the server calls it when no other request waits), in place of what
+        its conversation left pending before; beyond `MAX_PENDING` conversations the oldest is written now."""
+        self.pending = [p for p in self.pending if not _replaces(held, p.owner, p.model, p.tokens)] + [held]
+        while len(self.pending) > MAX_PENDING:
+            self.save(self.pending.pop(0))
+
+    def flush(self) -> None:
+        """Write every pending conversation's caches."""
+        while self.pending:
+            self.save(self.pending.pop(0))
+
     def save(self, held: Held) -> Path | None:
         """Write `held` as a file (replacing the files of its conversation's earlier turns), then drop the least
         recently used files beyond `max_bytes`; a failure is logged, never raised (the reply has gone out)."""
@@ -288,8 +303,7 @@ class DiskCaches:
             return None
         self.saves += 1
         for saved in list(self.index.values()):  # this conversation's earlier turns: this file holds what they share
-            same = saved.path != path and saved.owner == held.owner and saved.model == held.model
-            if same and longest_common_prefix(saved.tokens, held.tokens) >= MIN_SHARED * len(saved.tokens):
+            if saved.path != path and _replaces(held, saved.owner, saved.model, saved.tokens):
                 self._remove(saved)
         self._evict()
         return path
@@ -301,6 +315,19 @@ class DiskCaches:
     def _remove(self, saved: Saved) -> None:
         self.index.pop(saved.path, None)
         saved.path.unlink(missing_ok=True)
+
+
+def _replaces(held: Held, owner: str, model: str, tokens: list[int]) -> bool:
+    """Whether `held` stands for a conversation's earlier turn (`owner`, `model`, `tokens`): the same key and model,
+    and most of its tokens (`MIN_SHARED`, as the memory LRU reuses an entry) at its start.
+
+    Example: held [1, 2, 3, 4, 5] replaces [1, 2, 3, 9] (3 of 4 shared), not [1, 7, 8, 9] (1 of 4)
+    """
+    return (
+        owner == held.owner
+        and model == held.model
+        and longest_common_prefix(tokens, held.tokens) >= MIN_SHARED * len(tokens)
+    )
 
 
 def _views(cache: list) -> list[Any]:

@@ -233,8 +233,11 @@ class Service:
             done_report["speculative"]["check"] = self.check(job, loaded, ids, config, run)
         self._record(request, run, done_report, step, choice, target)
         yield Done(text.hold.content, finish, done_report, calls, tail)  # content: the text outside the calls
-        if held is not None:  # the reply has gone out: the worker writes the caches before its next job
-            self.disk.save(held)
+        if held is not None:  # the reply has gone out: its caches are written when no other request waits
+            self.disk.later(held)
+        worker = self.runner.worker
+        if self.disk is not None and self.disk.pending and not worker.backlog and worker.running <= 1:
+            self.disk.flush()
 
     def check(self, job: Job, loaded: Loaded, ids: list[int], config, run) -> dict:
         """The request's `"check": true` (uag.runtime.pair.check_against_target, as `uag generate --compare`): the
