@@ -15,6 +15,8 @@ Usage: python benchmarks/disk_cache.py [--target demo-target] [--drafter off] [-
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,6 +56,7 @@ def saved_files(folder: Path, wait_s: float = 60) -> list[Path]:
 def one_round(args: argparse.Namespace, r: int, snapshot: Path, logs: Path) -> dict:
     """(cold, after restart): one head, two servers on one cache folder."""
     folder = Path(tempfile.mkdtemp(prefix="uag-disk-cache-"))
+    atexit.register(shutil.rmtree, folder, True)
     argv = (sys.executable, "-m", "uag", "serve", "--target", args.target, "--drafter", args.drafter, "--no-ui")
     argv += ("--drafters", "", "--model-alias", "*", "--cache-dir", str(folder), "--max-tokens", "4")
     condition = serve.Condition("uag", "uag", argv, args.target, cache=snapshot)
