@@ -7,7 +7,7 @@ every dialect. Pure: no mlx, no HTTP.
     OPENAI_CHAT.parse(body, defaults) -> Request;  OPENAI_CHAT.reply(request).whole(done) -> a chat.completion
 
 OpenAI's chat and completions are here; Anthropic's Messages (uag.server.anthropic), OpenAI's Responses
-(uag.server.openai_responses) and fill-in-the-middle (uag.server.fim) are the others.
+(uag.server.openai_responses) and llama.cpp's /infill (uag.server.infill) are the others.
 """
 
 from __future__ import annotations
