@@ -1,5 +1,5 @@
 """Record what aider sends over two turns of each edit format: tests/fixtures/aider-<version>-sent.json, against which
-tests/study/test_edit_formats.py checks benchmarks/edit_formats.py's replay.
+tests/benchmarks/test_edit_formats.py checks benchmarks/edit_formats.py's replay.
 
 Run with aider installed (its own environment: `pip install aider-chat`), not uag's:
     python benchmarks/aider_layout/record.py tests/fixtures/aider-0.86.2-sent.json
