@@ -6,8 +6,8 @@ learned or a cost measured by one of them is the other's too, and `auto` follows
     host = Host(ModelStore(), JobRunner(MLXWorker()), target="demo-target")
     loaded = host.open("demo-target", "lookup+demo-drafter", warm=True)   # on the worker thread
     auto = host.open_auto(loaded, "lookup+demo-drafter")
-    with host.running(job, loaded, ids, config, auto=auto) as running:
-        for event in running.events: ...
+    with host.running(job, loaded, ids, config, auto=auto) as running:   # in a job on the worker
+        for event in running: ...                                              # running.run: the final record
 
 The cost policy: a host that keeps costs off the requests' path (`off_path`: `uag serve`) never measures inside
 a request: a pair without costs runs without them and is measured by the `CostKeeper` when the worker is idle;

@@ -343,6 +343,7 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
     from uag.runtime.host import Host
     from uag.runtime.jobs import JobRunner
     from uag.runtime.worker import MLXWorker
+    from uag.server.metrics import Metrics
     from uag.server.protocol import ServerDefaults
     from uag.server.routes import create_app
     from uag.server.service import Service
@@ -388,7 +389,7 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
         from uag.server.disk_cache import DiskCaches
 
         disk = DiskCaches(args.cache_dir, args.cache_dir_gb * 1e9)
-    service = Service(host, defaults, cache_bytes=args.cache_gb * 1e9, disk=disk)
+    service = Service(host, defaults, cache_bytes=args.cache_gb * 1e9, metrics=Metrics(args.target), disk=disk)
     app = create_app(
         service,
         api_key=opts.get("keys", opts["key"]),

@@ -1,15 +1,18 @@
 """The HTTP layer: OpenAI's routes over `uag.server.service.Service`. It owns framing, limits and errors; every
 model call is a job on the one MLX worker (`JobRunner`), so it never generates anything itself.
 
-    POST /v1/chat/completions    POST /v1/completions    GET /v1/models[/{id}]    GET|HEAD /health
+    POST /v1/chat/completions    POST /v1/completions    GET /v1/models[/{id}]    GET|HEAD /health    GET /metrics
+    POST /v1/messages[/count_tokens] (Anthropic's; every generating route is a dialect: `DIALECTS`)
+    POST /v1/responses    GET|DELETE /v1/responses/{id} (OpenAI's Responses, stored per key)
 
 Limits, in the order a request meets them: open connections and the time to send a request's head
 (uag.server.connections); Host, Origin and JSON POSTs (uag.server.guards); the API key (a wrong one's 401 held
 longer after each of a client's wrong keys, a right one never); the body size; the fields (uag.server.protocol);
 the queue (`max_queue` requests, at most half one client's, then 429); the client's share of the worker
 (`per_client`: beyond it a request waits, held back so that others go between); the wait for the worker
-(`queue_wait_s`, then 503); the generation time (`budget_s`, then finish_reason "length"). 429 and 503 carry
-Retry-After. A client that leaves cancels its job within a second.
+(`queue_wait_s`, default 300 s, then 503); the generation time
+(`--time-budget`, none by default, then finish_reason "length" and why) and no progress for 10 min (the same).
+429 and 503 carry Retry-After. A client that leaves cancels its job within a second.
 Errors are OpenAI's error object; internal errors are logged with their traceback and answered with a neutral 500.
 """
 
@@ -21,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from typing import Any
 
 import anyio
@@ -31,22 +35,34 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from uag.errors import UserError
-from uag.runtime.jobs import Busy, Waiting
+from uag.runtime.jobs import Busy, Tick, Waiting
+from uag.server.anthropic import ANTHROPIC, count_tokens, parse_count
+from uag.server.dialects import OPENAI_CHAT, OPENAI_COMPLETION, Accepted, Delta, Dialect, Done, Reply
 from uag.server.errors import APIError
 from uag.server.guards import Guard, KeyBackoff, Perimeter, RetryLater, answer
+from uag.server.infill import INFILL
 from uag.server.keys import ApiKeys, Key
 from uag.server.logs import RequestLog, note_served
-from uag.server.protocol import parse_chat, parse_completion
-from uag.server.responses import chat_response, chunk, completion_response, new_id, now, usage_chunk
-from uag.server.service import Accepted, Delta, Done, Service
-from uag.server.streaming import DONE, sse
+from uag.server.metrics import CONTENT_TYPE as METRICS_TYPE
+from uag.server.openai_responses import OPENAI_RESPONSES
+from uag.server.responses import now
+from uag.server.service import Service
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 4 * 2**20  # bytes of a request body (a long code conversation is well under 1 MB)
 DEFAULT_MAX_QUEUE = 8
-DEFAULT_QUEUE_WAIT_S = 300.0  # a request that waits this long for the worker gets 503 (the worker is overloaded)
 DRAIN_BYTES = 64 * 2**20  # of a body over the limit, read and dropped so that its client reads the 413
+DEFAULT_QUEUE_WAIT_S = 300.0  # a request that waits this long for the worker gets 503 (the worker is overloaded)
+# The generating routes: each path's API over the one request path (uag.server.dialects).
+DIALECTS: dict[str, Dialect] = {
+    "/v1/chat/completions": OPENAI_CHAT,
+    "/v1/messages": ANTHROPIC,
+    "/v1/completions": OPENAI_COMPLETION,
+    "/v1/responses": OPENAI_RESPONSES,
+    "/infill": INFILL,  # llama.cpp's, for editor autocomplete (uag.server.infill)
+}
+KEEPALIVE_S = 15.0  # a stream quiet this long (a long prompt read) sends its dialect's keep-alive, if it has one
 DISCONNECT_CHECK_S = 0.5  # how often a request looks whether its client is still there, whatever arrives
 RETRY_FULL_S = 5  # Retry-After when the queue is full: a short request's time
 RETRY_OVERLOADED_S = 30  # Retry-After when a request waited too long for the worker
@@ -119,7 +135,8 @@ def create_app(
     gate = Gate(max_queue, max(service.runner.per_client, max_queue // 2))
     wait_s = DEFAULT_QUEUE_WAIT_S if queue_wait_s is None else queue_wait_s
     app.add_middleware(Guard, perimeter=perimeter, backoff=backoff)
-    app.add_middleware(RequestLog)
+    metrics = service.metrics
+    app.add_middleware(RequestLog, count=None if metrics is None else metrics.answered)
     if perimeter.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -131,6 +148,15 @@ def create_app(
     _answer_errors(app)
     authorise = _key_check(api_key)
     by_key = isinstance(api_key, ApiKeys) and api_key.from_file  # each key its own client
+
+    if metrics is not None:  # GET /metrics: uag.server.metrics, behind the key
+        metrics.name_routes({path: dialect.name for path, dialect in DIALECTS.items()})
+        metrics.watch(admitted=lambda: gate.count, worker=service.runner.worker, costs=service.costs)
+
+        @app.get("/metrics")
+        async def scrape(request: Request) -> Response:
+            authorise(request)
+            return Response(metrics.exposition(), media_type=METRICS_TYPE)
 
     def served_model() -> dict:
         return {"id": service.defaults.model, "object": "model", "created": now(), "owned_by": "uag"}
@@ -148,7 +174,7 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict:
         authorise(request)
-        if model_id != service.defaults.model:
+        if not service.defaults.serves(model_id):  # the served model, or an id --model-alias answers as it
             raise APIError(
                 404,
                 f"no model {model_id[:100]!r} here: GET /v1/models lists the one this server serves",
@@ -157,31 +183,32 @@ def create_app(
             )
         return served_model()
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await serve(request, parse_chat)
+    async def serve(request: Request, dialect: Dialect):
+        """One request of any dialect: the key, the body, the checks, the gate, then the job's items written as
+        the dialect writes them. An `APIError` before the reply starts is the dialect's error object."""
+        try:
+            return await _serve(request, dialect)
+        except APIError as err:
+            return answer(err, retry_s=RETRY_FULL_S, shape=dialect.error)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, parse_completion)
-
-    async def serve(request: Request, parse: Callable[..., Any]):
+    async def _serve(request: Request, dialect: Dialect):
         key = authorise(request)
         try:
             body = await read_json(request, max_body)
         except Disconnected:  # left mid-body: nobody to answer
             return Response(status_code=499)
-        parsed = parse(body, service.defaults)
+        parsed = dialect.parse(body, service.defaults, key) if dialect.keyed else dialect.parse(body, service.defaults)
         client = _client(request, key, by_key)
         gate.enter(client)
-        feed = Feed(request, _guarded(service, parsed, client, key), wait_s)
+        feed = Feed(request, _guarded(service, parsed, client, key, dialect.label), wait_s)
         handed_over = False
         try:
             first = await feed.next()  # Accepted, or the error that stopped the request first
+            reply = dialect.reply(parsed)
             if parsed.stream:
                 handed_over = True  # the stream closes the feed and leaves the gate
                 return StreamingResponse(
-                    stream(request, parsed, feed, first, lambda: gate.leave(client)),
+                    stream(request, reply, feed, first, lambda: gate.leave(client)),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
@@ -189,7 +216,7 @@ def create_app(
             while not isinstance(done, Done):
                 done = await feed.next()
             note_served(request.scope, done.report)
-            return JSONResponse(_whole(parsed, done))
+            return JSONResponse(reply.whole(done))
         except Disconnected:  # nobody to answer; closing the feed cancels the job
             return Response(status_code=499)
         finally:
@@ -197,16 +224,70 @@ def create_app(
                 feed.close()
                 gate.leave(client)
 
+    for path, dialect in DIALECTS.items():
+        dialect = dialect.fresh() if dialect.fresh else dialect  # state of this app's own (stored responses)
+        app.add_api_route(path, _route(serve, dialect), methods=["POST"])
+        if dialect.resource is not None:
+            app.add_api_route(path + "/{item_id}", _resource(authorise, dialect), methods=["GET", "DELETE"])
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        """Anthropic's token count: the request's prompt rendered on the worker as /v1/messages renders it (its
+        errors are Anthropic's: the path is under /v1/messages)."""
+        key = authorise(request)
+        try:
+            body = await read_json(request, max_body)
+        except Disconnected:
+            return Response(status_code=499)
+        parsed = parse_count(body, service.defaults)
+        client = _client(request, key, by_key)
+        gate.enter(client)
+        job = partial(count_tokens, service)
+        feed = Feed(request, _guarded(service, parsed, client, key, "an API request (count_tokens)", job), wait_s)
+        try:
+            counted = await feed.next()
+            return {"input_tokens": counted.prompt_tokens}
+        except Disconnected:
+            return Response(status_code=499)
+        finally:
+            feed.close()
+            gate.leave(client)
+
     return app
+
+
+def _route(serve: Callable[[Request, Dialect], Any], dialect: Dialect) -> Callable[[Request], Any]:
+    async def route(request: Request):
+        return await serve(request, dialect)
+
+    route.__name__ = dialect.name
+    return route
+
+
+def _resource(authorise: Callable[[Request], str | None], dialect: Dialect) -> Callable[..., Any]:
+    """GET and DELETE {path}/{id}: an object the dialect keeps for the request's key (a stored response)."""
+
+    async def resource(request: Request, item_id: str) -> dict:
+        return dialect.resource(request.method, item_id, authorise(request))
+
+    resource.__name__ = f"{dialect.name}_stored"
+    return resource
 
 
 def _answer_errors(app: FastAPI) -> None:
     """Every failure as OpenAI's error object: an APIError as raised, Starlette's 404 and 405 in words, anything
     else logged with its traceback and answered with the neutral 500."""
 
+    def shape(request: Request) -> Callable[[APIError], dict]:  # the error object of the API the path belongs to
+        path = request.url.path
+        for prefix, dialect in DIALECTS.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                return dialect.error
+        return OPENAI_CHAT.error
+
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, err: APIError) -> JSONResponse:
-        return answer(err, retry_s=RETRY_FULL_S)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return answer(err, retry_s=RETRY_FULL_S, shape=shape(request))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -215,32 +296,34 @@ def _answer_errors(app: FastAPI) -> None:
             405: f"{request.method} is not allowed on {request.url.path[:100]}",
         }
         error = APIError(err.status_code, messages.get(err.status_code, "the request could not be served"))
-        return JSONResponse(error.body(), status_code=err.status_code)
+        return JSONResponse(shape(request)(error), status_code=err.status_code)
 
     @app.exception_handler(Exception)
-    async def internal_error(_request: Request, err: Exception) -> JSONResponse:
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
         log.error("a request failed with an internal error", exc_info=err)
-        return JSONResponse(internal().body(), status_code=500)
+        return JSONResponse(shape(request)(internal()), status_code=500)
 
 
 def _key_check(api_key: ApiKeys | str | None) -> Callable[[Request], Key | None]:
     """What every /v1 route calls first: 401 unless the request carries one of the server's keys (`api_key`: its
-    one key, or its key file's: uag.server.keys) as its bearer token (nothing to check when the server has no key).
-    A right key always passes; the Guard holds the answers to a client's wrong keys (uag.server.guards.KeyBackoff).
-    It returns the key the request presented as a `Key` (its digest, and its name; None without keys): what the
-    request may draft from, the conversation caches it may reuse and the responses it may read are that key's
-    alone."""
+    one key, or its key file's: uag.server.keys) as its bearer token or, as Anthropic's clients send it, its
+    `x-api-key` header (nothing to check when the server has no key). A right key always passes; the Guard holds the
+    answers to a client's wrong keys (uag.server.guards.KeyBackoff). It returns the key the request presented as a
+    `Key` (its digest, and its name; None without keys): what the request may draft from, the conversation caches
+    it may reuse and the responses it may read are that key's alone."""
     keys = ApiKeys.one(api_key) if isinstance(api_key, str) else api_key
 
     def authorise(request: Request) -> Key | None:
         if keys is None:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" and "x-api-key" in request.headers:
+            scheme, given = "bearer", request.headers["x-api-key"]
         key = keys.match(given.strip()) if scheme.lower() == "bearer" else None
         if key is None:
             raise APIError(
                 401,
-                "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                "a valid API key is required: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                 code="invalid_api_key",
             )
         return key
@@ -256,20 +339,26 @@ def _client(request: Request, key: Key | None = None, by_key: bool = False) -> s
     return request.client.host if request.client else "unknown"
 
 
-def _guarded(service: Service, parsed, client: str, key: str | None) -> Iterator[Any]:
-    """The job's items; the errors a user can fix as 400/429, anything else logged and answered with a 500.
-    Beyond its client's share the job waits its turn (it was admitted by the gate)."""
+def _guarded(service: Service, parsed, client: str, key: str | None, label: str, job=None) -> Iterator[Any]:
+    """The job's items (`job`: the job function, `service.job` by default); the errors a user can fix as 400/429,
+    anything else logged and answered with a 500. Beyond its client's share the job waits its turn (it was admitted
+    by the gate)."""
     items = service.runner.run(
-        service.job,
+        job or service.job,
         parsed,
         key,
-        label=f"an API request ({parsed.kind})",
+        label=label,
         client=client,
         wait=True,
         shared=service.batched,
     )
+    metrics, running = service.metrics, False
     try:
-        yield from items
+        for item in items:
+            if metrics is not None and not running and not isinstance(item, Waiting):
+                running = True  # its job started on the worker (GET /metrics counts it running until it ends)
+                metrics.began()
+            yield item
     except (APIError, GeneratorExit):
         raise
     except Busy as err:
@@ -280,6 +369,8 @@ def _guarded(service: Service, parsed, client: str, key: str | None) -> Iterator
         log.error("an API request failed with an internal error", exc_info=err)
         raise internal() from None
     finally:
+        if running:
+            metrics.ended()
         items.close()
 
 
@@ -290,9 +381,10 @@ class Feed:
 
     def __init__(self, request: Request, items: Iterator[Any], wait_s: float | None):
         self.request, self.items, self.wait_s = request, items, wait_s
-        self._checked = time.monotonic()
+        self._checked = self._said = time.monotonic()
 
-    async def next(self) -> Any:
+    async def next(self, quiet_s: float | None = None) -> Any:
+        """The next item that says something; with `quiet_s`, also a `Tick` once nothing has for that long."""
         while True:
             # Not abandoned on cancel: `next` returns within a heartbeat, so the generator is never closed under it.
             item = await anyio.to_thread.run_sync(next, self.items, _END)
@@ -310,59 +402,45 @@ class Feed:
                 self._checked = time.monotonic()
                 if await self.request.is_disconnected():
                     raise Disconnected
-            if isinstance(item, (Accepted, Delta, Done)):
+            if isinstance(item, (Accepted, Delta, Done)) or (
+                isinstance(item, Tick) and quiet_s is not None and time.monotonic() - self._said >= quiet_s
+            ):
+                self._said = time.monotonic()
                 return item
 
     def close(self) -> None:
         self.items.close()  # cancels the job when it is not done (a held or queued job never starts)
 
 
-def _whole(parsed, done: Done) -> dict:
-    rid, created = new_id(parsed.kind), now()
-    if parsed.kind == "chat":
-        return chat_response(rid, created, parsed.model, done.text, done.finish, done.report, done.tool_calls)
-    return completion_response(rid, created, parsed.model, done.text, done.finish, done.report)
-
-
-async def stream(request: Request, parsed, feed: Feed, first: Any, leave: Callable[[], None]) -> AsyncIterator[bytes]:
-    """The SSE body: the role, content deltas, the finish reason, the usage chunk if asked, [DONE]. An error
-    after the stream started is one error event, and the stream ends."""
-    rid, created, kind, model = new_id(parsed.kind), now(), parsed.kind, parsed.model
-
-    def piece(delta: Any, finish: str | None = None) -> bytes:
-        return sse(chunk(kind, rid, created, model, delta, finish))
-
+async def stream(
+    request: Request, reply: Reply, feed: Feed, first: Any, leave: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """The SSE body as the dialect frames it: its opening, the content deltas, its closing (finish reason, tool
+    calls, usage). An error after the stream started is the dialect's one error event, and the stream ends. A
+    dialect whose reply has a `keepalive` event (Anthropic's ping) sends it whenever the stream has been quiet for
+    `KEEPALIVE_S`: clients drop a stream silent for minutes (Claude Code after 3), and a long prompt read is."""
+    keepalive = getattr(reply, "keepalive", None)
     try:
-        if kind == "chat":
-            yield piece({"role": "assistant", "content": ""})
+        for part in reply.opening(first):
+            yield part
         item = first
         while not isinstance(item, Done):
             if isinstance(item, Delta):
-                yield piece({"content": item.text} if kind == "chat" else item.text)
-            item = await feed.next()
+                for part in reply.delta(item.text):
+                    yield part
+            elif isinstance(item, Tick):
+                yield keepalive
+            item = await feed.next(KEEPALIVE_S if keepalive else None)
         note_served(request.scope, item.report)
-        if item.tail:
-            yield piece({"content": item.tail} if kind == "chat" else item.tail)
-        for i, call in enumerate(item.tool_calls or ()):  # as OpenAI streams them: the name, then the arguments
-            head = {
-                "index": i,
-                "id": call["id"],
-                "type": "function",
-                "function": {"name": call["function"]["name"], "arguments": ""},
-            }
-            yield piece({"tool_calls": [head]})
-            yield piece({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
-        yield piece({} if kind == "chat" else "", item.finish)
-        if parsed.include_usage:
-            yield sse(usage_chunk(kind, rid, created, model, item.report))
-        yield DONE
+        for part in reply.closing(item):
+            yield part
     except APIError as err:
-        yield sse(err.body())
+        yield reply.failed(err)
     except Disconnected:
         return
     except Exception as err:
         log.error("a streamed request failed with an internal error", exc_info=err)
-        yield sse(internal().body())
+        yield reply.failed(internal())
     finally:
         feed.close()  # cancels the job when the client left early
         leave()

@@ -16,8 +16,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
+from typing import Any
 
 from uag.core.engine import PromptCaches
 from uag.costs.pair import read_calibration, saved_profile
@@ -30,6 +31,7 @@ from uag.runtime.pair import Loaded, check_prompt_chars, max_prompt_chars, promp
 from uag.runtime.worker import Job
 from uag.server import fim
 from uag.server.chat import render
+from uag.server.dialects import Accepted, Delta, Done
 from uag.server.errors import APIError, bad
 from uag.server.prompt_cache import ConversationCaches
 from uag.server.protocol import Request, ServerDefaults
@@ -42,40 +44,18 @@ RECENT = 200  # requests the Server tab keeps
 FINISH = {"eos": "stop", "length": "length", "stopped": "stop"}
 
 
-@dataclass(frozen=True)
-class Accepted:
-    """The prompt passed its checks and generation starts (a stream may now send its first chunk)."""
-
-    prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class Delta:
-    """Content to send now."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Done:
-    """The end of a request: the reply, why it ended, and the usage/speculative/timings report."""
-
-    text: str  # the whole content (stop sequences cut; without the tool calls)
-    finish: str  # OpenAI's finish_reason: stop, length, tool_calls
-    report: dict
-    tool_calls: list | None = None
-    tail: str = ""  # content not yet sent as a Delta
-
-
 class Service:
     """The OpenAI-side adapter over a `Host` (the pairs, auto's evidence, the shared lookup index, the cost keeper:
     uag.runtime.host): the server's defaults, the conversation caches, the log of requests the Server tab shows,
     and the step times served here."""
 
-    def __init__(self, host: Host, defaults: ServerDefaults, *, cache_bytes: float, disk=None):
+    def __init__(
+        self, host: Host, defaults: ServerDefaults, *, cache_bytes: float, metrics: Any = None, disk: Any = None
+    ):
         self.host, self.defaults = host, defaults
         self.caches = ConversationCaches(cache_bytes)
         self.disk = disk  # uag.server.disk_cache.DiskCaches (--cache-dir): caches that survive a restart; None: off
+        self.metrics = metrics  # uag.server.metrics.Metrics that GET /metrics reads (None: no metrics)
         self.recent: deque[Served] = deque(maxlen=RECENT)
         self.saved_s = 0.0
         self._steps: dict[str, StepTime] = {}  # target -> its step time as served here (speculation off)
@@ -232,7 +212,12 @@ class Service:
         elif request.check and request.drafter is not None:
             done_report["speculative"]["check"] = self.check(job, loaded, ids, config, run)
         self._record(request, run, done_report, step, choice, target)
-        yield Done(text.hold.content, finish, done_report, calls, tail)  # content: the text outside the calls
+        if self.metrics is not None:  # every count GET /metrics serves, from the report the client gets
+            self.metrics.finished(
+                self.defaults.model, run, done_report, finish, queued_at=job.queued_at, key=getattr(key, "name", None)
+            )
+        # content: the text outside the calls
+        yield Done(text.hold.content, finish, done_report, calls, tail, stop_sequence=text.stop.matched)
         if held is not None:  # the reply has gone out: its caches are written when no other request waits
             self.disk.later(held)
         worker = self.runner.worker
