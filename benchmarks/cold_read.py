@@ -4,7 +4,7 @@ Both servers run side by side (as `serve.py` starts them: the same converted fol
 asks each server once, the order alternating from round to round, so that a machine whose speed drifts slows both
 alike. The prompt is aider's first `--edit-format` request of an `edit` conversation (`edit_formats.Replay`), its
 system prompt opening with a different word for every request, so that no server holds any of it; 2 tokens are
-asked, streamed through the `openai` SDK (`serve.ask`), and the time to the first content token is taken at the
+asked, streamed through the `openai` SDK (`serving.ask`), and the time to the first content token is taken at the
 client. On a shared machine other work only ever adds time: the least of the rounds is printed beside the median.
 
 Usage: python benchmarks/cold_read.py [--target coder-target] [--drafter lookup] [--conversation edit-008]
@@ -25,16 +25,17 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 # isort: split
 import edit_formats  # benchmarks/, beside this script
 import openai
-import serve
+import serve  # COPY_GOALS: the target this checks
+import serving
 
 from uag.study.datasets import load_conversations
 
 OPENINGS = ("Act", "Be", "Work", "Serve", "Help", "Code", "Edit", "Write", "Reply", "Answer", "Think", "Read")
 
 
-def first_token_s(server: serve.Server, client: openai.OpenAI, messages: list[dict]) -> float:
-    """Seconds to the first content token of a streamed 2-token reply (`serve.ask`, the stream closed there)."""
-    reply = serve.ask(client, server.condition, messages, 2, first_only=True)
+def first_token_s(server: serving.Server, client: openai.OpenAI, messages: list[dict]) -> float:
+    """Seconds to the first content token of a streamed 2-token reply (`serving.ask`, the stream closed there)."""
+    reply = serving.ask(client, server.condition, messages, 2, first_only=True)
     if reply.ttft_s is None:
         raise RuntimeError(f"{server.condition.name}'s reply held no content")
     return reply.ttft_s
@@ -74,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(f"cold-read-{time.strftime('%Y%m%d-%H%M%S')}.logs")
     with ExitStack() as stack:
         servers = [
-            stack.enter_context(serve.Server(c, logs / f"{c.name.replace(':', '-')}.log"))
-            for c in serve.conditions(settings)
+            stack.enter_context(serving.Server(c, logs / f"{c.name.replace(':', '-')}.log"))
+            for c in serving.conditions(settings)
         ]
         clients = {
             s.condition.name: openai.OpenAI(
-                base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=serve.REQUEST_S
+                base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=serving.REQUEST_S
             )
             for s in servers
         }

@@ -28,7 +28,7 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 
 # isort: split
 import openai
-import serve  # benchmarks/, beside this script
+import serving  # benchmarks/, beside this script
 
 OPENINGS = ("Act", "Be", "Work", "Serve", "Help", "Code", "Edit", "Write", "Reply", "Answer")
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -59,21 +59,21 @@ def one_round(args: argparse.Namespace, r: int, snapshot: Path, logs: Path) -> d
     atexit.register(shutil.rmtree, folder, True)
     argv = (sys.executable, "-m", "uag", "serve", "--target", args.target, "--drafter", args.drafter, "--no-ui")
     argv += ("--drafters", "", "--model-alias", "*", "--cache-dir", str(folder), "--max-tokens", "4")
-    condition = serve.Condition("uag", "uag", argv, args.target, cache=snapshot)
+    condition = serving.Condition("uag", "uag", argv, args.target, cache=snapshot)
     messages = [
         {"role": "system", "content": head(args.head_tokens, OPENINGS[r % len(OPENINGS)])},
         {"role": "user", "content": "What does this project do, in one sentence?"},
     ]
-    with serve.Server(condition, logs / f"round{r}-cold.log") as server:
+    with serving.Server(condition, logs / f"round{r}-cold.log") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        serve.ask(client, condition, WARM_UP, 2)
-        cold = serve.ask(client, condition, messages, 4)
+        serving.ask(client, condition, WARM_UP, 2)
+        cold = serving.ask(client, condition, messages, 4)
         file_mb = sum(f.stat().st_size for f in saved_files(folder)) / 1e6
     turn = [*messages, {"role": "assistant", "content": cold.text}, {"role": "user", "content": "And how fast?"}]
-    with serve.Server(condition, logs / f"round{r}-restarted.log") as server:
+    with serving.Server(condition, logs / f"round{r}-restarted.log") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        serve.ask(client, condition, WARM_UP, 2)
-        warm = serve.ask(client, condition, turn, 4)
+        serving.ask(client, condition, WARM_UP, 2)
+        warm = serving.ask(client, condition, turn, 4)
     return {
         "round": r,
         "head_tokens": cold.usage.get("prompt_tokens"),
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.head_tokens < 300:
         parser.error("--head-tokens: at least 300 (a shorter head is read in a moment, and not saved)")
     print(f"load before: {uptime()}", flush=True)
-    snapshot, logs = serve.cache_snapshot(), Path(tempfile.mkdtemp(prefix="uag-disk-cache-logs-"))
+    snapshot, logs = serving.cache_snapshot(), Path(tempfile.mkdtemp(prefix="uag-disk-cache-logs-"))
     rows = []
     for r in range(args.rounds):
         rows.append(row := one_round(args, r, snapshot, logs))

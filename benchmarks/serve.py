@@ -60,22 +60,15 @@ Chosen conversations instead of the first N (e.g. ones no tuning looked at): --i
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from dataclasses import replace
 from datetime import datetime
-from importlib import metadata
 from pathlib import Path
 
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
@@ -84,16 +77,28 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 import edit_formats  # benchmarks/edit_formats.py, beside this script
 import httpx
 import openai
+import serve_many  # benchmarks/serve_many.py: --concurrency, and its rows' summary
+from serving import (  # benchmarks/serving.py: what this script shares with serve_many.py
+    REQUEST_S,
+    WARM_UP,
+    WARM_UP_TOKENS,
+    Condition,
+    Reply,
+    Server,
+    ask,
+    chat_prompts,
+    conditions,
+    fmt,
+    folder,
+    row,
+    rows_file,
+    say,
+    version,
+)
 
-from uag import _blas
 from uag.core.policy import MECHANISMS
-from uag.models import demo
-from uag.study.datasets import Conversation, load_bundled, load_conversations
+from uag.study.datasets import Conversation, load_conversations
 
-STARTUP_S = 1800  # a server may take this long to come up (loading the coder pair on a busy CPU)
-REQUEST_S = 7200  # one request (a whole file at ~3 tokens/s)
-WARM_UP = [{"role": "user", "content": "Say hello in one short sentence."}]
-WARM_UP_TOKENS = 8
 # The longest file (105 lines): 893 tokens at turn 1 on the coder target, some 1,700 at turn 2 with the file back.
 DEFAULT_TTFT_CONVERSATION = "edit-020"
 SPECULATIVE_GOALS = {"tps_alone": 3.0, "tps_draft": 2.0, "e2e_alone": 2.5, "chat": 0.97, "off": 0.97, "ttft": 0.25}
@@ -104,274 +109,7 @@ EDIT_WORKLOADS = {"edit": "edit", "whole": "aider-whole", "diff": "aider-diff"} 
 WHOLE_FILE = ("edit", "aider-whole")  # the workloads whose replies write the whole file back
 
 
-# --- conditions and servers -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Condition:
-    """One server configuration and how requests to it are made."""
-
-    name: str  # "uag:lookup+demo-drafter", "uag:off", "mlx_lm", "mlx_lm:draft3"
-    server: str  # "uag" or "mlx_lm"
-    argv: tuple[str, ...]  # the server's command line, without --port
-    model: str  # the request's `model`
-    extra_body: dict | None = None
-    cache: Path | None = None  # a private copy of this cache folder for each start (UAG_CACHE_DIR); None: the user's
-
-
-def folder(name: str) -> str:
-    """A model's converted folder: an offline name through `demo.ensure`, anything else as given."""
-    return str(demo.ensure(name)) if name in demo.MODELS else name
-
-
-def conditions(args: argparse.Namespace) -> list[Condition]:
-    uag_serve = (
-        sys.executable,
-        "-m",
-        "uag",
-        "serve",
-        "--target",
-        args.target,
-        "--no-ui",
-        "--max-tokens",
-        str(args.max_tokens),
-        "--time-budget",
-        str(REQUEST_S),
-    )
-    out = [
-        Condition(f"uag:{d}", "uag", (*uag_serve, "--drafter", d, "--drafters", d, "--strategy", "auto"), args.target)
-        for d in args.drafters
-    ]
-    if args.ablate:  # auto with one part off, over the first drafter; every auto server opens from the same evidence
-        first, snapshot = out[0], cache_snapshot()
-        out = [replace(c, cache=snapshot) for c in out]
-        out += [
-            replace(first, name=f"{first.name}-no-{m}", argv=(*first.argv, "--auto-off", m))
-            for m in (MECHANISMS if "all" in args.ablate else args.ablate)
-        ]
-    if args.without_shared_index:  # each uag drafter also with the index shared across requests off
-        out += [replace(c, name=f"{c.name}:noshare", argv=(*c.argv, "--lookup-memory", "0")) for c in list(out)]
-    out.append(Condition("uag:off", "uag", (*uag_serve, "--drafter", "off"), args.target, {"speculative": False}))
-    target = folder(args.target)
-    mlx = (
-        sys.executable,
-        "-m",
-        "mlx_lm",
-        "server",
-        "--model",
-        target,
-        "--max-tokens",
-        str(args.max_tokens),
-        "--log-level",
-        "WARNING",
-    )
-    out.append(Condition("mlx_lm", "mlx_lm", mlx, "default_model"))
-    if args.peer_draft:
-        draft = folder(args.peer_draft)
-        out += [
-            Condition(
-                f"mlx_lm:draft{n}",
-                "mlx_lm",
-                (*mlx, "--draft-model", draft, "--num-draft-tokens", str(n)),
-                "default_model",
-            )
-            for n in args.num_draft_tokens
-        ]
-    if args.only:
-        unknown = sorted(set(args.only) - {c.name for c in out})
-        if unknown:
-            raise SystemExit(f"--only: no condition {', '.join(unknown)} (there are {', '.join(c.name for c in out)})")
-        out = sorted((c for c in out if c.name in args.only), key=lambda c: args.only.index(c.name))
-    return out
-
-
-def cache_snapshot() -> Path:
-    """A copy of the user cache's saved profiles and evidence as they are now, its converted models linked."""
-    from uag.machine import cache_dir
-
-    snapshot = Path(tempfile.mkdtemp(prefix="uag-serve-cache-"))
-    atexit.register(shutil.rmtree, snapshot, True)
-    for name in ("profiles", "evidence"):
-        if (cache_dir() / name).is_dir():
-            shutil.copytree(cache_dir() / name, snapshot / name)
-    (snapshot / "models").symlink_to(cache_dir() / "models")
-    return snapshot
-
-
-def private_cache(snapshot: Path) -> Path:
-    """A fresh copy of `snapshot` for one server: what it saves stays its own (the models stay linked)."""
-    folder = Path(tempfile.mkdtemp(prefix="uag-serve-run-"))
-    atexit.register(shutil.rmtree, folder, True)
-    shutil.copytree(snapshot, folder, symlinks=True, dirs_exist_ok=True)
-    return folder
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def openblas() -> str | None:
-    """The OpenBLAS library uag loaded into this process (None: uag runs without one here)."""
-    return _blas.status.removeprefix("openblas:") if _blas.status.startswith("openblas:") else None
-
-
-class Server:
-    """A condition's server process on a free port, its output in `log`; up once it answers HTTP."""
-
-    def __init__(self, condition: Condition, log: Path):
-        self.condition, self.log_path = condition, log
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.startup_s: float | None = None  # from the start of the process to its first answer (uag: "ready")
-        self.openblas: bool | None = None  # whether OpenBLAS is in its memory map (None: cannot tell)
-
-    def __enter__(self) -> Server:
-        env = dict(os.environ)
-        library = openblas()
-        if library and self.condition.server == "mlx_lm":  # uag serve loads it itself
-            env["LD_PRELOAD"] = " ".join(filter(None, [library, env.get("LD_PRELOAD")]))
-        if self.condition.cache is not None:
-            env["UAG_CACHE_DIR"] = str(private_cache(self.condition.cache))
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("w")
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [*self.condition.argv, "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-        log.close()
-        try:
-            self._wait()
-            self.startup_s = time.perf_counter() - started
-            self.openblas = self._maps_openblas()
-            if library and self.openblas is False:
-                raise RuntimeError(f"{self.condition.name} runs without OpenBLAS ({library} is not in its memory map)")
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        self.stop()
-
-    def _wait(self) -> None:
-        """Until /health answers: any status from mlx_lm.server, which loads its model on its first request (the
-        warm-up replies wait); from uag serve, 200 and "ready", its start-up done: loading its models and, where no
-        costs are saved (a fresh machine), measuring them. A request sent before would stop that measurement, and
-        auto would run the whole benchmark without measured costs, since the requests leave the server no idle
-        moment to measure them in."""
-        deadline, wait_s = time.monotonic() + STARTUP_S, 0.5
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.condition.name} exited with status {self.proc.returncode} while starting:\n{self.tail()}"
-                )
-            try:
-                response = httpx.get(self.url + "/health", timeout=5)
-                if self.condition.server != "uag" or (response.status_code == 200 and response.json().get("ready", 1)):
-                    return
-                wait_s = 2.0  # up, still starting (a measurement takes minutes): fewer lines in its log
-            except httpx.TransportError:
-                pass
-            time.sleep(wait_s)
-        raise RuntimeError(f"{self.condition.name} did not answer within {STARTUP_S} s:\n{self.tail()}")
-
-    def _maps_openblas(self) -> bool | None:
-        """Whether the process has OpenBLAS mapped (None where /proc cannot tell)."""
-        try:
-            return "libopenblas" in Path(f"/proc/{self.proc.pid}/maps").read_text()
-        except OSError:
-            return None
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
-
-
-# --- one request ------------------------------------------------------------------------------------------------
-@dataclass
-class Reply:
-    text: str
-    ttft_s: float | None
-    generation_s: float | None  # from the first content chunk to the last
-    e2e_s: float
-    usage: dict = field(default_factory=dict)
-    speculative: dict | None = None
-    timings: dict | None = None
-    finish_reason: str | None = None
-
-    @property
-    def completion_tokens(self) -> int | None:
-        return self.usage.get("completion_tokens")
-
-    @property
-    def generation_tps(self) -> float | None:
-        """Tokens after the first ÷ the time from the first content chunk to the last."""
-        n = self.completion_tokens
-        if not n or n < 2 or not self.generation_s:
-            return None
-        return (n - 1) / self.generation_s
-
-
-def ask(
-    client: openai.OpenAI, condition: Condition, messages: list[dict], max_tokens: int, *, first_only: bool = False
-) -> Reply:
-    """One greedy streamed chat request, timed on the client; `first_only` closes the stream at the first token."""
-    started = time.perf_counter()
-    first = last = None
-    pieces: list[str] = []
-    usage: dict = {}
-    extra: dict = {}
-    finish = None
-    stream = client.chat.completions.create(
-        model=condition.model,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=condition.extra_body,
-    )
-    try:
-        for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices:
-                choice = chunk.choices[0]
-                if choice.delta.content:
-                    first, last = first or now, now
-                    pieces.append(choice.delta.content)
-                finish = choice.finish_reason or finish
-            if chunk.usage is not None:
-                usage, extra = chunk.usage.model_dump(), chunk.model_extra or {}
-            if first_only and first is not None:
-                break
-    finally:
-        stream.close()
-    ended = time.perf_counter()
-    return Reply(
-        text="".join(pieces),
-        ttft_s=None if first is None else first - started,
-        generation_s=None if first is None else last - first,
-        e2e_s=ended - started,
-        usage=usage,
-        speculative=extra.get("speculative"),
-        timings=extra.get("timings"),
-        finish_reason=finish,
-    )
-
-
+# --- what a session checks -----------------------------------------------------------------------------------
 # A scrape's counter -> the field of the replies' blocks it adds up to (uag.server.metrics).
 METRIC_SUMS = {
     "uag:prompt_tokens_total": ("usage", "prompt_tokens"),
@@ -412,56 +150,7 @@ def metrics_check(url: str, replies: list[Reply]) -> dict:
     return {"sums": sums, "replies": len(replies), "unread": unread, "verdict": verdict}
 
 
-def row(
-    condition: Condition,
-    repeat: int,
-    workload: str,
-    item: str,
-    turn: int,
-    reply: Reply,
-    outcome: edit_formats.Outcome | None = None,
-) -> dict:
-    spec = reply.speculative or {}
-    details = reply.usage.get("prompt_tokens_details") or {}
-    edited = {} if outcome is None else {"applied": outcome.applied, "edits": outcome.edits, "why": outcome.why}
-    return {
-        "kind": "turn",
-        "condition": condition.name,
-        "server": condition.server,
-        "repeat": repeat,
-        "workload": workload,
-        "item": item,
-        "turn": turn,
-        "prompt_tokens": reply.usage.get("prompt_tokens"),
-        "cached_tokens": details.get("cached_tokens"),
-        "completion_tokens": reply.completion_tokens,
-        "ttft_s": reply.ttft_s,
-        "generation_s": reply.generation_s,
-        "generation_tps": reply.generation_tps,
-        "e2e_s": reply.e2e_s,
-        "finish_reason": reply.finish_reason,
-        "acceptance": spec.get("acceptance_rate"),
-        "drafted": spec.get("drafted_tokens"),
-        "accepted": spec.get("accepted_tokens"),
-        "sources": spec.get("sources"),
-        "lookup": spec.get("lookup"),  # lookup cycles, tokens proposed and kept (uag.server.responses)
-        "shared_lookup_cycles": spec.get("shared_lookup_cycles"),
-        "server_tps": (reply.timings or {}).get("predicted_per_second"),
-        **edited,  # an aider-format turn: whether its edits applied to the file
-        "text": reply.text,
-    }
-
-
 # --- a session: one server, every workload ------------------------------------------------------------------------
-def chat_prompts(n: int) -> list[tuple[str, str]]:
-    """(id, text): the first n Polish `alpaca` instructions and the first n English `code` instructions, alternating."""
-    if n <= 0:
-        return []
-    polish = load_bundled("alpaca", n)
-    english = [p for p in load_bundled("code") if p.chat and "en" in p.tags]
-    if n > len(english):
-        raise SystemExit(f"--chat-prompts: the code set has {len(english)} English instructions; asked for {n}")
-    return [(p.id, p.text) for pair in zip(polish, english[:n]) for p in pair]
 
 
 def cold(messages: list[dict]) -> list[dict]:
@@ -643,14 +332,6 @@ def describe(reply: Reply) -> str:
     if reply.speculative and reply.speculative.get("acceptance_rate") is not None:
         out += f", α {reply.speculative['acceptance_rate']:.2f}"
     return out
-
-
-def say(text: str) -> None:
-    print(f"[serve] {text}", file=sys.stderr, flush=True)
-
-
-def fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 # --- the summary (from rows alone) ------------------------------------------------------------------------------
@@ -952,29 +633,6 @@ def edits_applied(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, str, in
     return out
 
 
-@contextmanager
-def rows_file(out: Path, meta: dict) -> Iterator[tuple[list[dict], Callable[[dict], None]]]:
-    """The run's rows, `meta` first, and `write(row)`, which keeps a row and appends it to `out` (flushed, so
-    that a run stopped part way keeps what it measured)."""
-    rows = [meta]
-    with out.open("w") as f:
-
-        def write(r: dict) -> None:
-            rows.append(r)
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            f.flush()
-
-        f.write(json.dumps(meta, ensure_ascii=False) + "\n")
-        yield rows, write
-
-
-def version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 # --- main --------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1048,8 +706,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
         if any(r.get("kind") == "request" for r in rows):  # rows of --concurrency
-            import serve_many  # here, not above: it imports this module
-
             return serve_many.summarize(rows, args.plot)
         print(summary(rows))
         return 0
@@ -1069,8 +725,6 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error("; ".join(bad))
     if args.concurrency:
-        import serve_many
-
         return serve_many.main(args)
     if args.ids:
         known = {c.id: c for c in load_conversations("edit")}

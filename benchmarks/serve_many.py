@@ -4,7 +4,7 @@ At each concurrency C, each condition's server is started afresh and one client'
 `edit` (C conversations: their turn 1s together, then, once all are answered, their turns 2-3 together, each
 conversation's turn 3 after its own turn 2) and open chat (C prompts), in waves over the first `--conversations` and
 `--chat-prompts` (items left over from the last full wave are not sent at that C). Conditions, servers and requests
-come from serve.py. The summary: per condition, workload and C, aggregate tokens/s (a wave's completion tokens ÷
+come from serving.py. The summary: per condition, workload and C, aggregate tokens/s (a wave's completion tokens ÷
 the time from its first request sent to its last reply done; edit: turns 2-3), p50/p95 time to first token and end
 to end; then the issue's targets and losslessness. Smoke run on the demo pair:
     python benchmarks/serve.py --concurrency 1 2 --conversations 2 --chat-prompts 1 --max-tokens 8 --plot c.png
@@ -26,8 +26,23 @@ from pathlib import Path
 from typing import TypeVar
 
 import openai
-import serve  # benchmarks/serve.py, which runs this module (its folder is on sys.path)
-from serve import REQUEST_S, WARM_UP, WARM_UP_TOKENS, Condition, Reply, Server, ask, fmt, say
+from serving import (  # benchmarks/serving.py, beside this module (serve.py runs this one; its folder is on sys.path)
+    REQUEST_S,
+    WARM_UP,
+    WARM_UP_TOKENS,
+    Condition,
+    Reply,
+    Server,
+    ask,
+    cache_snapshot,
+    chat_prompts,
+    fmt,
+    row,
+    rows_file,
+    say,
+    version,
+)
+from serving import conditions as serve_conditions
 
 from uag.study.datasets import Conversation, load_conversations
 
@@ -39,11 +54,11 @@ EDIT, CHAT = "edit t2-3", "chat"  # the summary's workloads: edit's turns 2-3, o
 
 # --- conditions ----------------------------------------------------------------------------------------------------
 def conditions(args: argparse.Namespace) -> list[Condition]:
-    """serve.py's conditions with uag batched up to the largest concurrency, each uag drafter also as
+    """serving.py's conditions with uag batched up to the largest concurrency, each uag drafter also as
     `uag:<drafter>:serial` (`--max-batch 1`: one request after another); `--only` picks and orders them."""
     most = max(args.concurrency)
     out = []
-    for c in serve.conditions(argparse.Namespace(**{**vars(args), "only": None, "ablate": []})):
+    for c in serve_conditions(argparse.Namespace(**{**vars(args), "only": None, "ablate": []})):
         if c.server != "uag":
             out.append(c)
             continue
@@ -93,10 +108,10 @@ class Sent:
 
 
 def request_row(condition: Condition, repeat: int, concurrency: int, wave: int, sent: Sent) -> dict:
-    """serve.py's row of one reply, with the wave it ran in and its times from the wave's start."""
+    """serving.py's row of one reply, with the wave it ran in and its times from the wave's start."""
     reply = sent.reply
     return {
-        **serve.row(condition, repeat, sent.workload, sent.item, sent.turn, reply),
+        **row(condition, repeat, sent.workload, sent.item, sent.turn, reply),
         "kind": "request",
         "concurrency": concurrency,
         "wave": wave,
@@ -443,7 +458,7 @@ def pools(args: argparse.Namespace) -> tuple[list[Conversation], list[tuple[str,
     every = load_conversations("edit")
     known = {c.id: c for c in every}
     edit = [known[i] for i in args.ids if i in known] if args.ids else every[: args.conversations]
-    chat = serve.chat_prompts(args.chat_prompts)
+    chat = chat_prompts(args.chat_prompts)
     problems = [f"--concurrency {c}: at least 1" for c in args.concurrency if c < 1]
     problems += [f"--ids: no conversation {i!r} in the edit set" for i in args.ids or () if i not in known]
     if edit and len(edit) < most:
@@ -468,7 +483,7 @@ def main(args: argparse.Namespace) -> int:
     work = pools(args)
     conds = conditions(args)
     if any(c.server == "uag" for c in conds):  # every uag server opens from the same profiles and evidence
-        snapshot = serve.cache_snapshot()
+        snapshot = cache_snapshot()
         conds = [replace(c, cache=snapshot) if c.server == "uag" else c for c in conds]
     out = Path(args.out or f"serve-many-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
     logs = out.with_suffix(".logs")
@@ -488,9 +503,9 @@ def main(args: argparse.Namespace) -> int:
         "conversations": [c.id for c in work[0]],
         "chat": [i for i, _ in work[1]],
         "conditions": [{"name": c.name, "argv": list(c.argv), "extra_body": c.extra_body} for c in conds],
-        "versions": {p: serve.version(p) for p in ("mlx", "mlx-lm", "openai", "uag")},
+        "versions": {p: version(p) for p in ("mlx", "mlx-lm", "openai", "uag")},
     }
-    with serve.rows_file(out, meta) as (rows, write):
+    with rows_file(out, meta) as (rows, write):
         for repeat in range(args.repeats):
             shift = repeat % len(conds)
             for condition in conds[shift:] + conds[:shift]:

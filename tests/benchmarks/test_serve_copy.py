@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import cold_read  # noqa: E402  (benchmarks/cold_read.py)
 import edit_cycles  # noqa: E402  (benchmarks/edit_cycles.py)
 import serve  # noqa: E402  (benchmarks/serve.py)
+import serving  # noqa: E402  (benchmarks/serving.py)
 import width_curve  # noqa: E402  (benchmarks/width_curve.py)
 
 
@@ -60,7 +61,7 @@ def test_copy_targets_weigh_every_edit_turn_lookup_s_kept_tokens_and_the_cold_re
 
 
 def test_a_row_carries_lookup_s_figures_from_the_reply():
-    reply = serve.Reply(
+    reply = serving.Reply(
         "x",
         0.1,
         1.0,
@@ -68,7 +69,7 @@ def test_a_row_carries_lookup_s_figures_from_the_reply():
         usage={"completion_tokens": 3},
         speculative={"lookup": {"cycles": 1, "proposed_tokens": 2, "accepted_tokens": 2}, "shared_lookup_cycles": 1},
     )
-    row = serve.row(serve.Condition("uag:lookup", "uag", (), "t"), 0, "retry", "e1", 2, reply)
+    row = serving.row(serving.Condition("uag:lookup", "uag", (), "t"), 0, "retry", "e1", 2, reply)
     assert row["lookup"]["accepted_tokens"] == 2 and row["shared_lookup_cycles"] == 1
 
 
@@ -83,7 +84,7 @@ def test_without_shared_index_adds_a_noshare_condition_per_drafter():
         ablate=[],
         without_shared_index=True,
     )
-    conds = {c.name: c for c in serve.conditions(args)}
+    conds = {c.name: c for c in serving.conditions(args)}
     assert list(conds) == ["uag:lookup", "uag:lookup:noshare", "uag:off", "mlx_lm"]
     argv = conds["uag:lookup:noshare"].argv
     assert argv[argv.index("--lookup-memory") + 1] == "0" and "--lookup-memory" not in conds["uag:lookup"].argv

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import serve  # noqa: E402  (benchmarks/serve.py)
 import serve_many as sm  # noqa: E402
-from serve import Condition, Reply  # noqa: E402
+import serving  # noqa: E402
+from serving import Condition, Reply  # noqa: E402
 
 from uag.study.datasets import Conversation  # noqa: E402
 
@@ -320,7 +321,7 @@ def test_pools_refuse_what_cannot_run(changes, message):
 
 def test_pools_may_leave_a_workload_out():
     edit, chat = sm.pools(options(conversations=0, chat_prompts=2))
-    assert edit == [] and [i for i, _ in chat][:2] == [i for i, _ in serve.chat_prompts(1)]
+    assert edit == [] and [i for i, _ in chat][:2] == [i for i, _ in serving.chat_prompts(1)]
 
 
 # --- the client's waves, with a fake server ----------------------------------------------------------------------
