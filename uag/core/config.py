@@ -15,7 +15,11 @@ from typing import Any
 from uag.core.translate import DEFAULT_WINDOW, STRATEGIES
 from uag.errors import InputError
 
-DEFAULT_K = 2
+DEFAULT_K = 2  # the draft length when none is given: a fixed k's (the study's), and auto's most outside uag serve
+# uag serve's longest draft under auto when -k is not given: a copy from a long prompt-lookup match drafts this far
+# in one pass. On a CPU a pass over 16 tokens costs about what one over 8 does, so edit turns that copy run faster
+# with 16 than with 8 (docs/results.md#the-server-against-mlx_lmserver-benchmarksservepy).
+DEFAULT_K_AUTO = 16
 MAX_K = 32
 DEFAULT_MAX_TOKENS = 64
 MAX_TOKENS = 4096  # a cap, not a target: a run is also bounded by the target's context and any time budget

@@ -23,8 +23,6 @@ import numpy as np
 Form = Literal["study", "leviathan"]
 FORMS: tuple[str, ...] = ("study", "leviathan")
 
-DEFAULT_K_MAX = 8
-
 _BISECT_TOL = 1e-13
 
 
@@ -210,7 +208,7 @@ class CostProfile:
         """Smallest α in [0, 1] with speedup(α, k) >= 1 (bisection); None if even α = 1 does not pay."""
         return _bisect_increasing(lambda a: self.speedup(a, k) - 1.0)
 
-    def best_k(self, alpha: float, k_max: int = DEFAULT_K_MAX) -> int:
+    def best_k(self, alpha: float, k_max: int) -> int:
         """The draft length in 0..k_max with the highest expected rate (ties go to the smaller k).
 
         Returns 0 (plain target decoding) when α is below every k's break-even.

@@ -24,8 +24,6 @@ from uag.core.records import Cycle, Offer, Rehearsal, Sharing
 if TYPE_CHECKING:
     from uag.core.config import GenerationConfig
 
-DEFAULT_K_MAX = 8
-
 
 @dataclass(frozen=True)
 class AutoSettings:
@@ -157,7 +155,7 @@ class AdaptiveK:
     """The draft length with the best expected tokens per millisecond, re-decided every cycle."""
 
     name: ClassVar[str] = "auto"
-    k_max: int = DEFAULT_K_MAX
+    k_max: int  # the most a cycle drafts: config.k (make_policy)
     profile: CostProfile | None = None  # measured costs (uag.costs.calibrate); None: learn them from the run
     r: float = 0.1  # drafter/target cost ratio to assume before any drafter step was timed
     evidence: Evidence | None = None  # what it starts from and learns into (uag.core.evidence); None: nothing yet

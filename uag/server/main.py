@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from uag.command import CommandParser, literal, port_taken, progress, run, whole
-from uag.core.config import DEFAULT_K, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
+from uag.core.config import DEFAULT_K, DEFAULT_K_AUTO, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
 from uag.core.policy import MECHANISMS, AutoSettings
 from uag.core.translate import DEFAULT_WINDOW
 from uag.errors import InputError, UserError
@@ -30,11 +30,6 @@ from uag.server.prompt_cache import DEFAULT_CACHE_GB
 
 KEY_ENV = "UAG_API_KEY"
 DEFAULT_PORT = 8000
-# auto's longest draft: a copy from a long prompt-lookup match drafts this far in one pass. On a CPU a pass over
-# 16 tokens costs about what one over 8 does, so edit turns that copy run faster with 16 than with 8
-# (docs/results.md#the-server-against-mlx_lmserver-benchmarksservepy). A fixed strategy drafts k every cycle:
-# it keeps the study's k = 2.
-DEFAULT_K_AUTO = 16
 SERVE_MAX_TOKENS = 512  # per request unless it asks (uag generate's default, 64, is short for a chat reply)
 DEFAULT_MAX_MODELS = 4
 DEFAULT_MAX_BATCH = 4  # requests generated together (uag.runtime.batching)

@@ -55,7 +55,7 @@ from uag.study.report import (
 from uag.study.results import load_runs
 from uag.study.stats import break_even_ols, bucket_means
 
-DEFAULT_K = 2  # the paper's tables are at k = 2
+TABLE_K = 2  # the paper's tables are at k = 2
 MODEL_KS = (1, 2, 4, 6, 8)
 PAPER = "paper (M2 Pro)"
 MACHINE_COLUMNS = ["platform", "python", "uag_version", "mlx_version", "device", "backend", "blas"]
@@ -244,7 +244,7 @@ def choose_k(runs: pd.DataFrame, k: int | None) -> int:
     """
     measured = sorted(int(x) for x in runs["k"].unique())
     if k is None:
-        return DEFAULT_K if DEFAULT_K in measured else measured[0]
+        return TABLE_K if TABLE_K in measured else measured[0]
     if k not in measured:
         raise InputError(f"no runs with k = {k} (the results have k = {', '.join(map(str, measured))})")
     return k
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--k",
         type=k_list,
         nargs="+",
-        help=f"draft length of Tables 2, 3, 5, 6 (default {DEFAULT_K}); with --model-only, the k list "
+        help=f"draft length of Tables 2, 3, 5, 6 (default {TABLE_K}); with --model-only, the k list "
         f"(default {','.join(map(str, MODEL_KS))})",
     )
     parser.add_argument("--model-only", action="store_true", help="α* per k from the parametric model, no data")
