@@ -56,7 +56,7 @@ def uag_tps(target, ids: list[int], k: int, max_tokens: int) -> tuple[float, lis
     """End-to-end tokens/s of uag's same-tokenizer (identity) path, self-speculating."""
     tic = time.perf_counter()
     run = generate(target, target, ids, GenerationConfig(k=k, max_tokens=max_tokens))
-    assert run.strategy == "identity"
+    assert run.translation == "identity"
     return run.generated / (run.last_token_s - tic), run.token_ids
 
 

@@ -68,12 +68,12 @@ def _stats_line(stats: dict) -> str:
         return "–" if value is None else pattern.format(value)
 
     parts = [f"{stats['generated_tokens']} tokens", f"{fmt(stats['tokens_per_second'], '{:.1f}')} tok/s"]
-    if stats["strategy"] != "baseline":
+    if stats["translation"] != "baseline":
         parts += [
             f"α {fmt(stats['acceptance_rate'], '{:.0%}')}",
             f"accepted/cycle {fmt(stats['mean_accepted'], '{:.2f}')}",
             f"{stats['cycles']} cycles",
-            f"translation: {stats['strategy']}",
+            f"translation: {stats['translation']}",
         ]
     parts.append(f"prompt {fmt(stats['prompt_tps'], '{:.0f}')} tok/s")
     parts.append(f"finish: {stats['finish_reason']}")

@@ -493,11 +493,11 @@ def test_explain_says_how_long_auto_parked_and_how_often_it_rehearsed():
     parked = [Cycle.plain(i, 100.0) for i in range(6)]
     parked[-1].draft_ms, parked[-1].drafter_passes, parked[-1].drafter_read = 12.0, 1, 40
     speculative = fake_run(list(range(11)), seconds=1.0, cycles=_cycles(2) + parked)
-    speculative.policy = "auto"
+    speculative.k_policy = "adaptive"
     text = explain(baseline, speculative)
     assert "auto parked for 6 target steps and rehearsed 1× (12 ms)" in text
     assert speculative.stats()["rehearsals"] == 1
-    speculative.policy = "fixed"
+    speculative.k_policy = "fixed"
     assert "parked" not in explain(baseline, speculative)
 
 

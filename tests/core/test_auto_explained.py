@@ -6,9 +6,9 @@ from uag.app.compare_view import explain
 from uag.core.records import Cycle, Run, Token
 
 
-def finished(n: int, seconds: float, *, strategy: str, cycles=(), policy="fixed", k=8) -> Run:
+def finished(n: int, seconds: float, *, translation: str, cycles=(), k_policy="fixed", k=8) -> Run:
     """A run of n tokens spread evenly over `seconds` after the first."""
-    run = Run(strategy, "t", None if strategy == "baseline" else "d", k=k, policy=policy)
+    run = Run(translation, "t", None if translation == "baseline" else "d", k=k, k_policy=k_policy)
     run.tokens, run.finish_reason = [Token(i, f"<{i}>", False) for i in range(n)], "length"
     run.first_token_s, run.last_token_s = 100.0, 100.0 + seconds
     run.cycles = list(cycles)
@@ -23,9 +23,9 @@ def drafted(k: int, accepted: int, ms: float) -> Cycle:
 def test_an_auto_run_is_explained_in_the_k_it_ran_at_the_costs_it_measured():
     # target alone: 100 ms a token. auto (k <= 8) drafted k = 1 three times (125 ms: 1.25 steps for 1 proposed
     # token -> break-even at α* = 25 %) and k = 2 once, and parked for four steps
-    baseline = finished(11, 1.0, strategy="baseline")
+    baseline = finished(11, 1.0, translation="baseline")
     cycles = [drafted(1, 1, 125.0)] * 3 + [drafted(2, 1, 150.0)] + [Cycle.plain(0, 100.0)] * 4
-    auto = finished(11, 0.9, strategy="context", cycles=cycles, policy="auto")
+    auto = finished(11, 0.9, translation="context", cycles=cycles, k_policy="adaptive")
     text = explain(baseline, auto, r=0.07)
     assert "auto drafted k = 1 in 3, k = 2 in 1 cycles." in text
     assert "a k = 1 cycle took 125 ms (1.25 target steps) for 1.0 proposed tokens: break-even at α* = 25%" in text
@@ -34,8 +34,8 @@ def test_an_auto_run_is_explained_in_the_k_it_ran_at_the_costs_it_measured():
 
 
 def test_a_cycle_dearer_than_its_drafts_can_earn_is_called_unreachable():
-    baseline = finished(11, 1.0, strategy="baseline")
-    slow = finished(11, 2.0, strategy="context", cycles=[drafted(2, 1, 400.0)] * 5, k=2)
+    baseline = finished(11, 1.0, translation="baseline")
+    slow = finished(11, 2.0, translation="context", cycles=[drafted(2, 1, 400.0)] * 5, k=2)
     assert "(4.00 target steps) for 2.0 proposed tokens: break-even at α* = 150%, unreachable; this run's α" in explain(
         baseline, slow
     )

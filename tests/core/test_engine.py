@@ -58,7 +58,7 @@ def test_self_speculation_accepts_everything_and_feeds_the_drafter_nothing_twice
     for k in KS:
         run = generate(target, target, PROMPTS[0], GenerationConfig(k=k, max_tokens=25))
         assert run.token_ids == expected
-        assert run.strategy == "identity" and run.acceptance_rate == 1.0
+        assert run.translation == "identity" and run.acceptance_rate == 1.0
         assert any("drafter is the target itself" in note for note in run.notes)
         full = [c for c in run.cycles if c.k == k]
         assert all(c.drafter_passes == k for c in full)  # no extra pass to re-sync after full acceptance
@@ -176,7 +176,7 @@ def test_auto_drafts_long_when_a_profile_says_drafts_are_cheap_and_stays_lossles
     ids = prompt_ids(target, PROMPTS[0])
     run = list(stream(target, target, ids, config, seams=Seams(policy=policy)))[-1].run
     assert run.token_ids == baseline_ids(target, PROMPTS[0], 40)
-    assert run.policy == "auto" and [c.k for c in run.cycles].count(4) >= 5
+    assert run.k_policy == "adaptive" and [c.k for c in run.cycles].count(4) >= 5
 
 
 def test_auto_parks_on_a_drafter_that_cannot_pay_and_stays_lossless(tiny):
@@ -193,7 +193,7 @@ def test_tli_with_adaptive_k_runs_the_adaptive_policy_over_the_tli_translator_an
     drafter = make_drafter(DrafterChoice(model=drafters["qwen"]), target, config)
     assert isinstance(drafter.translator, IntersectionTranslator)
     run = generate(target, drafters["qwen"], PROMPTS[0], config)
-    assert (run.strategy, run.policy, run.k) == ("tli", "auto", 4)
+    assert (run.translation, run.k_policy, run.k) == ("tli", "adaptive", 4)
     assert run.token_ids == baseline_ids(target, PROMPTS[0], 20)
 
 

@@ -301,11 +301,11 @@ def test_k_max_must_be_positive():
 # --- the Policy seam ---------------------------------------------------------------------------------------------
 
 
-def test_every_policy_says_its_name_and_keeps_within_the_budget_by_one_clamp():
-    assert (FixedK.name, AdaptiveK.name) == ("fixed", "auto")
+def test_every_policy_says_its_k_policy_and_keeps_within_the_budget_by_one_clamp():
+    assert (FixedK.k_policy, AdaptiveK.k_policy) == ("fixed", "adaptive")
     assert make_policy(GenerationConfig(translation="context", k=3)) == FixedK(3)
     auto = make_policy(GenerationConfig(k_policy="adaptive", k=6), CODER_CPU)
-    assert auto.name == "auto" and auto.k_max == 6 and auto.profile is CODER_CPU
+    assert auto.k_policy == "adaptive" and auto.k_max == 6 and auto.profile is CODER_CPU
     assert within(("model", 4), 3) == ("model", 2) and within(("lookup", 2), 1) == ("", 0)
     assert within(("model", 4), None) == ("model", 4)
     assert FixedK(4).choose({"model": 8}, left=3) == ("model", 2)

@@ -33,15 +33,17 @@ class Proposing:
 def test_rank_0_decides_and_drafts_within_the_tokens_left_by_the_policy_own_clamp():
     leader = LeaderDrafter(Proposing(), watchdog=SimpleNamespace(progress=lambda: None))
     policy = RankPolicy(OneRankLink(), leader, FixedK(4), cancel=threading.Event())
-    assert policy.name == "fixed"
+    assert policy.k_policy == "fixed"
     assert policy.choose({"model": 8}, left=10) == ("model", 4) and leader.pending.proposed == [0, 1, 2, 3]
     assert policy.choose({"model": 8}, left=3) == ("model", 2) and leader.pending.proposed == [0, 1]
     assert policy.choose({"model": 8}, left=1) == ("", 0) and policy.plain_steps() == 1
     policy.cancel.set()  # rank 0's cancel: every rank stops at the next decision
     with pytest.raises(Stopped):
         policy.choose({"model": 8}, left=10)
-    follower = RankPolicy(OneRankLink(), leader, None, name=make_policy(GenerationConfig(k_policy="adaptive")).name)
-    assert follower.name == "auto"
+    follower = RankPolicy(
+        OneRankLink(), leader, None, k_policy=make_policy(GenerationConfig(k_policy="adaptive")).k_policy
+    )
+    assert follower.k_policy == "adaptive"
 
 
 class Confident:

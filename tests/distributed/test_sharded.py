@@ -143,7 +143,7 @@ def test_varied_text_parked_stretches_and_the_agreement_check(tmp_path, models, 
     assert len(set(reference)) > 10  # varied: a cache or relay slip would change it
     for result0, result1 in zip(rank0, rank1):
         check_run([result0, result1], reference)
-    assert rank0[2]["policy"] == "auto" and 0 in rank0[2]["cycles_k"]  # auto parked somewhere
+    assert rank0[2]["k_policy"] == "adaptive" and 0 in rank0[2]["cycles_k"]  # auto parked somewhere
 
 
 def test_a_rank_killed_mid_run_makes_the_other_fail_fast_naming_it(tmp_path, models):

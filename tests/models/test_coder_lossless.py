@@ -59,7 +59,7 @@ def test_greedy_output_equals_the_target_alone(coder, store, drafter):
         assert run.proposed > 0 and len(run.cycles) < MAX_TOKENS  # it drafted, and in fewer target passes
         runs.append(run)
     if name == "coder-drafter":
-        assert runs[0].strategy == "identity"  # same tokenizer: drafts pass untranslated
+        assert runs[0].translation == "identity"  # same tokenizer: drafts pass untranslated
     del scratch, model, choice
     gc.collect()
     mx.clear_cache()  # give the 0.5B's buffers back: the module runs next to the session's demo models (CI: < 12 GB)

@@ -115,7 +115,7 @@ class Stream:
         self.profiles.append(profile)
         if evidence is not None and profile is not None:
             evidence.scale = self.scale
-        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens, policy="baseline")
+        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens)
         return Scripted._events(run, "Warszawa.")
 
 
@@ -389,7 +389,7 @@ def test_a_prompt_too_long_for_any_tokenisation_is_refused_before_tokenising():
 
 def test_the_step_time_survives_a_profile_found_off_and_is_learned_without_one(cache):
     served = service(Measure(), Stream(scale=1.0))
-    target, run = fake_target(), Run("auto", "org/target", policy="auto")
+    target, run = fake_target(), Run("context", "org/target", k_policy="adaptive")
     evidence = Evidence(verify_ms={1: 42.0})
     assert served.step_time(target, DrafterChoice(lookup=True), run, evidence).ms == 42.0
     save(calibration(SAVED, QUIET))
@@ -485,7 +485,7 @@ def test_an_ablated_server_runs_its_auto_settings_and_leaves_the_saved_evidence_
     def stream(target, drafter, ids, config, *, cancel=None, caches=None, profile=None, evidence=None, **kw):
         seen.append((kw.get("seams"), evidence))
         evidence.expansion = 1.25  # what the run learned
-        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens, policy="baseline")
+        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens)
         return Scripted._events(run, "Warszawa.")
 
     key = evidence_key(fake_target(), DrafterChoice(lookup=True))
@@ -512,7 +512,7 @@ def test_under_uag_serve_the_app_and_the_api_follow_one_cost_policy(cache, now_q
 
     def stream(target, drafter, ids, config, *, cancel=None, caches=None, profile=None, evidence=None):
         seen.append((profile, evidence))
-        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens, policy="baseline")
+        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens)
         return Scripted._events(run, "Warszawa.")
 
     monkeypatch.setattr(main, "_mount_ui", lambda app, session, service, key: mounted.append(session))

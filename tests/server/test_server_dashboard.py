@@ -134,7 +134,7 @@ def test_a_request_that_never_drafted_is_shown_as_the_target_alone():
 
 
 def _run(cycles: list[Cycle], seconds: float) -> Run:
-    run = Run(strategy="context", target="demo-target", drafter="lookup+demo-drafter", k=8, policy="auto")
+    run = Run(translation="context", target="demo-target", drafter="lookup+demo-drafter", k=8, k_policy="adaptive")
     run.tokens = [None] * (1 + sum(c.emitted for c in cycles))  # the prompt pass's token, then the cycles'
     run.cycles, run.first_token_s, run.last_token_s = cycles, 100.0, 100.0 + seconds
     return run
@@ -309,7 +309,7 @@ def test_a_served_request_records_its_batch_and_its_span():
 
     runner = JobRunner(MLXWorker())
     service = Service(Host(ModelStore(), runner, target="demo-target"), DEFAULTS, cache_bytes=0)
-    run = Run(strategy="baseline", target="demo-target", prompt_ids=[1, 2, 3], prompt_ms=500.0)
+    run = Run(translation="baseline", target="demo-target", prompt_ids=[1, 2, 3], prompt_ms=500.0)
     run.tokens = [Token(7, "a", False)] * 5
     run.first_token_s, run.last_token_s = time.perf_counter() - 2.0, time.perf_counter() - 0.5
     request = Request(kind="completion", model="demo-target", config=GenerationConfig("baseline"), drafter=None)

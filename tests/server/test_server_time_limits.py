@@ -49,7 +49,7 @@ class Paced:
         self.tokens, self.every_s, self.read_s, self.stall_at = tokens, every_s, read_s, stall_at
 
     def __call__(self, target, drafter, ids, config, *, cancel=None, caches=None, **_):
-        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens, policy="baseline")
+        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens)
         return self._events(run, cancel)
 
     def _events(self, run: Run, cancel):

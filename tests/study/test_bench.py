@@ -168,7 +168,7 @@ def test_malformed_line_of_a_user_dataset_is_reported_and_the_rest_used(tiny, tm
     assert sorted(runs["prompt_id"]) == ["k"] * 3 + ["mine-001"] * 3  # baseline + two conditions each
     assert set(runs["dataset"]) == {"mine"}
     auto = runs[runs["strategy"] == "auto"]
-    assert set(auto["translation"]) == {"context"} and set(auto["policy"]) == {"auto"} and set(auto["k"]) == {2}
+    assert set(auto["translation"]) == {"context"} and set(auto["k_policy"]) == {"adaptive"} and set(auto["k"]) == {2}
 
 
 def _rows(db: Path) -> list[tuple]:

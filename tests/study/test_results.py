@@ -28,7 +28,7 @@ def test_run_and_cycles_round_trip(db):
 
     row = db.runs().set_index("id").loc[run_id]
     stats = run.stats()
-    for name in ("generated_tokens", "proposed", "accepted", "cycles", "finish_reason", "drafter_passes", "policy"):
+    for name in ("generated_tokens", "proposed", "accepted", "cycles", "finish_reason", "drafter_passes", "k_policy"):
         assert row[name] == stats[name], name
     for name in ("acceptance_rate", "tokens_per_second", "draft_fraction", "prompt_tps", "generation_s"):
         assert row[name] == pytest.approx(stats[name], rel=1e-12), name
@@ -162,6 +162,25 @@ def test_run_keys_are_those_of_files_written_before_specs_held_a_config():
     assert auto.key == old_key(**common, drafter="d", strategy="auto", k=2, window=16)
     baseline = RunSpec.baseline(target="t", max_tokens=32, dataset="wiki", prompt_id="wiki-001")
     assert baseline.key == old_key(**common, drafter=None, strategy="baseline", k=0, window=0)
+
+
+def test_a_file_written_before_run_k_policy_reads_its_auto_as_adaptive(tmp_path):
+    """The column keeps its name `policy`; files written before Run.k_policy hold "auto" there, read as "adaptive"."""
+    path = tmp_path / "old.db"
+    auto = spec("wiki-001", "d", "auto", 2)
+    with ResultsDB(path) as db:
+        add_prompt(db, "wiki-001", tps_base=10.0, runs={("d", "context", 2): (1, 2, 9.0)})
+        db.add(make_run(auto, tps=9.0), spec=auto, prompt="p", machine=MACHINE)
+    with sqlite3.connect(path) as conn:
+        assert {row[0] for row in conn.execute("SELECT policy FROM runs")} == {"fixed", "adaptive"}
+        conn.execute("UPDATE runs SET policy = 'auto' WHERE strategy = 'auto'")  # as the old records wrote it
+    frame = load_runs(path)
+    assert "policy" not in frame and dict(zip(frame["strategy"], frame["k_policy"])) == {
+        "context": "fixed",
+        "auto": "adaptive",
+    }
+    with ResultsDB(path) as db:
+        assert sorted(db.runs()["k_policy"]) == ["adaptive", "fixed", "fixed"]
 
 
 def test_a_file_written_before_claims_existed_opens_and_loads(tmp_path):

@@ -20,7 +20,7 @@ class Scripted:
     def __call__(self, target, drafter, ids, config, *, cancel=None, caches=None, **_) -> Iterator[Event]:
         self.prompts.append(list(ids))
         reply = self.replies.pop(0)
-        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens, policy="baseline")
+        run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens)
         return self._events(run, reply)
 
     @staticmethod

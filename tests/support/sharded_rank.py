@@ -93,7 +93,7 @@ def _generate(args, ranks, target, drafter, ids, config, progress: Path) -> dict
         "final_offset": cache[0].offset,
         "committed": len(ids) + run.generated,
         "finish_reason": run.finish_reason,
-        "policy": run.policy,
+        "k_policy": run.k_policy,
     }
 
 

@@ -54,10 +54,11 @@ def make_run(spec: RunSpec, *, tps: float, accepted: int = 0, proposed: int = 0)
     if spec.strategy != "baseline":
         cycles = [Cycle(0, spec.k, [], [7] * proposed, accepted, GENERATED - 1, verify_ms=1.0, drafter_passes=spec.k)]
     return Run(
-        "baseline" if spec.drafter is None else spec.strategy,
+        "baseline" if spec.drafter is None else spec.config.translation,
         spec.target,
         spec.drafter,
         k=spec.k,
+        k_policy=spec.config.k_policy,
         window=spec.window,
         temperature=spec.config.temperature,
         seed=spec.config.seed,

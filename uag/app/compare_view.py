@@ -172,7 +172,7 @@ def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
     sources = speculative.sources()
     drafted = [c for c in cycles if c.k and c.source != "lookup"]  # the model's drafts, in the k each ran
     ks = sorted({c.k for c in drafted}, key=lambda k: (-sum(c.k == k for c in drafted), k))
-    if speculative.policy == "auto" and ks:
+    if speculative.k_policy == "adaptive" and ks:
         text += " auto drafted " + ", ".join(f"k = {k} in {sum(c.k == k for c in drafted)}" for k in ks) + " cycles."
     if alpha is not None and ks:  # explained in the k that ran most, at the costs this run measured
         k, proposed = ks[0], [c for c in drafted if c.k == ks[0]]
@@ -195,7 +195,7 @@ def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
         text += f" Prompt lookup drafted {sources['lookup']} of {sum(sources.values())} cycles at no drafter cost."
     parked = [c for c in speculative.cycles if not c.k]
     rehearsals = [c for c in parked if c.drafter_read]
-    if parked and speculative.policy == "auto":
+    if parked and speculative.k_policy == "adaptive":
         text += f" auto parked for {len(parked)} target steps"
         if rehearsals:
             ms = sum(c.draft_ms for c in rehearsals)
@@ -209,8 +209,8 @@ def explain(baseline: Run, speculative: Run, *, r: float | None = None) -> str:
 
 def _k_and_strategy(run: Run) -> str:
     """How k was chosen and how drafts were translated. Example: "auto, k ≤ 8 · context" or "k = 2 · naive"."""
-    k = f"auto, k ≤ {run.k}" if run.policy == "auto" else f"k = {run.k}"
-    return f"{k} · {run.strategy}"
+    k = f"auto, k ≤ {run.k}" if run.k_policy == "adaptive" else f"k = {run.k}"
+    return f"{k} · {run.translation}"
 
 
 def stats_of(

@@ -391,7 +391,7 @@ def stream(
             k=config.k,
             window=config.window,
             notes=list(notes),
-            policy=policy.name,
+            k_policy=policy.k_policy,
             **common,
         )
     # Last, once nothing can refuse the run: the target's cache trimmed to what this prompt shares with it.

@@ -55,9 +55,10 @@ StopRule = Callable[[Sequence[float]], "int | None"]
 
 class Policy(Protocol):
     """What the engine (uag.core.engine.speculative_steps) and the sharded target's `RankPolicy` ask of a
-    draft-length policy. `name` is what the run's record says: "fixed" or "auto"."""
+    draft-length policy. `k_policy` is what the run's record says, as GenerationConfig names it: "fixed" or
+    "adaptive"."""
 
-    name: str
+    k_policy: str
 
     def begin(self, unread: int, budget: int | None = None) -> None:
         """A run starts: the drafter has `unread` prompt tokens to read first; `budget` tokens to write."""
@@ -124,7 +125,7 @@ class FixedK:
     """Always the same draft length (the study's setting). It has no evidence: it never parks."""
 
     k: int
-    name: ClassVar[str] = "fixed"
+    k_policy: ClassVar[str] = "fixed"
 
     def choose(self, offer: Mapping[str, int], left: int | None = None) -> tuple[str, int]:
         """Lookup where it has a match (it costs nothing), else the model; a plain step when neither drafts."""
@@ -154,7 +155,7 @@ class FixedK:
 class AdaptiveK:
     """The draft length with the best expected tokens per millisecond, re-decided every cycle."""
 
-    name: ClassVar[str] = "auto"
+    k_policy: ClassVar[str] = "adaptive"
     k_max: int  # the most a cycle drafts: config.k (make_policy)
     profile: CostProfile | None = None  # measured costs (uag.costs.calibrate); None: learn them from the run
     r: float = 0.1  # drafter/target cost ratio to assume before any drafter step was timed

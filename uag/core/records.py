@@ -118,7 +118,7 @@ class Run:
     """A whole generation: what was asked, what came out, and what it cost. `prompt_ms` is the target reading
     the prompt tokens its cache lacked, never the first cycle's drafting (the module's definitions)."""
 
-    strategy: str  # translation used: "baseline", "identity", "none", "naive", "context", "tli"
+    translation: str  # translation used: "baseline", "identity", "none", "naive", "context", "tli", "lookup"
     target: str
     drafter: str | None = None
     k: int = 0
@@ -137,7 +137,7 @@ class Run:
     last_token_s: float | None = None
     finish_reason: str | None = None  # "eos", "length", "stopped" (consumer/cancel)
     notes: list[str] = field(default_factory=list)
-    policy: str = "fixed"  # how k was chosen: "fixed", or "auto" (re-decided every cycle, k ≤ self.k)
+    k_policy: str = "fixed"  # how k was chosen: "fixed", or "adaptive" (auto: re-decided every cycle, k ≤ self.k)
 
     # --- derived numbers -----------------------------------------------------------------------
     @property
@@ -243,8 +243,8 @@ class Run:
     def stats(self) -> dict[str, Any]:
         """The run's summary numbers (the CLI's and the app's stats)."""
         return {
-            "strategy": self.strategy,
-            "policy": self.policy,
+            "translation": self.translation,
+            "k_policy": self.k_policy,
             "target": self.target,
             "drafter": self.drafter,
             "k": self.k,

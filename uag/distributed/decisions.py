@@ -132,7 +132,7 @@ class FollowerDrafter:
 class RankPolicy:
     """The policy on every rank (a `uag.core.policy.Policy`): rank 0's own policy (`inner`) decides, one
     exchange carries the decision (and a cycle's proposal) to all, and every rank returns the same (source, k)
-    and stretch length to the engine. Other ranks have no policy of their own: `name` says which rank 0 runs.
+    and stretch length to the engine. Other ranks have no policy of their own: `k_policy` says which rank 0 runs.
     With `check_every` = N, every N decisions the ranks compare hashes of their committed tokens."""
 
     def __init__(
@@ -141,12 +141,12 @@ class RankPolicy:
         drafter: LeaderDrafter | FollowerDrafter,
         inner: Policy | None,
         *,
-        name: str = "",
+        k_policy: str = "",
         check_every: int = 0,
         cancel: threading.Event | None = None,
     ):
         self.link, self.drafter, self.inner = link, drafter, inner
-        self.name = inner.name if inner is not None else name
+        self.k_policy = inner.k_policy if inner is not None else k_policy
         self.check_every, self.cancel = check_every, cancel
         self.decisions = 0
         self._stretch = 1

@@ -286,7 +286,7 @@ def stream_sharded(
         events = stream(target, leader, ids, config, caches=caches, seams=Seams(policy=policy))
     else:
         follower = FollowerDrafter(lookup, ranks.watchdog)
-        policy = RankPolicy(link, follower, None, name=make_policy(config).name, check_every=check_every)
+        policy = RankPolicy(link, follower, None, k_policy=config.k_policy, check_every=check_every)
         events = stream(target, follower, ids, config, caches=caches, seams=Seams(policy=policy))
     return _drive(events, link, ranks, notes)
 

@@ -98,11 +98,11 @@ def reported_strategy(run: Any) -> str:
     """The strategy a reply names for a speculative run: the translation it used ("identity" for a shared
     vocabulary, "lookup" without a model), with adaptive k named as uag.core.config names it.
 
-    Example: tli with policy "auto" -> "tli+auto";  context or identity with policy "auto" -> "auto";  naive -> "naive"
+    Example: tli with adaptive k -> "tli+auto";  context or identity with adaptive k -> "auto";  naive -> "naive"
     """
-    if run.policy != "auto":
-        return run.strategy
-    return strategy_name(run.strategy if run.strategy in STRATEGIES else "context", "adaptive")
+    if run.k_policy != "adaptive":
+        return run.translation
+    return strategy_name(run.translation if run.translation in STRATEGIES else "context", "adaptive")
 
 
 def lookup_summary(cycles: list) -> dict[str, Any]:

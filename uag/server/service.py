@@ -236,7 +236,7 @@ class Service:
         """The target's plain step time on this machine: its calibration, else this server's own runs of it
         alone (which also keep that figure current), else what auto's runs of the pair timed of one-token target
         passes (`evidence`: before the pair's costs are measured)."""
-        if run.strategy == "baseline" and run.tokens_per_second:
+        if run.translation == "baseline" and run.tokens_per_second:
             with self._lock:
                 self._steps[target.name] = StepTime(1000 / run.tokens_per_second, "served with speculation off")
         calibration = read_calibration(target_key(target))

@@ -52,8 +52,10 @@ RUN_COLUMNS = {
     "prompt_id": "TEXT NOT NULL",
     "prompt": "TEXT NOT NULL",
     # what happened (Run.stats)
-    "translation": "TEXT NOT NULL",  # Run.strategy: baseline / identity / none / naive / context / tli
-    "policy": "TEXT",  # Run.policy: how k was chosen, "fixed" or "auto" (k is then the maximum)
+    "translation": "TEXT NOT NULL",  # Run.translation: baseline / identity / none / naive / context / tli
+    # Run.k_policy: how k was chosen, "fixed" or "adaptive" (k is then the maximum). Read back as `k_policy`
+    # (`_as_read`); the column keeps its name, and files written before the rename hold "auto" for "adaptive".
+    "policy": "TEXT",
     "prompt_tokens": "INTEGER",
     "generated_tokens": "INTEGER",
     "finish_reason": "TEXT",
@@ -130,7 +132,6 @@ INSERT OR IGNORE INTO meta VALUES ('format', '{FORMAT}'), ('schema_version', '{S
 """
 # Run.stats() numbers stored as they are (phase_ms is split into the four *_ms columns).
 STATS = (
-    "policy",
     "prompt_tokens",
     "generated_tokens",
     "finish_reason",
@@ -160,7 +161,7 @@ def _check_matches(run: Run, spec: RunSpec) -> None:
     asked["max_tokens"], asked["seed"] = spec.config.max_tokens, spec.config.seed
     got = {name: getattr(run, name) for name in asked}
     asked["temperature"], got["temperature"] = float(spec.config.temperature), float(run.temperature)
-    asked["baseline"], got["baseline"] = spec.strategy == BASELINE, run.strategy == BASELINE
+    asked["baseline"], got["baseline"] = spec.strategy == BASELINE, run.translation == BASELINE
     wrong = {name: (got[name], asked[name]) for name in asked if got[name] != asked[name]}
     if wrong:
         detail = ", ".join(f"{name} {g!r} (spec: {a!r})" for name, (g, a) in wrong.items())
@@ -177,7 +178,8 @@ def _run_row(
         "created_at": _now(),
         **spec.columns(),
         "prompt": prompt,
-        "translation": run.strategy,
+        "translation": run.translation,
+        "policy": stats["k_policy"],
         **{name: stats[name] for name in STATS},
         **{f"{phase}_ms": ms for phase, ms in stats["phase_ms"].items()},
         "text": run.text,
@@ -377,11 +379,23 @@ class ResultsDB:
 
     def runs(self) -> pd.DataFrame:
         """Every stored run, baseline and speculative, in the order written (token_ids and notes as JSON)."""
-        return pd.read_sql_query("SELECT * FROM runs ORDER BY id", self._conn)
+        return _as_read(pd.read_sql_query("SELECT * FROM runs ORDER BY id", self._conn))
 
     def cycles(self) -> pd.DataFrame:
         """Every stored cycle, by run and cycle index."""
         return pd.read_sql_query("SELECT * FROM cycles ORDER BY run_id, cycle_index", self._conn)
+
+
+def _as_read(frame: pd.DataFrame) -> pd.DataFrame:
+    """Runs as Run names them: the `policy` column as `k_policy`, in GenerationConfig's words ("auto", which
+    files written before Run.k_policy hold, read as "adaptive").
+
+    Example: policy ["fixed", "auto", "adaptive", None] -> k_policy ["fixed", "adaptive", "adaptive", None]
+    """
+    frame = frame.rename(columns={"policy": "k_policy"})
+    if "k_policy" in frame:
+        frame["k_policy"] = frame["k_policy"].replace({"auto": "adaptive"})
+    return frame
 
 
 def load_runs(path: str | Path) -> pd.DataFrame:
@@ -409,6 +423,7 @@ def load_runs(path: str | Path) -> pd.DataFrame:
         raise InputError(f"{path} holds no speculative runs yet ({baselines} baseline runs); run a sweep first")
     if "divergence" not in frame:  # a file written before the column existed
         frame["divergence"] = None
+    frame = _as_read(frame)
     frame["alpha"] = frame["acceptance_rate"].astype(float)
     frame["tps"] = frame["tokens_per_second"].astype(float)
     frame["tps_base"] = frame["tps_base"].astype(float)
