@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from uag.core.config import GenerationConfig
 from uag.core.grammar import response_format_constraint, tool_constraint
 from uag.server.chat import ToolHold, fits, parse_tool_calls
 from uag.server.errors import APIError
@@ -54,6 +55,19 @@ def test_max_tokens_and_max_completion_tokens_are_one_setting_never_silently_dro
     with pytest.raises(APIError, match=r"max_tokens \(5\) and max_completion_tokens \(7\) disagree") as caught:
         chat(max_tokens=5, max_completion_tokens=7)
     assert (caught.value.status, caught.value.param) == (400, "max_tokens")
+
+
+def test_a_request_is_parsed_into_its_config_once_and_a_bad_one_names_its_own_field(monkeypatch):
+    parses = []
+    original = GenerationConfig.parse.__func__
+    monkeypatch.setattr(
+        GenerationConfig, "parse", classmethod(lambda cls, **raw: parses.append(raw) or original(cls, **raw))
+    )
+    request = chat(max_completion_tokens=7, temperature=0.5, top_k=40, speculative={"k": 4})
+    assert len(parses) == 1 and (request.config.max_tokens, request.config.top_k, request.config.k) == (7, 40, 4)
+    with pytest.raises(APIError, match="max tokens must be a whole number from 1 to 4096") as caught:
+        chat(max_completion_tokens=10**6, top_k=40)
+    assert (caught.value.status, caught.value.param) == (400, "max_completion_tokens")
 
 
 @pytest.mark.parametrize(

@@ -261,16 +261,10 @@ def common_fields(body: Mapping, defaults: ServerDefaults, max_tokens_field: str
     drafter, speculation, check = _speculative(body.get("speculative"), defaults)
     if check and fields["temperature"]:
         raise bad("speculative", "check compares greedy outputs token for token: send temperature 0 (or none)")
-    names = {"max_tokens": max_tokens_field}  # the request field each setting came from (speculation's: its own)
-    for name, value in fields.items():  # each checked alone, so that the message names its request field
-        try:
-            GenerationConfig.parse(**{name: value})
-        except InputError as err:
-            raise bad(names.get(name, name), str(err)) from None
     try:
-        config = GenerationConfig.parse(**fields, **speculation, chat=False)
+        config = GenerationConfig.parse(**fields, **speculation, chat=False)  # the request's one parse
     except InputError as err:
-        raise bad("speculative", str(err)) from None
+        raise _blamed(err, fields, max_tokens_field) from None
     return {
         "model": model,
         "config": config,
@@ -280,6 +274,18 @@ def common_fields(body: Mapping, defaults: ServerDefaults, max_tokens_field: str
         "include_usage": include_usage,
         "check": check,
     }
+
+
+def _blamed(err: InputError, fields: Mapping[str, Any], max_tokens_field: str) -> APIError:
+    """The 400 for a config that did not parse, naming the request field at fault: the first of `fields` that
+    fails alone (only on this error path is a field parsed by itself), else `speculative`, whose settings are
+    the rest. Example: {"max_tokens": 5000} from max_completion_tokens -> 400 param "max_completion_tokens"."""
+    for name, value in fields.items():
+        try:
+            GenerationConfig.parse(**{name: value})
+        except InputError as alone:
+            return bad(max_tokens_field if name == "max_tokens" else name, str(alone))
+    return bad("speculative", str(err))
 
 
 def _speculative(value: Any, defaults: ServerDefaults) -> tuple[str | None, dict[str, Any], bool]:
