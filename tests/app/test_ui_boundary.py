@@ -193,7 +193,7 @@ def server(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(main, "_mount_ui", keep)
-        app, _ = main.build(*serve_args("--drafters", "lookup,demo-drafter"), worker=NoWorker())
+        app, _ = main.build(serve_args("--drafters", "lookup,demo-drafter"), worker=NoWorker())
     (session,) = captured
     with serving(app) as url:
         yield url, session

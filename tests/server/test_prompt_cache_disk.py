@@ -43,8 +43,8 @@ def start(store, target, tmp_path):
 
     def start(folder: Path, max_gb: float = 1.0):
         argv = ("--target", target, "--drafter", "off", "--api-key-file", str(keys), "--no-ui", "--model-alias", "*")
-        args, opts = serve_args(*argv, "--cache-dir", str(folder), "--cache-dir-gb", str(max_gb))
-        app, service = build(args, opts, store=store)
+        settings = serve_args(*argv, "--cache-dir", str(folder), "--cache-dir-gb", str(max_gb))
+        app, service = build(settings, store=store)
         service.costs.close()
         service.disk.min_tokens = MIN_TOKENS
         services.append(service)
@@ -160,8 +160,8 @@ def test_a_models_identity_names_its_dtype_config_and_weights(store, target):
 def test_the_cache_dir_options(tmp_path):
     from uag.errors import InputError
 
-    args, _ = serve_args("--cache-dir", str(tmp_path))
-    assert args.cache_dir == str(tmp_path) and args.cache_dir_gb > 0
+    settings = serve_args("--cache-dir", str(tmp_path))
+    assert settings.cache_dir == str(tmp_path) and settings.cache_dir_gb > 0
     with pytest.raises(InputError, match="--cache-dir-gb must be more than 0"):
         serve_args("--cache-dir", str(tmp_path), "--cache-dir-gb", "0")
     assert DiskCaches(tmp_path / "new", 1e9).index == {}  # made where missing

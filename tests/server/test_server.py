@@ -30,8 +30,8 @@ def served(store):
     from tests.support.server import serve_args, serving
     from uag.server.main import build
 
-    args, opts = serve_args("--api-key", KEY, "--max-tokens", "8", "--drafters", DRAFTERS, "--per-client", "4")
-    app, service = build(args, opts, store=store)
+    settings = serve_args("--api-key", KEY, "--max-tokens", "8", "--drafters", DRAFTERS, "--per-client", "4")
+    app, service = build(settings, store=store)
     try:
         with serving(app) as url:
             yield url, service

@@ -318,7 +318,7 @@ def tiny():
     from uag.server.main import build
 
     folder = str(build_tiny("qwen2", "qwen2.5"))
-    args, opts = serve_args(
+    settings = serve_args(
         "--target", folder, "--drafter", "off", "--no-ui", "--max-tokens", "64", "--model-alias", "coder-target"
     )
     script = Script()
@@ -328,7 +328,7 @@ def tiny():
         time.sleep(script.pause_s)
         yield from script(*args, **kw)
 
-    app, service = build(args, opts, stream=stream)
+    app, service = build(settings, stream=stream)
     try:
         with serving(app) as url:
             yield url, service, script
@@ -451,8 +451,8 @@ def served(store):
     from tests.support.server import serve_args, serving
     from uag.server.main import build
 
-    args, opts = serve_args("--api-key", KEY, "--max-tokens", "8", "--per-client", "4", "--model-alias", "claude-*")
-    app, service = build(args, opts, store=store)
+    settings = serve_args("--api-key", KEY, "--max-tokens", "8", "--per-client", "4", "--model-alias", "claude-*")
+    app, service = build(settings, store=store)
     try:
         with serving(app) as url:
             yield url

@@ -175,7 +175,7 @@ def served(store):
     from tests.support.server import serve_args, serving
     from uag.server.main import build
 
-    args, opts = serve_args(
+    settings = serve_args(
         "--max-batch",
         "8",
         "--per-client",
@@ -190,7 +190,7 @@ def served(store):
         "--max-tokens",
         "40",
     )
-    app, service = build(args, opts, store=store)
+    app, service = build(settings, store=store)
     service.costs.close()  # auto learns its costs as it runs; nothing else takes the worker between the tests' jobs
     assert service.batched and service.runner.worker.max_batch == 8
     try:
@@ -321,7 +321,7 @@ def tiny_served():
     from uag.server.main import build
 
     folder = str(build_tiny("qwen2", "qwen2.5"))
-    args, opts = serve_args(
+    settings = serve_args(
         "--target",
         folder,
         "--drafter",
@@ -338,7 +338,7 @@ def tiny_served():
         "--max-tokens",
         "24",
     )
-    app, service = build(args, opts)
+    app, service = build(settings)
     service.costs.close()
     with serving(app) as url:
         yield url, service, folder

@@ -517,10 +517,10 @@ def test_under_uag_serve_the_app_and_the_api_follow_one_cost_policy(cache, now_q
 
     monkeypatch.setattr(main, "_mount_ui", lambda app, session, service, key: mounted.append(session))
     # a target of its own: other tests' keepers, still measuring "org/target" in the background, save into this cache
-    args, opts = serve_args(
+    settings = serve_args(
         "--target", "org/ui-target", "--drafter", "lookup", "--drafters", "lookup", "--max-batch", "1"
     )
-    _, served = main.build(args, opts, store=ModelStore(), stream=stream, measure=measure)
+    _, served = main.build(settings, store=ModelStore(), stream=stream, measure=measure)
     (session,) = mounted
     host = served.host
     assert session.host is host and session.runner is served.runner

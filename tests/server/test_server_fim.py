@@ -49,9 +49,9 @@ def tiny_server():
     from uag.server.main import build
 
     folder = str(build_tiny("qwen2", "qwen2.5"))
-    args, opts = serve_args("--target", folder, "--drafter", "off", "--no-ui", "--max-tokens", "64")
+    settings = serve_args("--target", folder, "--drafter", "off", "--no-ui", "--max-tokens", "64")
     script = Script()
-    app, service = build(args, opts, stream=script)
+    app, service = build(settings, stream=script)
     try:
         with serving(app) as url:
             yield url, service, script, folder
@@ -185,8 +185,8 @@ def demo_url(store):
     from tests.support.server import serve_args, serving
     from uag.server.main import build
 
-    args, opts = serve_args("--max-tokens", "8", "--no-ui")
-    app, service = build(args, opts, store=store)
+    settings = serve_args("--max-tokens", "8", "--no-ui")
+    app, service = build(settings, store=store)
     try:
         with serving(app) as url:
             yield url
@@ -215,8 +215,8 @@ def coder_url():
     from uag.server.main import build
 
     store = ModelStore(max_models=2)  # its own, dropped after: the 1.5B is never held twice in the session
-    args, opts = serve_args("--target", "coder-target", "--drafter", "lookup", "--max-tokens", "64", "--no-ui")
-    app, service = build(args, opts, store=store)
+    settings = serve_args("--target", "coder-target", "--drafter", "lookup", "--max-tokens", "64", "--no-ui")
+    app, service = build(settings, store=store)
     try:
         with serving(app) as url:
             yield url

@@ -27,8 +27,8 @@ def served(store):
     from tests.support.server import serve_args, serving
     from uag.server.main import build
 
-    args, opts = serve_args("--api-key", KEY, "--max-tokens", "4", "--no-ui")
-    app, service = build(args, opts, store=store)
+    settings = serve_args("--api-key", KEY, "--max-tokens", "4", "--no-ui")
+    app, service = build(settings, store=store)
     try:
         with serving(app) as url:
             yield url, service

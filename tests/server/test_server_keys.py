@@ -75,10 +75,10 @@ def test_keys_are_matched_by_digest_and_read_again_when_the_file_changes(tmp_pat
 def test_the_serve_options_of_several_keys(tmp_path):
     path = tmp_path / "keys.txt"
     write(path, f"alice: {ALICE}\n")
-    _, opts = serve_args("--api-key-file", str(path), "--api-key", BOB, "--host", "0.0.0.0")
-    keys = opts["keys"]
+    settings = serve_args("--api-key-file", str(path), "--api-key", BOB, "--host", "0.0.0.0")
+    keys = settings.keys
     assert keys.match(BOB).name == "default" and keys.match(ALICE).name == "alice" and keys.from_file
-    assert isinstance(serve_args("--api-key", BOB)[1]["keys"], str)
+    assert isinstance(serve_args("--api-key", BOB).keys, str)
     with pytest.raises(InputError, match="cannot read it"):
         serve_args("--api-key-file", str(tmp_path / "none.txt"))
     write(path, f"default: {ALICE}\n")
@@ -120,10 +120,10 @@ def served(store, tmp_path_factory):
         "--model-alias",
         "*",
     )
-    args, opts = serve_args("--target", target, *argv)
-    app, service = build(args, opts, store=store)
-    args, opts = serve_args("--target", chat, *argv)
-    chat_app, chat_service = build(args, opts, store=store)
+    settings = serve_args("--target", target, *argv)
+    app, service = build(settings, store=store)
+    settings = serve_args("--target", chat, *argv)
+    chat_app, chat_service = build(settings, store=store)
     try:
         yield (
             TestClient(app, base_url="http://127.0.0.1"),

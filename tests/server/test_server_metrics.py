@@ -215,10 +215,10 @@ def served(store):
     from tests.support.server import serve_args, serving
     from uag.server.main import build
 
-    args, opts = serve_args(
+    settings = serve_args(
         "--api-key", KEY, "--max-tokens", "8", "--drafters", "lookup,demo-drafter,lookup+demo-drafter", "--no-ui"
     )
-    app, service = build(args, opts, store=store)
+    app, service = build(settings, store=store)
     try:
         with serving(app) as url:
             yield url

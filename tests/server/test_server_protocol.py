@@ -632,9 +632,9 @@ def test_serve_takes_the_dtypes_generate_takes():
     from tests.support.server import serve_args
     from uag.errors import InputError
 
-    _, opts = serve_args("--target-dtype", "bf16", "--drafter-dtype", "4-bit")
-    assert opts["target_dtype"] == "bfloat16" and opts["drafter_dtype"] == "q4"
-    assert serve_args()[1]["target_dtype"] is None  # as stored
+    settings = serve_args("--target-dtype", "bf16", "--drafter-dtype", "4-bit")
+    assert settings.target_dtype == "bfloat16" and settings.drafter_dtype == "q4"
+    assert serve_args().target_dtype is None  # as stored
     with pytest.raises(InputError, match="--target-dtype: unknown dtype 'int3'.*; --drafter-dtype: unknown"):
         serve_args("--target-dtype", "int3", "--drafter-dtype", "fp7")
 
@@ -646,8 +646,8 @@ def test_auto_off_switches_parts_of_auto_off_and_only_where_auto_runs():
     from uag.core.policy import AutoSettings
     from uag.errors import InputError
 
-    assert serve_args()[1]["auto"] is None  # as shipped
-    auto = serve_args("--auto-off", "stop_rule", "--auto-off", "carried")[1]["auto"]
+    assert serve_args().auto is None  # as shipped
+    auto = serve_args("--auto-off", "stop_rule", "--auto-off", "carried").auto
     assert auto == AutoSettings(stop_rule=False, carried=False)
     with pytest.raises(InputError, match="--auto-off switches off parts of auto: --strategy context has none"):
         serve_args("--strategy", "context", "--auto-off", "stop_rule")
@@ -682,10 +682,10 @@ def test_serve_k_defaults_to_autos_longest_draft_and_the_studys_k_for_a_fixed_st
     drafts k every cycle, so without -k it keeps the study's k = 2; -k given is kept either way."""
     from tests.support.server import serve_args
 
-    assert serve_args()[1]["config"].k == 16
-    assert serve_args("--strategy", "context")[1]["config"].k == 2
-    assert serve_args("--strategy", "context", "-k", "5")[1]["config"].k == 5
-    assert serve_args("-k", "8")[1]["config"].k == 8
+    assert serve_args().config.k == 16
+    assert serve_args("--strategy", "context").config.k == 2
+    assert serve_args("--strategy", "context", "-k", "5").config.k == 5
+    assert serve_args("-k", "8").config.k == 8
 
 
 # --- samplers, nulls, and values no error may echo raw ------------------------------------------------------------

@@ -264,9 +264,9 @@ def tiny(tmp_path_factory):
     from uag.server.main import build
 
     folder = str(build_tiny("qwen2", "qwen2.5"))
-    args, opts = serve_args("--target", folder, "--drafter", "off", "--no-ui", "--max-tokens", "64")
+    settings = serve_args("--target", folder, "--drafter", "off", "--no-ui", "--max-tokens", "64")
     script = Scripted()
-    app, service = build(args, opts, stream=script)
+    app, service = build(settings, stream=script)
     try:
         with serving(app) as url:
             yield url, service, script, folder
@@ -359,8 +359,8 @@ def demo(store):
     from tests.support.server import serve_args, serving
     from uag.server.main import build
 
-    args, opts = serve_args("--api-key", KEY, "--max-tokens", "8", "--no-ui")
-    app, service = build(args, opts, store=store)
+    settings = serve_args("--api-key", KEY, "--max-tokens", "8", "--no-ui")
+    app, service = build(settings, store=store)
     try:
         with serving(app) as url:
             yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)

@@ -92,10 +92,10 @@ def ask(served: Service) -> Done:
 
 
 def test_uag_serve_sets_no_time_budget_and_a_stall_guard_by_default():
-    args, _ = serve_args("--no-ui")
-    assert args.time_budget is None
+    settings = serve_args("--no-ui")
+    assert settings.time_budget is None
     assert JobRunner(MLXWorker()).stall_s == DEFAULT_STALL_S == 600
-    assert serve_args("--time-budget", "90")[0].time_budget == 90
+    assert serve_args("--time-budget", "90").time_budget == 90
 
 
 def test_a_reply_that_keeps_writing_is_not_cut():

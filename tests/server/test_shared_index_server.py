@@ -75,8 +75,8 @@ def test_lookup_memory_off_drafts_from_each_request_alone(store, target_dir):
 
 
 def test_the_lookup_memory_option():
-    assert serve_args()[0].lookup_memory == DEFAULT_LOOKUP_MEMORY
-    assert serve_args("--lookup-memory", "0")[0].lookup_memory == 0
+    assert serve_args().lookup_memory == DEFAULT_LOOKUP_MEMORY
+    assert serve_args("--lookup-memory", "0").lookup_memory == 0
     with pytest.raises(InputError, match="--lookup-memory must be at least 0"):
         serve_args("--lookup-memory", "-1")
     with pytest.raises(InputError, match="--lookup-memory: a sharded server"):

@@ -11,11 +11,10 @@ from tests.support.app_server import free_port
 
 
 def serve_args(*argv: str):
-    """The parsed `uag serve` command line and its checked options."""
-    from uag.server.main import build_parser, options
+    """`uag serve`'s command line parsed and checked (a `ServeSettings`, what `build` takes)."""
+    from uag.server.main import ServeSettings, build_parser
 
-    args = build_parser().parse_args(list(argv))
-    return args, options(args)
+    return ServeSettings.parse(build_parser().parse_args(list(argv)))
 
 
 @contextmanager

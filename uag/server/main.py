@@ -15,6 +15,7 @@ import argparse
 import ipaddress
 import logging
 import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 from uag.command import CommandParser, literal, port_taken, progress, run, whole
@@ -26,6 +27,8 @@ from uag.models.dtypes import add_dtype_options, parse_dtype
 from uag.runtime.jobs import DEFAULT_PER_CLIENT, DEFAULT_STALL_S
 from uag.runtime.presets import DEFAULT
 from uag.server.disk_cache import DEFAULT_CACHE_DIR_GB
+from uag.server.guards import Perimeter
+from uag.server.keys import DEFAULT_NAME, ApiKeys, digest_of
 from uag.server.prompt_cache import DEFAULT_CACHE_GB
 
 KEY_ENV = "UAG_API_KEY"
@@ -209,116 +212,169 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def options(args: argparse.Namespace) -> dict[str, Any]:
-    """The server's checked settings; InputError naming every bad flag."""
-    problems = []
-    drafter = None if args.drafter.strip().lower() == "off" else args.drafter
-    k = args.k if args.k is not None else DEFAULT_K_AUTO if adaptive_k(args.strategy) else DEFAULT_K
-    fields = {
-        "strategy": args.strategy,
-        "k": literal(k),
-        "window": literal(args.window),
-        "max_tokens": literal(args.max_tokens),
-    }
-    for name, value in fields.items():
-        try:
-            GenerationConfig.parse(**{name: value})
-        except InputError as err:
-            problems.append(f"{'-k' if name == 'k' else '--' + name.replace('_', '-')}: {err}")
-    if args.strategy not in SPECULATIVE:
-        problems.append(f"--strategy: one of {', '.join(SPECULATIVE)} (for the target alone: --drafter off)")
-    drafters = []
-    for text in ([drafter] if drafter else []) + [d for d in args.drafters.split(",") if d.strip()]:
-        try:
-            drafters.append(str(DrafterSpec.parse(text)))
-        except InputError as err:
-            problems.append(f"--drafters: {err}")
-    if args.max_batch is None and not getattr(args, "shard", None):
-        args.max_batch = DEFAULT_MAX_BATCH
-    if args.per_client is None:
-        args.per_client = max(DEFAULT_PER_CLIENT, args.max_batch or 1)
-    for flag, value, lo in (
-        ("--max-queue", args.max_queue, 1),
-        ("--per-client", args.per_client, 1),
-        ("--max-models", args.max_models, 2),
-        ("--max-batch", args.max_batch or 1, 1),
-    ):
-        if value < lo:
-            problems.append(f"{flag} must be at least {lo} (got {value})")
-    for flag, value in (("--time-budget", args.time_budget), ("--max-body-mb", args.max_body_mb)):
-        if value is not None and not value > 0:
-            problems.append(f"{flag} must be more than 0 (got {value:g})")
-    if not args.cache_gb >= 0:
-        problems.append(f"--cache-gb must be at least 0 (got {args.cache_gb:g})")
-    if getattr(args, "lookup_memory", None) is None:
-        args.lookup_memory = 0 if getattr(args, "shard", None) else DEFAULT_LOOKUP_MEMORY
-    for pattern in getattr(args, "model_alias", None) or ():
-        if not pattern.strip():
-            problems.append("--model-alias is empty: give a model id or a glob such as 'claude-*'")
-    if args.lookup_memory < 0:
-        problems.append(f"--lookup-memory must be at least 0 (got {args.lookup_memory})")
-    key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
-    if key is not None and not key.strip():
-        problems.append("--api-key is empty")
-    if getattr(args, "max_connections", None) is not None and args.max_connections < 8:
-        problems.append(f"--max-connections must be at least 8 (got {args.max_connections})")
-    if not getattr(args, "idle_timeout", 1) > 0:
-        problems.append(f"--idle-timeout must be more than 0 (got {args.idle_timeout:g})")
-    try:
-        from uag.server.guards import Perimeter
+@dataclass(frozen=True)
+class ServeSettings:
+    """`uag serve`'s command line, parsed and checked once (`ServeSettings.parse`): what building the server,
+    serving it and the sharded server read. Defaults that depend on other flags are filled in (k under auto,
+    --max-batch, --per-client, --lookup-memory)."""
 
-        perimeter = Perimeter.parse(
-            args.host,
-            getattr(args, "allowed_host", ()),
-            getattr(args, "cors_origin", ()),
-            getattr(args, "trusted_proxy", ()),
-        )
-    except InputError as err:
-        problems.append(str(err))
-    keys = key
-    if getattr(args, "api_key_file", None):
-        from uag.server.keys import DEFAULT_NAME, ApiKeys, digest_of
+    target: str
+    config: GenerationConfig  # the default speculation: strategy, k (the most a request may ask for), window, …
+    drafter: str | None  # the default drafter; None: --drafter off
+    drafters: tuple[str, ...]  # every drafter a request may pick, the default first
+    host: str
+    port: int
+    key: str | None  # --api-key or $UAG_API_KEY
+    keys: Any  # what create_app checks: the one key, an ApiKeys of a key file's (uag.server.keys), or None
+    perimeter: Any  # uag.server.guards.Perimeter: allowed hosts, CORS origins, trusted proxies
+    auto: AutoSettings | None  # --auto-off's switches; None: auto as shipped
+    target_dtype: str | None
+    drafter_dtype: str | None
+    max_models: int
+    max_batch: int  # 1 under --shard
+    per_client: int
+    max_queue: int
+    time_budget: float | None
+    max_body_mb: float
+    cache_gb: float
+    cache_dir: str | None
+    cache_dir_gb: float
+    lookup_memory: int
+    model_alias: tuple[str, ...]
+    no_ui: bool
+    max_connections: int | None  # None: from the open-file limit
+    idle_timeout: float
+    log_format: str
+    shard: str | None  # --shard's mode; None: one process
+    shard_timeout: float
+    shard_check: int
 
+    @classmethod
+    def parse(cls, args: argparse.Namespace) -> ServeSettings:
+        """The checked settings of a parsed command line; InputError naming every bad flag."""
+        problems = []
+        shard = args.shard
+        drafter = None if args.drafter.strip().lower() == "off" else args.drafter
+        k = args.k if args.k is not None else DEFAULT_K_AUTO if adaptive_k(args.strategy) else DEFAULT_K
+        fields = {
+            "strategy": args.strategy,
+            "k": literal(k),
+            "window": literal(args.window),
+            "max_tokens": literal(args.max_tokens),
+        }
+        for name, value in fields.items():
+            try:
+                GenerationConfig.parse(**{name: value})
+            except InputError as err:
+                problems.append(f"{'-k' if name == 'k' else '--' + name.replace('_', '-')}: {err}")
+        if args.strategy not in SPECULATIVE:
+            problems.append(f"--strategy: one of {', '.join(SPECULATIVE)} (for the target alone: --drafter off)")
+        drafters = []
+        for text in ([drafter] if drafter else []) + [d for d in args.drafters.split(",") if d.strip()]:
+            try:
+                drafters.append(str(DrafterSpec.parse(text)))
+            except InputError as err:
+                problems.append(f"--drafters: {err}")
+        max_batch = args.max_batch if args.max_batch is not None else 1 if shard else DEFAULT_MAX_BATCH
+        max_batch = max_batch or 1  # --max-batch 0 runs one at a time, as it always did
+        per_client = args.per_client if args.per_client is not None else max(DEFAULT_PER_CLIENT, max_batch)
+        for flag, value, lo in (
+            ("--max-queue", args.max_queue, 1),
+            ("--per-client", per_client, 1),
+            ("--max-models", args.max_models, 2),
+            ("--max-batch", max_batch, 1),
+        ):
+            if value < lo:
+                problems.append(f"{flag} must be at least {lo} (got {value})")
+        for flag, value in (("--time-budget", args.time_budget), ("--max-body-mb", args.max_body_mb)):
+            if value is not None and not value > 0:
+                problems.append(f"{flag} must be more than 0 (got {value:g})")
+        if not args.cache_gb >= 0:
+            problems.append(f"--cache-gb must be at least 0 (got {args.cache_gb:g})")
+        lookup_memory = args.lookup_memory
+        if lookup_memory is None:
+            lookup_memory = 0 if shard else DEFAULT_LOOKUP_MEMORY
+        aliases = tuple(args.model_alias)
+        for pattern in aliases:
+            if not pattern.strip():
+                problems.append("--model-alias is empty: give a model id or a glob such as 'claude-*'")
+        if lookup_memory < 0:
+            problems.append(f"--lookup-memory must be at least 0 (got {lookup_memory})")
+        key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
+        if key is not None and not key.strip():
+            problems.append("--api-key is empty")
+        if args.max_connections is not None and args.max_connections < 8:
+            problems.append(f"--max-connections must be at least 8 (got {args.max_connections})")
+        if not args.idle_timeout > 0:
+            problems.append(f"--idle-timeout must be more than 0 (got {args.idle_timeout:g})")
+        perimeter = None
         try:
-            keys = ApiKeys({DEFAULT_NAME: digest_of(key)} if key else None, args.api_key_file)
+            perimeter = Perimeter.parse(args.host, args.allowed_host, args.cors_origin, args.trusted_proxy)
         except InputError as err:
             problems.append(str(err))
-    if getattr(args, "cache_dir", None) is not None:
-        if not args.cache_dir_gb > 0:
-            problems.append(f"--cache-dir-gb must be more than 0 (got {args.cache_dir_gb:g})")
-        if getattr(args, "shard", None):
-            problems.append("--cache-dir: a sharded server keeps no conversation caches: drop it with --shard")
-    if keys is None and not _loopback(args.host):
-        problems.append(
-            f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key, --api-key-file) so that only "
-            "clients with the key can run models"
+        keys = key
+        if args.api_key_file:
+            try:
+                keys = ApiKeys({DEFAULT_NAME: digest_of(key)} if key else None, args.api_key_file)
+            except InputError as err:
+                problems.append(str(err))
+        cache_dir = args.cache_dir
+        if cache_dir is not None:
+            if not args.cache_dir_gb > 0:
+                problems.append(f"--cache-dir-gb must be more than 0 (got {args.cache_dir_gb:g})")
+            if shard:
+                problems.append("--cache-dir: a sharded server keeps no conversation caches: drop it with --shard")
+        if keys is None and not _loopback(args.host):
+            problems.append(
+                f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key, --api-key-file) so that "
+                "only clients with the key can run models"
+            )
+        dtypes = {}
+        for role in ("target", "drafter"):
+            flag = f"--{role}-dtype"
+            try:
+                dtypes[role] = parse_dtype(getattr(args, f"{role}_dtype"), flag=flag)
+            except InputError as err:
+                problems.append(str(err))
+        off = args.auto_off or []
+        if off and not adaptive_k(args.strategy):
+            problems.append(f"--auto-off switches off parts of auto: --strategy {args.strategy} has none")
+        if shard:
+            problems += _shard_problems(args, drafters, lookup_memory)
+        if problems:
+            raise InputError("; ".join(problems))
+        return cls(
+            target=args.target,
+            config=GenerationConfig.parse(**fields),
+            drafter=drafters[0] if drafter else None,
+            drafters=tuple(drafters),
+            host=args.host,
+            port=args.port,
+            key=key,
+            keys=keys,
+            perimeter=perimeter,
+            auto=AutoSettings(**dict.fromkeys(off, False)) if off else None,
+            target_dtype=dtypes["target"],
+            drafter_dtype=dtypes["drafter"],
+            max_models=args.max_models,
+            max_batch=max_batch,
+            per_client=per_client,
+            max_queue=args.max_queue,
+            time_budget=args.time_budget,
+            max_body_mb=args.max_body_mb,
+            cache_gb=args.cache_gb,
+            cache_dir=cache_dir,
+            cache_dir_gb=args.cache_dir_gb,
+            lookup_memory=lookup_memory,
+            model_alias=aliases,
+            no_ui=args.no_ui,
+            max_connections=args.max_connections,
+            idle_timeout=args.idle_timeout,
+            log_format=args.log_format,
+            shard=shard,
+            shard_timeout=args.shard_timeout,
+            shard_check=args.shard_check,
         )
-    dtypes = {}
-    for role in ("target", "drafter"):
-        flag = f"--{role}-dtype"
-        try:
-            dtypes[role] = parse_dtype(getattr(args, f"{role}_dtype"), flag=flag)
-        except InputError as err:
-            problems.append(str(err))
-    off = getattr(args, "auto_off", None) or []
-    if off and not adaptive_k(args.strategy):
-        problems.append(f"--auto-off switches off parts of auto: --strategy {args.strategy} has none")
-    if getattr(args, "shard", None):
-        problems += _shard_problems(args, drafters)
-    if problems:
-        raise InputError("; ".join(problems))
-    config = GenerationConfig.parse(**fields)
-    return {
-        "config": config,
-        "drafter": drafters[0] if drafter else None,
-        "drafters": tuple(drafters),
-        "key": key,
-        "keys": keys,  # what create_app checks: the one key, an ApiKeys of a key file's (uag.server.keys), or None
-        "perimeter": perimeter,
-        "auto": AutoSettings(**dict.fromkeys(off, False)) if off else None,
-        "target_dtype": dtypes["target"],
-        "drafter_dtype": dtypes["drafter"],
-    }
 
 
 def _loopback(host: str) -> bool:
@@ -330,7 +386,7 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=None, stream=None, measure=None):
+def build(settings: ServeSettings, *, store=None, worker=None, stream=None, measure=None):
     """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service): one `Host` that both the
     API's Service and the app's Session use. `stream` and `measure`: the host's (a sharded server's run over its
     ranks)."""
@@ -343,57 +399,53 @@ def build(args: argparse.Namespace, opts: dict[str, Any], *, store=None, worker=
     from uag.server.routes import create_app
     from uag.server.service import Service
 
-    store = store or ModelStore(max_models=args.max_models)
-    worker = worker or MLXWorker(max_batch=args.max_batch or 1)
-    config = opts["config"]
+    s = settings
+    store = store or ModelStore(max_models=s.max_models)
+    worker = worker or MLXWorker(max_batch=s.max_batch)
     defaults = ServerDefaults(
-        model=args.target,
-        drafter=opts["drafter"],
-        strategy=config.strategy,
-        k=config.k,
-        window=config.window,
-        max_tokens=config.max_tokens,
-        drafters=opts["drafters"],
-        checks=not getattr(args, "shard", None),
-        aliases=tuple(getattr(args, "model_alias", None) or ()),
+        model=s.target,
+        drafter=s.drafter,
+        strategy=s.config.strategy,
+        k=s.config.k,
+        window=s.config.window,
+        max_tokens=s.config.max_tokens,
+        drafters=s.drafters,
+        checks=not s.shard,
+        aliases=s.model_alias,
     )
     # One host: one per-client count, one Evidence per pair and one cost policy for /ui's runs and the API's
     # (costs measured off the requests' path, by the host's keeper).
     host = Host(
         store,
-        JobRunner(worker, per_client=args.per_client, budget_s=args.time_budget),
-        target=args.target,
-        target_dtype=opts.get("target_dtype"),
-        drafter_dtype=opts.get("drafter_dtype"),
+        JobRunner(worker, per_client=s.per_client, budget_s=s.time_budget),
+        target=s.target,
+        target_dtype=s.target_dtype,
+        drafter_dtype=s.drafter_dtype,
         stream=stream,
         measure=measure,
-        auto=opts.get("auto"),
-        lookup_memory=getattr(args, "lookup_memory", 0),
+        auto=s.auto,
+        lookup_memory=s.lookup_memory,
         off_path=True,
     )
     session = None
-    if not args.no_ui:
+    if not s.no_ui:
         from uag.app.session import Session
         from uag.runtime.access import ServedModels
 
         # /ui loads what the API serves, for every user (uag.runtime.access.ServedModels)
-        served = ServedModels(args.target, defaults.allowed, opts.get("target_dtype"), opts.get("drafter_dtype"))
-        session = Session(host=host, target=args.target, drafter=(defaults.allowed or ("lookup",))[0], served=served)
+        served = ServedModels(s.target, defaults.allowed, s.target_dtype, s.drafter_dtype)
+        session = Session(host=host, target=s.target, drafter=(defaults.allowed or ("lookup",))[0], served=served)
     disk = None
-    if getattr(args, "cache_dir", None) is not None:  # conversation caches that survive a restart
+    if s.cache_dir is not None:  # conversation caches that survive a restart
         from uag.server.disk_cache import DiskCaches
 
-        disk = DiskCaches(args.cache_dir, args.cache_dir_gb * 1e9)
-    service = Service(host, defaults, cache_bytes=args.cache_gb * 1e9, metrics=Metrics(args.target), disk=disk)
+        disk = DiskCaches(s.cache_dir, s.cache_dir_gb * 1e9)
+    service = Service(host, defaults, cache_bytes=s.cache_gb * 1e9, metrics=Metrics(s.target), disk=disk)
     app = create_app(
-        service,
-        api_key=opts.get("keys", opts["key"]),
-        max_body=int(args.max_body_mb * 2**20),
-        max_queue=args.max_queue,
-        perimeter=opts.get("perimeter"),
+        service, api_key=s.keys, max_body=int(s.max_body_mb * 2**20), max_queue=s.max_queue, perimeter=s.perimeter
     )
     if session is not None:
-        _mount_ui(app, session, service, opts.get("keys", opts["key"]))
+        _mount_ui(app, session, service, s.keys)
     return app, service
 
 
@@ -409,8 +461,6 @@ def _mount_ui(app, session, service, key) -> None:
 
     demo = build(session)
     add_server_tab(demo, service)
-    from uag.server.keys import ApiKeys
-
     keys = ApiKeys.one(key) if isinstance(key, str) else key
     auth = None if keys is None else (lambda _user, password: keys.match(password.strip()) is not None)
     app.add_api_route("/", lambda: RedirectResponse("/ui/"), include_in_schema=False)
@@ -439,32 +489,32 @@ def serve(args: argparse.Namespace) -> int:
 
         print(hash_line(sys.stdin.readline()))
         return 0
-    opts = options(args)
-    if args.shard:
-        return _serve_sharded(args, opts)
-    if port_taken(args.host, args.port):
-        raise UserError(f"port {args.port} on {args.host} is taken: use --port")
-    connections = _logging_and_connections(args, opts)
-    app, service = build(args, opts)
+    settings = ServeSettings.parse(args)
+    if settings.shard:
+        return _serve_sharded(settings)
+    if port_taken(settings.host, settings.port):
+        raise UserError(f"port {settings.port} on {settings.host} is taken: use --port")
+    connections = _logging_and_connections(settings)
+    app, service = build(settings)
     say = logging.getLogger("uag.server.main").info  # in the log's format (--log-format json: JSON lines too)
-    if opts["target_dtype"] and (note := _slow_dtype_note(opts["target_dtype"])):
+    if settings.target_dtype and (note := _slow_dtype_note(settings.target_dtype)):
         say("note: %s", note)
     service.preload(progress=lambda text: say("%s", text))
-    where = f"http://{args.host}:{args.port}"
-    say("serving %s at %s/v1%s", args.target, where, "" if args.no_ui else f", the app at {where}/ui")
-    uvicorn.Server(server_config(app, host=args.host, port=args.port, **connections)).run()
+    where = f"http://{settings.host}:{settings.port}"
+    say("serving %s at %s/v1%s", settings.target, where, "" if settings.no_ui else f", the app at {where}/ui")
+    uvicorn.Server(server_config(app, host=settings.host, port=settings.port, **connections)).run()
     return 0
 
 
-def _logging_and_connections(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, Any]:
+def _logging_and_connections(settings: ServeSettings) -> dict[str, Any]:
     """Set up the log (--log-format), raise the open-file limit, warn of a short key; the connection limits."""
     from uag.server.connections import default_max_connections, raise_fd_limit
     from uag.server.logs import configure
 
-    configure(getattr(args, "log_format", "text"))
+    configure(settings.log_format)
     say = logging.getLogger("uag.server").warning
     fd_limit = raise_fd_limit()
-    max_connections = args.max_connections or default_max_connections(fd_limit)
+    max_connections = settings.max_connections or default_max_connections(fd_limit)
     if fd_limit is not None and max_connections > fd_limit - 64:
         say(
             "--max-connections %d is near this process's limit of %d open files: connections beyond it fail "
@@ -472,12 +522,12 @@ def _logging_and_connections(args: argparse.Namespace, opts: dict[str, Any]) -> 
             max_connections,
             fd_limit,
         )
-    if opts["key"] is not None and len(opts["key"]) < 16:
+    if settings.key is not None and len(settings.key) < 16:
         say(
             "the API key is %d characters: one of 16 or more (e.g. `openssl rand -hex 16`) resists guessing",
-            len(opts["key"]),
+            len(settings.key),
         )
-    return {"max_connections": max_connections, "idle_timeout_s": args.idle_timeout}
+    return {"max_connections": max_connections, "idle_timeout_s": settings.idle_timeout}
 
 
 def _slow_dtype_note(dtype: str) -> str | None:
@@ -487,28 +537,28 @@ def _slow_dtype_note(dtype: str) -> str | None:
     return slow_dtype_note(dtype, backend())
 
 
-def _shard_problems(args: argparse.Namespace, drafters: list[str]) -> list[str]:
+def _shard_problems(args: argparse.Namespace, drafters: list[str], lookup_memory: int) -> list[str]:
     """What `serve --shard` refuses (beside the flags every serve checks)."""
     from uag.models.store import ModelStore
 
     problems = []
-    if getattr(args, "target_dtype", None) or getattr(args, "drafter_dtype", None):
+    if args.target_dtype or args.drafter_dtype:
         problems.append("--shard loads the models as stored: drop --target-dtype and --drafter-dtype")
     if not args.shard_timeout > 0 or args.shard_check < 0:
         problems.append("--shard-timeout must be above 0 and --shard-check at least 0")
     models = [DrafterSpec.parse(d).model for d in drafters]
     if any(m and ModelStore.identity(m) == ModelStore.identity(args.target) for m in models):
         problems.append("--shard: the target cannot draft for itself (rank 0 holds only its shard)")
-    if getattr(args, "auto_off", None):
+    if args.auto_off:
         problems.append("--auto-off is for a single process: drop it with --shard")
     if args.max_batch is not None and args.max_batch > 1:
         problems.append("--max-batch: a sharded server runs one request at a time: drop it with --shard")
-    if getattr(args, "lookup_memory", None):  # the other ranks end a parked stretch where their own lookup would
+    if lookup_memory:  # the other ranks end a parked stretch where their own lookup would
         problems.append("--lookup-memory: a sharded server drafts from each request alone: drop it with --shard")
     return problems
 
 
-def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+def _serve_sharded(settings: ServeSettings) -> int:
     """`serve --shard` on one rank of mlx.launch (uag.distributed.serving): every rank joins the group and loads
     its shard on the MLX worker thread; rank 0 serves the API, the other ranks run its requests until it stops."""
     import signal
@@ -524,10 +574,10 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     worker = MLXWorker()
     start = partial(
         join,
-        args.target,
-        args.shard,
+        settings.target,
+        settings.shard,
         connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
-        timeout_s=args.shard_timeout,
+        timeout_s=settings.shard_timeout,
         progress=progress,
     )
     ranks, target = worker.call(start)
@@ -538,23 +588,23 @@ def _serve_sharded(args: argparse.Namespace, opts: dict[str, Any]) -> int:
         finally:
             ranks.close()
         return 0
-    leader = Leader(ranks, target, worker, check_every=args.shard_check)
+    leader = Leader(ranks, target, worker, check_every=settings.shard_check)
     try:
-        if port_taken(args.host, args.port):
-            raise UserError(f"port {args.port} on {args.host} is taken: use --port")
-        if not args.no_ui:
+        if port_taken(settings.host, settings.port):
+            raise UserError(f"port {settings.port} on {settings.host} is taken: use --port")
+        if not settings.no_ui:
             progress("--shard serves the API only: the app's Compare runs the target whole, on one machine")
-            args.no_ui = True
-        connections = _logging_and_connections(args, opts)
-        store = leader.store(args.target, max_models=args.max_models)
-        app, service = build(args, opts, store=store, worker=worker, stream=leader.stream, measure=leader.measure)
-        worker.call(leader.prepare, store, opts["drafters"], progress)
+            settings = replace(settings, no_ui=True)
+        connections = _logging_and_connections(settings)
+        store = leader.store(settings.target, max_models=settings.max_models)
+        app, service = build(settings, store=store, worker=worker, stream=leader.stream, measure=leader.measure)
+        worker.call(leader.prepare, store, settings.drafters, progress)
         service.preload(progress=progress).wait()  # the offered pairs without costs measured over the shards, first
-        server = uvicorn.Server(server_config(app, host=args.host, port=args.port, **connections))
+        server = uvicorn.Server(server_config(app, host=settings.host, port=settings.port, **connections))
         leader.on_lost = lambda: setattr(server, "should_exit", True)  # a lost rank: stop serving, say which
         leader.keep_in_touch()
         progress(
-            f"serving {args.target} sharded by {args.shard} over {ranks.size} ranks at http://{args.host}:{args.port}"
+            f"serving {settings.target} sharded by {settings.shard} over {ranks.size} ranks at http://{settings.host}:{settings.port}"
             "/v1; every request reads its whole prompt (no conversation caches across the shards)"
         )
         # uvicorn stops on SIGINT/SIGTERM, then raises the signal again: let it pass, tell the others, exit 0.
