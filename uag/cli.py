@@ -17,6 +17,7 @@ input is one ``error: …`` line and exit 2 (uag.command).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Iterable
@@ -26,8 +27,11 @@ from uag.command import USER_ERROR, CommandParser, add_generation_options, decod
 from uag.core.config import MODES, DrafterSpec, GenerationConfig
 from uag.core.prompt_input import read_prompt
 from uag.core.records import Token, spans
+from uag.distributed.options import add_shard_options
 from uag.errors import InputError
+from uag.machine import backend
 from uag.models.dtypes import add_dtype_options, parse_dtype, slow_dtype_note
+from uag.models.loading import user_facing_load_errors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--json-object", action="store_true", help="the reply must be one JSON object")
     gen.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
     gen.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from stdin")
-    from uag.distributed.options import add_shard_options
-
     add_shard_options(gen)
     return gen
 
@@ -81,8 +83,8 @@ def _stats_line(stats: dict) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    # mlx is loaded only by a command that runs a model: the dispatcher below, `uag --help` and `uag app` go without
     from uag.api import generate  # strategy auto: opens from the pair's saved costs and evidence, and saves them
-    from uag.machine import backend
     from uag.models.store import ModelStore
     from uag.runtime.pair import open_pair, prompt_ids_for
 
@@ -123,7 +125,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _constraint(args: argparse.Namespace) -> str | None:
     """The grammar --json-schema or --json-object asks for (uag.core.grammar); InputError naming the flag."""
-    from uag.core.grammar import response_format_constraint
+    from uag.core.grammar import response_format_constraint  # llguidance: loaded only when a grammar is asked for
 
     if args.json_object:
         return response_format_constraint({"type": "json_object"})
@@ -181,7 +183,6 @@ def _generate_sharded(args: argparse.Namespace, config: GenerationConfig, prompt
     own way (a sharded target, the drafter on rank 0 only) and `auto` opens from no saved costs: measuring them
     would take every rank's passes (`uag serve --shard` measures them over the shards)."""
     from uag.distributed.sharded import connect, generate_sharded, load_rank0_drafter, load_sharded
-    from uag.models.loading import user_facing_load_errors
     from uag.models.store import ModelStore
     from uag.runtime.pair import pair_of, prompt_ids_for
 
@@ -257,8 +258,6 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command: `argv` is what follows `uag` (default: sys.argv[1:])."""
-    import importlib
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if argv else sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -101,8 +102,6 @@ def port_taken(host: str, port: int) -> bool:
     """Whether this address cannot be bound (taken, or not this machine's): `uag app` and `uag serve` say so
     in one line before starting instead of failing inside the web server. It binds as uvicorn does
     (SO_REUSEADDR on POSIX), so the connections of a server just stopped, waiting out TIME_WAIT, do not count."""
-    import socket
-
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         if os.name != "nt":  # on Windows SO_REUSEADDR would let it bind a port another server holds
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -84,7 +84,7 @@ def _fitting(target: LoadedModel, ids: Sequence[int]) -> list[int]:
 
 def matcher_for(target: LoadedModel, constraint: str) -> Matcher:
     """A run's matcher for a constraint (uag.core.grammar) over the target's tokens and its logits' width."""
-    from uag.core.grammar import Matcher, TokenTable
+    from uag.core.grammar import Matcher, TokenTable  # llguidance: loaded by the first constrained run only
 
     width = getattr(getattr(target.model, "args", None), "vocab_size", None) or target.vocab.size
     return Matcher(TokenTable.of(target.tokenizer, width, target.eos_ids), constraint)

@@ -24,6 +24,7 @@ Example: ``mlx_lm.load(str(ensure("demo-drafter")))`` -> (model, tokenizer), gre
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
 import importlib
@@ -312,8 +313,6 @@ def _publish(out: Path, marker: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m uag models [NAME …]``: fetch and convert offline models now (``make models-coder``)."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m uag models", description=main.__doc__)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(MODELS)} (default: the demo pair)")
     args = parser.parse_args(argv)

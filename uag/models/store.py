@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache,
 
 from uag import _blas
 from uag.errors import ModelError
+from uag.models.dtypes import parse_dtype
 from uag.models.vocab import HFVocab, same_vocabulary
 
 # The offline models uag.models.demo converts on first use (uag.models.catalogue); they load in default_dtype().
@@ -150,8 +151,6 @@ class ModelStore:
 
         Example: key("demo-target") == key("demo-target", "float32") == ("demo-target", "float32")
         """
-        from uag.models.dtypes import parse_dtype
-
         identity = self.identity(name)
         dtype = parse_dtype(dtype)
         if identity in DEMO_NAMES:

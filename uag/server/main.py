@@ -15,21 +15,42 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
+import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
+import uvicorn
+from fastapi.responses import RedirectResponse
+
+from uag.app.files import MAX_UPLOAD_MB
+from uag.app.session import Session
 from uag.command import CommandParser, literal, port_taken, progress, run, whole
 from uag.core.config import DEFAULT_K, DEFAULT_K_AUTO, MAX_K, SPECULATIVE, DrafterSpec, GenerationConfig, adaptive_k
 from uag.core.policy import MECHANISMS, AutoSettings
 from uag.core.translate import DEFAULT_WINDOW
+from uag.distributed.options import DEFAULT_CONNECT_TIMEOUT_S, add_shard_options
+from uag.distributed.serving import Leader, follow, join
 from uag.errors import InputError, UserError
-from uag.models.dtypes import add_dtype_options, parse_dtype
-from uag.runtime.jobs import DEFAULT_PER_CLIENT, DEFAULT_STALL_S
+from uag.machine import backend
+from uag.models.dtypes import add_dtype_options, parse_dtype, slow_dtype_note
+from uag.models.store import ModelStore
+from uag.runtime.access import ServedModels
+from uag.runtime.host import Host
+from uag.runtime.jobs import DEFAULT_PER_CLIENT, DEFAULT_STALL_S, JobRunner
 from uag.runtime.presets import DEFAULT
-from uag.server.disk_cache import DEFAULT_CACHE_DIR_GB
+from uag.runtime.worker import MLXWorker
+from uag.server.connections import DEFAULT_IDLE_TIMEOUT_S, default_max_connections, raise_fd_limit, server_config
+from uag.server.disk_cache import DEFAULT_CACHE_DIR_GB, DiskCaches
 from uag.server.guards import Perimeter
-from uag.server.keys import DEFAULT_NAME, ApiKeys, digest_of
+from uag.server.keys import DEFAULT_NAME, ApiKeys, digest_of, hash_line
+from uag.server.logs import LOG_FORMATS, configure
+from uag.server.metrics import Metrics
 from uag.server.prompt_cache import DEFAULT_CACHE_GB
+from uag.server.protocol import ServerDefaults
+from uag.server.routes import create_app
+from uag.server.service import Service
 
 KEY_ENV = "UAG_API_KEY"
 DEFAULT_PORT = 8000
@@ -155,8 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(docs/how-it-works.md#what-each-part-earns)",
     )
     add_http_options(p)
-    from uag.distributed.options import add_shard_options
-
     add_shard_options(p)  # every rank of mlx.launch runs `serve --shard`; rank 0 serves
     add_dtype_options(p)
     return p
@@ -164,9 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_http_options(p: argparse.ArgumentParser) -> None:
     """Connections, who may call, and the log: what a server left running needs (uag.server.guards, connections)."""
-    from uag.server.connections import DEFAULT_IDLE_TIMEOUT_S
-    from uag.server.logs import LOG_FORMATS
-
     p.add_argument(
         "--max-connections",
         type=whole,
@@ -390,15 +406,6 @@ def build(settings: ServeSettings, *, store=None, worker=None, stream=None, meas
     """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service): one `Host` that both the
     API's Service and the app's Session use. `stream` and `measure`: the host's (a sharded server's run over its
     ranks)."""
-    from uag.models.store import ModelStore
-    from uag.runtime.host import Host
-    from uag.runtime.jobs import JobRunner
-    from uag.runtime.worker import MLXWorker
-    from uag.server.metrics import Metrics
-    from uag.server.protocol import ServerDefaults
-    from uag.server.routes import create_app
-    from uag.server.service import Service
-
     s = settings
     store = store or ModelStore(max_models=s.max_models)
     worker = worker or MLXWorker(max_batch=s.max_batch)
@@ -429,16 +436,11 @@ def build(settings: ServeSettings, *, store=None, worker=None, stream=None, meas
     )
     session = None
     if not s.no_ui:
-        from uag.app.session import Session
-        from uag.runtime.access import ServedModels
-
         # /ui loads what the API serves, for every user (uag.runtime.access.ServedModels)
         served = ServedModels(s.target, defaults.allowed, s.target_dtype, s.drafter_dtype)
         session = Session(host=host, target=s.target, drafter=(defaults.allowed or ("lookup",))[0], served=served)
     disk = None
     if s.cache_dir is not None:  # conversation caches that survive a restart
-        from uag.server.disk_cache import DiskCaches
-
         disk = DiskCaches(s.cache_dir, s.cache_dir_gb * 1e9)
     service = Service(host, defaults, cache_bytes=s.cache_gb * 1e9, metrics=Metrics(s.target), disk=disk)
     app = create_app(
@@ -452,10 +454,9 @@ def build(settings: ServeSettings, *, store=None, worker=None, stream=None, meas
 def _mount_ui(app, session, service, key) -> None:
     """The app at /ui (behind the API key, as its password, when there is one: any of a key file's); / sends a
     browser there."""
+    # gradio only here: a server without its app at /ui (--no-ui, --shard) never loads it (CONTRIBUTING's layout)
     import gradio as gr
-    from fastapi.responses import RedirectResponse
 
-    from uag.app.files import MAX_UPLOAD_MB
     from uag.app.ui import STYLE, THEME, build
     from uag.server.dashboard import add_server_tab
 
@@ -478,15 +479,7 @@ def _mount_ui(app, session, service, key) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from uag.server.connections import server_config
-
     if args.hash_key:  # a key file's line without the key in it: `printf %s KEY | python -m uag serve --hash-key`
-        import sys
-
-        from uag.server.keys import hash_line
-
         print(hash_line(sys.stdin.readline()))
         return 0
     settings = ServeSettings.parse(args)
@@ -497,7 +490,7 @@ def serve(args: argparse.Namespace) -> int:
     connections = _logging_and_connections(settings)
     app, service = build(settings)
     say = logging.getLogger("uag.server.main").info  # in the log's format (--log-format json: JSON lines too)
-    if settings.target_dtype and (note := _slow_dtype_note(settings.target_dtype)):
+    if settings.target_dtype and (note := slow_dtype_note(settings.target_dtype, backend())):
         say("note: %s", note)
     service.preload(progress=lambda text: say("%s", text))
     where = f"http://{settings.host}:{settings.port}"
@@ -508,9 +501,6 @@ def serve(args: argparse.Namespace) -> int:
 
 def _logging_and_connections(settings: ServeSettings) -> dict[str, Any]:
     """Set up the log (--log-format), raise the open-file limit, warn of a short key; the connection limits."""
-    from uag.server.connections import default_max_connections, raise_fd_limit
-    from uag.server.logs import configure
-
     configure(settings.log_format)
     say = logging.getLogger("uag.server").warning
     fd_limit = raise_fd_limit()
@@ -530,17 +520,8 @@ def _logging_and_connections(settings: ServeSettings) -> dict[str, Any]:
     return {"max_connections": max_connections, "idle_timeout_s": settings.idle_timeout}
 
 
-def _slow_dtype_note(dtype: str) -> str | None:
-    from uag.machine import backend
-    from uag.models.dtypes import slow_dtype_note
-
-    return slow_dtype_note(dtype, backend())
-
-
 def _shard_problems(args: argparse.Namespace, drafters: list[str], lookup_memory: int) -> list[str]:
     """What `serve --shard` refuses (beside the flags every serve checks)."""
-    from uag.models.store import ModelStore
-
     problems = []
     if args.target_dtype or args.drafter_dtype:
         problems.append("--shard loads the models as stored: drop --target-dtype and --drafter-dtype")
@@ -561,16 +542,6 @@ def _shard_problems(args: argparse.Namespace, drafters: list[str], lookup_memory
 def _serve_sharded(settings: ServeSettings) -> int:
     """`serve --shard` on one rank of mlx.launch (uag.distributed.serving): every rank joins the group and loads
     its shard on the MLX worker thread; rank 0 serves the API, the other ranks run its requests until it stops."""
-    import signal
-    from functools import partial
-
-    import uvicorn
-
-    from uag.distributed.options import DEFAULT_CONNECT_TIMEOUT_S
-    from uag.distributed.serving import Leader, follow, join
-    from uag.runtime.worker import MLXWorker
-    from uag.server.connections import server_config
-
     worker = MLXWorker()
     start = partial(
         join,

@@ -26,14 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from tqdm import tqdm
 
 import uag
 from uag import _blas
 from uag.command import CommandParser, add_decoding_options, decoding_config, progress, run, whole
 from uag.core.config import DEFAULT_K, SPECULATIVE, DrafterSpec, GenerationConfig, short_name
-from uag.core.records import Run
+from uag.core.records import Run, Token
 from uag.errors import InputError
-from uag.models.dtypes import add_dtype_options, parse_dtype
+from uag.machine import backend
+from uag.models.dtypes import add_dtype_options, parse_dtype, slow_dtype_note
+from uag.models.loading import check_memory, load_model
 from uag.study.analyze import k_list, k_table
 from uag.study.datasets import BUNDLED, Prompt, chat_for, load
 from uag.study.report import markdown
@@ -135,9 +138,7 @@ def load_prompts(datasets: Sequence[str], n: int | None) -> tuple[list[Prompt], 
 def machine(target, drafter) -> Machine:
     """This machine and the pair's sizes, as stored with every run (`drafter`: a model, or None for lookup
     and baselines)."""
-    import mlx.core as mx
-
-    from uag.machine import backend
+    import mlx.core as mx  # mlx: `uag bench --help` and a sweep's checks load none of it
 
     return Machine(
         platform=platform.platform(),
@@ -172,10 +173,7 @@ def _say(message: str) -> None:
 
 def _load(sweep: Sweep):
     """Load the models and check the pairs."""
-    from uag.core.drafters import load_drafter_choice
-    from uag.machine import backend
-    from uag.models.dtypes import slow_dtype_note
-    from uag.models.loading import check_memory, load_model
+    from uag.core.drafters import load_drafter_choice  # mlx (as every import below that loads a model or runs one)
     from uag.models.store import ModelStore, check_pair
 
     store = ModelStore()
@@ -224,7 +222,6 @@ def _generate(target, choice, ids: list[int], config: GenerationConfig):
 def _divergence(target, run, spec: RunSpec, baselines: dict, db: ResultsDB) -> str | None:
     """How a speculative run's greedy output compares with its baseline's (uag.runtime.divergence's kind: the
     `divergence` column); None when not comparable (sampled, no baseline stored)."""
-    from uag.core.records import Token
     from uag.runtime.margins import compare_runs
 
     key = spec.baseline_spec().key
@@ -243,8 +240,6 @@ def execute(
 ) -> tuple[list[PlannedRun], int, int]:
     """Load and check everything, warm up, then run and store each pending job that no other sweep on the same
     file has taken. Returns (the sweep's planned runs, runs stored here, runs left to another sweep)."""
-    from tqdm import tqdm
-
     target, choices = _load(sweep)
     has_template = target.tokenizer.has_chat_template
     jobs = plan(sweep, prompts, chat_template=has_template)
