@@ -33,6 +33,7 @@ from uag.core.passes import logprobs, settle_allocator
 from uag.core.translate import DEFAULT_WINDOW, make_translator, text_after
 from uag.costs.profiles import COPY_WIDTH, Calibration, forget, machine_load, others_load, profile_key, save, target_key
 from uag.errors import UserError
+from uag.models.loading import load_model
 from uag.models.store import LoadedModel, ModelStore, Pair, check_pair
 
 DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conversation)
@@ -318,8 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from uag.models.loading import load_model
-
     spec = DrafterSpec.parse(args.drafter)
     if args.reset:  # no models to load: the saved files name them (a hybrid's are its model's pair)
         removed = forget(args.target, spec.model or LOOKUP)

@@ -20,6 +20,7 @@ from typing import Any
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.evidence import Evidence
+from uag.costs import calibrate as measuring  # looked up at each call: tests replace its functions
 from uag.costs.profiles import (
     COPY_WIDTH,
     Calibration,
@@ -101,19 +102,15 @@ def measure_costs(
 ) -> Calibration:
     """One quick calibration (`QUICK`) of the pair, or of the target alone for prompt lookup; `cancel`, asked
     between passes, stops it (uag.costs.calibrate.MeasurementStopped). Not saved: `keep_measured` decides."""
-    from uag.costs.calibrate import QUICK, calibrate, calibrate_target
-
     model = DrafterChoice.of(drafter).model
     if model is None:
-        return calibrate_target(target, progress=progress, cancel=cancel, **QUICK)
-    return calibrate(check_pair(target, model), progress=progress, cancel=cancel, **QUICK)
+        return measuring.calibrate_target(target, progress=progress, cancel=cancel, **measuring.QUICK)
+    return measuring.calibrate(check_pair(target, model), progress=progress, cancel=cancel, **measuring.QUICK)
 
 
 def keep_measured(calibration: Calibration, target: LoadedModel) -> tuple[bool, str]:
     """Save `calibration` unless the saved one was measured quieter (`uag.costs.profiles.replaces`); a pair's
     calibration also gives prompt lookup its target-only profile where none is saved. (saved, what to say)."""
-    from uag.costs.calibrate import target_part
-
     saved = read_calibration(calibration.key)
     name, load = pair_name(calibration.key), calibration.load or "an unknown load"
     if not replaces(calibration.load, saved):
@@ -125,7 +122,7 @@ def keep_measured(calibration: Calibration, target: LoadedModel) -> tuple[bool, 
     path = save(calibration)
     lookup = target_key(target)
     if calibration.key != lookup and read_calibration(lookup) is None:
-        save(target_part(calibration, target))
+        save(measuring.target_part(calibration, target))
     step = calibration.profile.target_ms.get(1)
     before = "" if saved is None or 1 not in saved.profile.target_ms else f" (was {saved.profile.target_ms[1]:.1f})"
     return True, f"saved the costs of {name} measured at {load}: target step {step:.1f} ms{before}; {path}"

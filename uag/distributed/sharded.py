@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from uag.core.config import MAX_SEED, DrafterSpec, GenerationConfig
 from uag.core.costmodel import CostProfile
-from uag.core.drafters import DrafterChoice, make_drafter
+from uag.core.drafters import DrafterChoice, load_drafter_choice, make_drafter
 from uag.core.engine import PromptCaches, Seams, prompt_ids, stream
 from uag.core.evidence import Evidence
 from uag.core.policy import make_policy
@@ -178,8 +178,6 @@ def load_sharded(name: str, shard: str, ranks: Ranks, *, progress: Callable[[str
 
 def load_rank0_drafter(store: ModelStore, spec: str | DrafterSpec, ranks: Ranks, **kw) -> DrafterChoice | None:
     """The drafter, loaded on rank 0 only (the other ranks never hold it)."""
-    from uag.core.drafters import load_drafter_choice
-
     return load_drafter_choice(store, spec, **kw) if ranks.rank == 0 else None
 
 

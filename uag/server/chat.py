@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
 from uag.server.errors import bad
 
 log = logging.getLogger(__name__)
@@ -44,8 +46,6 @@ def render(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] = ())
         if tools:
             raise bad("tools", "the target has no chat template, so it cannot be told about tools; leave tools out")
         return list(tokenizer.encode("\n\n".join(m["content"] for m in messages if m["content"])))
-    from jinja2 import TemplateError
-
     try:
         ids = tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, add_generation_prompt=True)
         if tools and ids == tokenizer.apply_chat_template(list(messages), add_generation_prompt=True):

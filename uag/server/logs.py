@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, MutableMapping
 from datetime import datetime, timezone
 from typing import Any
 
+from uag.command import log_to_stderr
+
 log = logging.getLogger("uag.server")
 
 LOG_FORMATS = ("text", "json")
@@ -233,8 +235,6 @@ def configure(log_format: str = "text") -> logging.Handler:
     (one line per request), the others at WARNING; repeated errors once per minute."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log_format must be one of {LOG_FORMATS} (got {log_format!r})")
-    from uag.command import log_to_stderr
-
     formatter = JSONLines() if log_format == "json" else PrintableText(TEXT_FORMAT)
     handler = log_to_stderr(formatter, {"uag": logging.INFO, "uvicorn": logging.WARNING, "asyncio": logging.WARNING})
     quiet_repeats()
