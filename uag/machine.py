@@ -22,7 +22,7 @@ def cache_dir() -> Path:
 
 def backend() -> str:
     """ "cpu", "metal", "cuda" or "gpu" (an accelerator MLX names no further): what runs the default device."""
-    import mlx.core as mx
+    import mlx.core as mx  # here and below: this module is read without mlx (no mlx: import uag, the pure modules)
 
     if mx.default_device() == mx.cpu:
         return "cpu"

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache,
 
 from uag import _blas
 from uag.errors import ModelError
+from uag.models import demo, memory
 from uag.models.dtypes import parse_dtype
 from uag.models.vocab import HFVocab, same_vocabulary
 
@@ -257,8 +258,6 @@ def resolve(name: str, progress: Callable[[str], None] | None = None) -> Path | 
     """Where mlx-lm loads `name` from: a demo model's folder (converted on first use), a local model folder
     (ModelError when it is not one), or the hub id itself."""
     if name in DEMO_NAMES:
-        from uag.models import demo
-
         return demo.ensure(name, progress=progress)
     path = Path(name).expanduser()
     looks_local = name.startswith((".", "/", "~")) or path.exists() or name.count("/") != 1
@@ -272,7 +271,7 @@ def resolve(name: str, progress: Callable[[str], None] | None = None) -> Path | 
 
 
 def _load(name: str, *, dtype: str | None, progress: Callable[[str], None] | None) -> LoadedModel:
-    import mlx_lm
+    import mlx_lm  # mlx-lm (and transformers under it): loaded with the first model
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     source = resolve(name, progress)
@@ -299,9 +298,7 @@ def _load(name: str, *, dtype: str | None, progress: Callable[[str], None] | Non
 def _in_dtype(name: str, source: Path | str, dtype: str, progress: Callable[[str], None] | None) -> Path:
     """The folder to load `name` from in `dtype`: its own when it is stored so, else a conversion cached in the
     user cache (uag.models.demo.in_dtype; a hub model is fetched first, as mlx-lm would)."""
-    import mlx_lm.utils
-
-    from uag.models import demo, memory
+    import mlx_lm.utils  # mlx-lm (and transformers under it): loaded with the first model
 
     folder = source if isinstance(source, Path) else Path(mlx_lm.utils._download(source))
     if memory.stored_dtype(folder) == dtype:

@@ -199,7 +199,7 @@ class DiskCaches:
         return caches
 
     def _load(self, saved: Saved, target: Any, drafter: Any) -> Any:
-        from mlx_lm.models.cache import KVCache, load_prompt_cache
+        from mlx_lm.models.cache import KVCache, load_prompt_cache  # mlx here and below: the index is read without it
 
         from uag.core.passes import PromptCaches
 
