@@ -269,6 +269,7 @@ class Replying:
         self.defaults = DEFAULTS
         self.runner = JobRunner(MLXWorker(name="uag-fuzz"), heartbeat_s=0.05)
         self.batched = False  # one request at a time, as on a server started with --max-batch 1
+        self.metrics = None  # no GET /metrics
 
     def job(self, job, request: Request, key: str | None = None):
         from uag.server.service import Accepted, Delta, Done

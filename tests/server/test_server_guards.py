@@ -46,8 +46,10 @@ REPORT = {
 
 
 class FakeService:
-    """What the HTTP layer needs of `Service`: a runner, the defaults and a job. The job answers "Hej" at once, or
-    waits for `release` first, or (with `forever`) sends deltas until it is cancelled."""
+    """What the HTTP layer needs of `Service`: a runner, the defaults, its metrics (none) and a job. The job answers
+    "Hej" at once, or waits for `release` first, or (with `forever`) sends deltas until it is cancelled."""
+
+    metrics = None  # GET /metrics is tested in test_server_metrics.py
 
     def __init__(self, runner: JobRunner):
         self.runner, self.defaults = runner, ServerDefaults(model=MODEL, drafter=None)
