@@ -4,6 +4,7 @@ is checked is the shape, not the speed)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -125,3 +126,20 @@ def test_calibrated_verify_curve_keeps_its_measured_shape(monkeypatch, monotone)
     envelope = {w: min(v for u, v in CODER_CPU.items() if u >= w) for w in CODER_CPU}
     assert curve == (envelope if monotone else CODER_CPU)
     assert CostProfile(curve, drafter_ms=45.4).target_at(9) == (571.6 if monotone else 730.4)
+
+
+def test_filling_the_cache_stops_between_its_passes_for_a_request():
+    """A server's measurement reads its context a few tokens a pass, asking `cancel` before each: a request that
+    comes in waits for one short pass, not for the whole context's read."""
+    passes = []
+    model = SimpleNamespace(
+        tokenizer=SimpleNamespace(encode=lambda text: list(range(len(text)))),
+        make_cache=list,
+        model=lambda tokens, cache: passes.append(tokens.shape[-1]),
+    )
+    with pytest.raises(calibration.MeasurementStopped):
+        calibration.filled_cache(model, 100, cancel=lambda: len(passes) >= 2)
+    assert passes == [calibration.FILL_CHUNK] * 2
+    passes.clear()
+    _, ids = calibration.filled_cache(model, 100)
+    assert len(ids) == 100 and sum(passes) == 100 and max(passes) == calibration.FILL_CHUNK

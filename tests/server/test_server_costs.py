@@ -364,6 +364,34 @@ def test_a_background_measurement_stops_for_a_request_and_starts_again_when_idle
     assert keeper.want(wanted) == "deferred" and keeper.want(wanted) == ""  # within the interval: said once
 
 
+def test_a_measurement_that_requests_keep_stopping_waits_longer_each_time():
+    """An agent pauses between its requests (its tools run): a measurement stopped by one waits for twice the idle
+    time before it starts again, so that it is not in the next request's way at every turn."""
+    assert [uag.runtime.keeper.settle_after(n, 2.0, 120.0) for n in (0, 1, 3, 9)] == [2.0, 4.0, 16.0, 120.0]
+    worker, starts = MLXWorker(), []
+
+    def measured(job, wanted, cancel):
+        starts.append(time.monotonic())
+        while not cancel():
+            time.sleep(0.01)
+        return False
+
+    keeper = CostKeeper(worker, measured, lambda wanted: True, settle_s=0.2, poll_s=0.01)
+    keeper.want(Wanted({"target": "t", "drafter": "lookup"}, "lookup", "no costs are saved for it yet"))
+
+    def answer(_job):
+        yield "a reply"
+
+    for stops in range(2):
+        assert wait_for(lambda n=stops + 1: len(starts) == n)
+        request_job = worker.submit(answer, label="a request")
+        assert request_job.wait(5)
+        idle_from = time.monotonic()
+        assert wait_for(lambda n=stops + 2: len(starts) == n)
+        assert starts[-1] - idle_from >= 0.2 * 2 ** (stops + 1) * 0.9  # twice the last idle wait, then four times
+    keeper.close()
+
+
 def test_the_time_budget_starts_when_the_job_does(cache, now_quiet):
     """Loading that outlasts --time-budget ends the request with a 503 before anything is generated."""
     served = service(Measure(), Stream(scale=1.0), budget_s=0.2, load_s=0.6)

@@ -42,6 +42,7 @@ DEFAULT_CONTEXT = 256  # tokens already in the cache when timing (a short conver
 DEFAULT_WIDTHS = (*range(1, 17), 24, 33, 49, COPY_WIDTH)
 READ_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # drafter passes over n tokens (past 256: their slope)
 DRAFT_STEPS = 4  # drafter steps timed in a row, pipelined as a draft runs them
+FILL_CHUNK = 32  # tokens per pass while filling the cache: a measurement stops between passes (`cancel`)
 # On first use of auto: verifying up to k = 8 drafts, and a copy's 16, 32 and 64; other widths are interpolated
 # until a run times them.
 QUICK = {"widths": (*range(1, 10), 17, 33, COPY_WIDTH), "repeats": 3}
@@ -61,12 +62,16 @@ def _go_on(cancel: Cancel | None) -> None:
         raise MeasurementStopped
 
 
-def filled_cache(model: LoadedModel, context: int) -> tuple[list, list[int]]:
-    """A KV cache holding `context` tokens of calibration text, and those token ids."""
+def filled_cache(model: LoadedModel, context: int, cancel: Cancel | None = None) -> tuple[list, list[int]]:
+    """A KV cache holding `context` tokens of calibration text, and those token ids, read `FILL_CHUNK` tokens a
+    pass with `cancel` asked between them: a request that arrives while a server measures waits for one short
+    pass, not for the whole context's read (a 1.5B target on a 2-core CPU reads 256 tokens in ~20 s)."""
     ids = model.tokenizer.encode(CALIBRATION_TEXT * (1 + 4 * context // len(CALIBRATION_TEXT)))[:context]
     cache = model.make_cache()
-    model.model(mx.array(ids)[None], cache=cache)
-    mx.eval([c.state for c in cache])
+    for start in range(0, len(ids), FILL_CHUNK):
+        _go_on(cancel)
+        model.model(mx.array(ids[start : start + FILL_CHUNK])[None], cache=cache)
+        mx.eval([c.state for c in cache])
     return cache, ids
 
 
@@ -208,10 +213,10 @@ def calibrate(
     say = progress or (lambda _: None)
     start = others_load()
     _go_on(cancel)
-    cache, ids = filled_cache(pair.target, context)
+    cache, ids = filled_cache(pair.target, context, cancel)
     target_ms = target_curve(pair.target, cache, ids, widths, repeats, say, cancel=cancel)
     _go_on(cancel)
-    d_cache, d_ids = filled_cache(pair.drafter, context)
+    d_cache, d_ids = filled_cache(pair.drafter, context, cancel)
     drafter_ms = time_draft(pair.drafter, d_cache, d_ids, repeats, cancel=cancel)
     say(f"drafter step: {drafter_ms:.2f} ms")
     # a prompt or a parked stretch: reading more never costs less
@@ -246,7 +251,7 @@ def calibrate_target(
     which the policy measures per cycle): the same verify curve as `calibrate`, drafter and translation 0."""
     start = others_load()
     _go_on(cancel)
-    cache, ids = filled_cache(target, context)
+    cache, ids = filled_cache(target, context, cancel)
     target_ms = target_curve(target, cache, ids, widths, repeats, progress or (lambda _: None), cancel=cancel)
     profile = CostProfile(target_ms=target_ms, drafter_ms=0.0, translate_ms=0.0, form="study")
     return Calibration(target_key(target), profile, _now(), context, machine_load(start))

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 REMEASURE_S = 600.0  # a pair's costs are measured at most this often: a few busy minutes cause no storm
 SETTLE_S = 2.0  # the worker idle this long before a background measurement starts
+SETTLE_MOST_S = 120.0  # the longest idle a measurement that requests keep stopping waits for (`settle_after`)
 POLL_S = 0.25  # how often the keeper looks at the worker
 LOAD_EVERY_S = 5.0  # how often it reads the load, so that this process's own share follows its work
 PROGRESS_EVERY_S = 3.0  # a start-up measurement's progress on the console, at most this often
@@ -56,6 +57,16 @@ def due(last_s: float | None, now_s: float, interval_s: float = REMEASURE_S) -> 
     return last_s is None or now_s - last_s >= interval_s
 
 
+def settle_after(stops: int, settle_s: float = SETTLE_S, most_s: float = SETTLE_MOST_S) -> float:
+    """How long the worker must have been idle before a pair's measurement starts, once requests have stopped it
+    `stops` times: twice as long after each stop, so that a client pausing between requests (an agent running its
+    tools) does not find a measurement in its way, and wait one of its passes, at every turn.
+
+    Example: settle_after(0) -> 2.0;  settle_after(3) -> 16.0;  settle_after(9) -> 120.0
+    """
+    return min(settle_s * 2**stops, most_s)
+
+
 @dataclass(frozen=True)
 class Wanted:
     """A pair whose costs are to be measured: its profile key, the drafter as a request named it, and why."""
@@ -73,11 +84,11 @@ class CostKeeper:
     """Measures the server's pairs' costs off every request's path. A pair with none saved, or whose saved ones a
     run found off, is measured on the MLX worker only once it has been idle (nothing queued or running) for
     `settle_s`; `measure(job, wanted, cancel)` runs there, asks `cancel` between passes (True once a request is
-    queued: it stops, and starts again at the next idle moment) and returns True once the pair is done with
-    (measured, kept, or not worth measuring now), False to try again later. A pair is measured at most once per
-    `interval_s`; `ready(wanted)` says whether its models are loaded (none is loaded for a measurement). At the
-    process's exit a measurement in progress is stopped and waited for (MLX aborts the process when it exits in
-    the middle of a pass on another thread)."""
+    queued: it stops, and starts again at an idle moment twice as long as the last, `settle_after`) and returns
+    True once the pair is done with (measured, kept, or not worth measuring now), False to try again later. A pair
+    is measured at most once per `interval_s`; `ready(wanted)` says whether its models are loaded (none is loaded
+    for a measurement). At the process's exit a measurement in progress is stopped and waited for (MLX aborts the
+    process when it exits in the middle of a pass on another thread)."""
 
     def __init__(
         self,
@@ -94,6 +105,7 @@ class CostKeeper:
         self._pending: dict[str, Wanted] = {}
         self._last: dict[str, float] = {}  # pair -> when this server last measured it (time.monotonic)
         self._deferred: set[str] = set()  # pairs wanted again within their interval, and said so
+        self._stops: dict[str, int] = {}  # pair -> times requests stopped its measurement since it last finished
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -185,8 +197,12 @@ class CostKeeper:
                 idle_since = None
                 continue
             idle_since = now if idle_since is None else idle_since
-            if now - idle_since >= self.settle_s and not self._closing.is_set():
-                self._run(ready[0])
+            with self._lock:
+                settled = [
+                    w for w in ready if now - idle_since >= settle_after(self._stops.get(w.name, 0), self.settle_s)
+                ]
+            if settled and not self._closing.is_set():
+                self._run(settled[0])
                 idle_since = None
 
     def _run(self, wanted: Wanted) -> None:
@@ -200,11 +216,14 @@ class CostKeeper:
         except Exception:
             log.error("measuring auto's costs failed; not tried again for this pair", exc_info=True)
             done = True
-        if done:
-            with self._lock:
-                self._pending.pop(wanted.name, None)
-                self._last[wanted.name] = time.monotonic()
-                self._deferred.discard(wanted.name)
+        with self._lock:
+            if not done:  # a request stopped it: it waits for a longer idle moment next time
+                self._stops[wanted.name] = self._stops.get(wanted.name, 0) + 1
+                return
+            self._pending.pop(wanted.name, None)
+            self._stops.pop(wanted.name, None)
+            self._last[wanted.name] = time.monotonic()
+            self._deferred.discard(wanted.name)
 
     def _job(self, job: Job, wanted: Wanted) -> Iterator[bool]:
         if self.worker.backlog:  # a request came in between the look and the submission: it goes first
