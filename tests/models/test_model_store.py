@@ -48,6 +48,21 @@ def test_the_least_recently_used_model_is_unloaded_beyond_the_budget(tiny):
     assert gone == [str(m1), str(m2)] and set(store.loaded) == {str(m0), str(m1)}
 
 
+def test_a_pinned_model_is_never_unloaded_and_the_budget_holds_again_once_none_pins_it(tiny):
+    _, (m0, m1, m2) = tiny
+    store, gone = ModelStore(max_models=2), []
+    store.on_evict.append(lambda model: gone.append(model.name))
+    a, b = store.get(str(m0)), store.get(str(m1))
+    with store.pinned(a, None):
+        with store.pinned(a, b):  # two runs, one of them on two models: each holds its own
+            store.get(str(m2))  # nothing left to unload but pinned models and the one just loaded: over budget
+            assert gone == [] and store.loaded == [str(m0), str(m1), str(m2)]
+        assert gone == [str(m1)] and store.pinned_names == [str(m0)]  # b's last pin gone: down to the budget
+        store.get(str(m1))  # m0 is the least recently used, but pinned: m2 goes
+        assert gone == [str(m1), str(m2)] and store.holds(a)
+    assert store.loaded == [str(m0), str(m1)] and not store.pinned_names
+
+
 def test_a_gigabyte_budget_unloads_down_to_it(tiny):
     _, (m0, m1, _) = tiny
     store = ModelStore(max_gb=1e-12)  # smaller than any model: only the one just loaded stays

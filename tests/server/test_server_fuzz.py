@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from uag.core.config import MAX_TOKENS, SPECULATIVE
 from uag.server.errors import APIError
 from uag.server.messages import ROLES
-from uag.server.protocol import Request, ServerDefaults, parse_chat, parse_completion
+from uag.server.protocol import ModelRouter, Request, ServerDefaults, parse_chat, parse_completion
 
 DEFAULTS = ServerDefaults(model="demo-target", drafter="lookup+demo-drafter", k=8, drafters=("lookup",))
 FUZZ = settings(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -267,6 +267,7 @@ class Replying:
         from uag.runtime.worker import MLXWorker
 
         self.defaults = DEFAULTS
+        self.router = ModelRouter((DEFAULTS,))  # the one model it serves
         self.runner = JobRunner(MLXWorker(name="uag-fuzz"), heartbeat_s=0.05)
         self.batched = False  # one request at a time, as on a server started with --max-batch 1
         self.metrics = None  # no GET /metrics

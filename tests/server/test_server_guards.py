@@ -24,7 +24,7 @@ from uag.runtime.jobs import JobRunner
 from uag.runtime.worker import MLXWorker
 from uag.server.guards import KeyBackoff, Perimeter
 from uag.server.logs import TEXT_FORMAT, JSONLines, PrintableText, QuietRepeats, request_fields, request_line
-from uag.server.protocol import ServerDefaults
+from uag.server.protocol import ModelRouter, ServerDefaults
 from uag.server.routes import create_app
 from uag.server.service import Accepted, Delta, Done
 
@@ -53,6 +53,7 @@ class FakeService:
 
     def __init__(self, runner: JobRunner):
         self.runner, self.defaults = runner, ServerDefaults(model=MODEL, drafter=None)
+        self.router = ModelRouter((self.defaults,))  # the one model it serves
         self.batched = runner.worker.max_batch > 1
         self.release, self.started, self.cancelled = threading.Event(), threading.Event(), threading.Event()
         self.release.set()

@@ -79,7 +79,7 @@ def service(stream, *, budget_s: float | None, stall_s: float | None) -> Service
     defaults = ServerDefaults(model="org/target", drafter=None)
     runner = JobRunner(MLXWorker(), budget_s=budget_s, stall_s=stall_s)
     served = Service(Host(ModelStore(), runner, target="org/target", stream=stream), defaults, cache_bytes=0)
-    served.load = lambda job, drafter, progress=None: Loaded(target, None, None)
+    served.load = lambda job, drafter, progress=None, host=None: Loaded(target, None, None)
     return served
 
 

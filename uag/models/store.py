@@ -10,8 +10,9 @@ import gc
 import json
 import struct
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -114,8 +115,9 @@ class ModelStore:
     A model is held per dtype (`get(name, dtype="q4")`, uag.models.dtypes): each dtype is a model of its own.
 
     With `max_models` or `max_gb` it keeps at most that many models, or that many GB of weights, and
-    unloads the least recently used first (never one named in `keep`, in any dtype, nor the one just loaded).
-    `on_evict` callbacks hear of each model unloaded, so that holders of references can drop them.
+    unloads the least recently used first (never one named in `keep`, in any dtype, nor the one just loaded, nor
+    one `pinned` by a run still using it). `on_evict` callbacks hear of each model unloaded, so that holders of
+    references can drop them.
     """
 
     def __init__(self, *, dtype: str | None = None, max_models: int | None = None, max_gb: float | None = None):
@@ -127,6 +129,7 @@ class ModelStore:
         self.on_evict: list[Callable[[LoadedModel], None]] = []
         # (identity, dtype) -> model, least recently used first; dtype None: as stored
         self._models: OrderedDict[tuple[str, str | None], LoadedModel] = OrderedDict()
+        self._pins: Counter[tuple[str, str | None]] = Counter()  # runs using each model now (`pinned`)
         self._lock = threading.RLock()
 
     @staticmethod
@@ -200,6 +203,31 @@ class ModelStore:
             self._evict(protected={key[0], *map(self.identity, keep)})
             return model
 
+    @contextmanager
+    def pinned(self, *models: LoadedModel | None) -> Iterator[None]:
+        """Hold `models` (None: skipped) loaded while the block runs, whatever the budget: a request generating
+        with them, or batched beside one that loads another model. Pins count, so that runs sharing a model each
+        hold it; once none does, a store over its budget unloads down to it.
+
+        Example: with store.pinned(target): store.get("other") unloads the least recently used model but `target`
+        """
+        with self._lock:
+            keys = [key for key, held in self._models.items() if any(held is model for model in models)]
+            self._pins.update(keys)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pins.subtract(keys)
+                self._pins = +self._pins  # drop the models no run pins any more
+                self._evict(protected=set())
+
+    @property
+    def pinned_names(self) -> list[str]:
+        """The models a run pins now (`pinned`), as first asked for."""
+        with self._lock:
+            return [self._models[key].name for key in self._pins if key in self._models]
+
     def _evict(self, protected: set[str]) -> None:
         def over() -> bool:
             return (self.max_models is not None and len(self._models) > self.max_models) or (
@@ -208,7 +236,7 @@ class ModelStore:
 
         evicted = []
         while over():
-            key = next((k for k in self._models if k[0] not in protected), None)
+            key = next((k for k in self._models if k[0] not in protected and not self._pins[k]), None)
             if key is None:  # everything left is in use: keep it, over budget or not
                 break
             evicted.append(self._models.pop(key))

@@ -107,7 +107,8 @@ def room_for(target: Any, tokens: int, batch: Batch | None, *, available: int | 
 class Host:
     """What every front end shares: `store`, `runner` (the MLX worker, each client's share, the time budget),
     `evidence` (per pair: the `Evidence` its auto runs share), `memory` (earlier requests' prompts and replies per
-    API key and target, that prompt lookup drafts from; None: off), `costs` (the `CostKeeper`) and the pairs
+    API key and target, that prompt lookup drafts from, of `lookup_memory` tokens or the `memory` another host of
+    the same server holds; None: off), `costs` (the `CostKeeper`) and the pairs
     opened here. `target` and the dtypes: the pair a server serves (the app names its own per run). `stream` and
     `measure`: how a pair runs and is measured (a sharded target's over its ranks); `auto`: AutoSettings with parts
     of auto switched off (`uag serve --auto-off`, an ablation; None: as shipped). `off_path`: the cost policy
@@ -125,6 +126,7 @@ class Host:
         measure: Measures | None = None,
         auto: AutoSettings | None = None,
         lookup_memory: int = 0,
+        memory: SharedIndexes | None = None,
         off_path: bool = False,
     ):
         self.store, self.runner, self.target_name = store, runner, target
@@ -135,7 +137,7 @@ class Host:
         self.off_path = off_path
         self.batched = runner.worker.max_batch > 1  # requests run together (`--max-batch`)
         self.evidence: dict[str, Evidence] = {}
-        self.memory = SharedIndexes(lookup_memory) if lookup_memory > 0 else None
+        self.memory = memory if memory is not None else SharedIndexes(lookup_memory) if lookup_memory > 0 else None
         self.costs = CostKeeper(runner.worker, self._measure, lambda wanted: self.holds(wanted.drafter))
         self.pairs: dict[tuple, Loaded] = {}  # pairs opened here (set on the worker thread)
         self._warm: set[tuple] = set()  # pairs warmed up; touched on the worker thread only

@@ -76,6 +76,7 @@ class Dialect:
     reply: Callable[[Request], Reply]
     error: Callable[[APIError], dict] = openai_error
     label: str = "an API request"  # what the worker's queue calls its jobs
+    any_model: bool = False  # a `model` no server model answers to is served by the default one (llama.cpp's /infill)
     # An API that keeps state per key (OpenAI's stored responses): `parse(body, defaults, key)` with the API key the
     # request presented; `fresh()` its dialect for a new app (state of its own); `resource(method, id, key)` answers
     # GET and DELETE {path}/{id} (an APIError when the key has no such object).

@@ -47,7 +47,9 @@ def parse_infill(body: Any, defaults: ServerDefaults) -> Request:
     # the project's files as Qwen2.5-Coder's repository layout; a file alone as plain FIM (its names would be
     # llama-server's placeholders, which make an instruct-tuned coder ramble on past the middle)
     fill = Fill(_text(body, "input_prefix"), _text(body, "input_suffix"), files, _text(body, "prompt"), bool(files))
-    mapped: dict[str, Any] = {"model": defaults.model}  # llama-server serves its one model, whatever a client names
+    # llama-server serves its one model whatever a client names: `defaults` is the model the body names if this
+    # server serves it, else the default one (uag.server.protocol.ModelRouter.pick)
+    mapped: dict[str, Any] = {"model": defaults.model}
     for name in (*SAMPLING, "stop", "stream", "speculative"):
         if body.get(name) is not None:
             mapped[name] = body[name]
@@ -200,4 +202,4 @@ def picked(obj: dict, paths: list[str]) -> dict:
     return out
 
 
-INFILL = Dialect("infill", parse_infill, InfillReply, llama_error, label="an API request (infill)")
+INFILL = Dialect("infill", parse_infill, InfillReply, llama_error, label="an API request (infill)", any_model=True)

@@ -2,6 +2,7 @@
 
     python -m uag serve                                             # demo pair, http://127.0.0.1:8000/v1
     python -m uag serve --target coder-target --drafter lookup+demo-drafter --drafters lookup,coder-drafter
+    python -m uag serve --serve demo=demo-target --serve coder=coder-target,drafter=lookup+coder-drafter --max-gb 9
     UAG_API_KEY=secret python -m uag serve --host 0.0.0.0           # beyond loopback a key is required
     mlx.launch --hostfile hosts.json -- python -m uag serve --shard tensor --target T --drafter lookup
 
@@ -62,7 +63,19 @@ DEFAULT_LOOKUP_MEMORY = 200_000  # tokens of earlier requests that prompt lookup
 
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="python -m uag serve", description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=DEFAULT.target, help=f"hub id, local folder or offline name ({DEFAULT.target})")
+    p.add_argument(
+        "--target",
+        help=f"hub id, local folder or offline name ({DEFAULT.target} unless --serve names the models); served "
+        "under its own name, first",
+    )
+    p.add_argument(
+        "--serve",
+        action="append",
+        default=[],
+        metavar="NAME=TARGET[,FIELD=VALUE…]",
+        help="also serve TARGET as model NAME (repeatable; a request's `model` picks); FIELDs, else the flags' "
+        f"values: {', '.join(SERVE_FIELDS)} (docs/server.md#several-models)",
+    )
     p.add_argument(
         "--drafter",
         default=DEFAULT.drafter,
@@ -158,12 +171,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-alias",
         action="append",
         default=[],
-        metavar="PATTERN",
-        help="answer requests for model ids matching this glob as the served model (repeatable; e.g. 'claude-*' "
-        "for Claude Code's --model and its side tasks' smaller model); other ids get 404",
+        metavar="PATTERN[=NAME]",
+        help="answer requests for model ids matching this glob as the default served model, or as NAME with "
+        "PATTERN=NAME (repeatable; e.g. 'claude-*' for Claude Code's --model and its side tasks' smaller model); "
+        "other ids get 404",
     )
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (default 4)")
-    p.add_argument("--max-models", type=whole, default=DEFAULT_MAX_MODELS, help="models kept loaded (default 4)")
+    p.add_argument(
+        "--max-models",
+        type=whole,
+        default=DEFAULT_MAX_MODELS,
+        help=f"models kept loaded, targets and drafters; then the least recently used is unloaded, never one a "
+        f"running request uses (default {DEFAULT_MAX_MODELS})",
+    )
+    p.add_argument(
+        "--max-gb",
+        type=float,
+        metavar="GB",
+        help="also unload the least recently used models beyond this many GB of weights (default: no limit)",
+    )
     p.add_argument("--no-ui", action="store_true", help="serve only the API (no app at /ui)")
     p.add_argument(
         "--auto-off",
@@ -228,25 +254,116 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+SERVE_FIELDS = ("drafter", "drafters", "strategy", "k", "window", "max-tokens", "target-dtype", "drafter-dtype")
+
+
+def parse_serve(text: str) -> tuple[str, str, dict[str, str]]:
+    """One `--serve` value as (name, target, fields by their flag's name); InputError saying what is wrong. A
+    field without `=` continues the list before it (drafters).
+
+    Example: "coder=coder-target,drafter=lookup+coder-drafter,drafters=lookup,coder-drafter"
+        -> ("coder", "coder-target", {"drafter": "lookup+coder-drafter", "drafters": "lookup,coder-drafter"})
+    """
+    name, _, rest = text.partition("=")
+    name, items = name.strip(), [item.strip() for item in rest.split(",")]
+    target = items[0]
+    if not name or not target or any(c.isspace() for c in name):
+        raise InputError("give NAME=TARGET[,FIELD=VALUE…], NAME without spaces (e.g. coder=coder-target)")
+    fields: dict[str, str] = {}
+    last = None
+    for item in items[1:]:
+        field, has_value, value = item.partition("=")
+        field = field.strip().replace("_", "-")
+        if not has_value:
+            if last != "drafters" or not item:
+                raise InputError(f"{item!r} is not FIELD=VALUE (fields: {', '.join(SERVE_FIELDS)})")
+            fields[last] += f",{item}"
+            continue
+        if field not in SERVE_FIELDS:
+            raise InputError(f"unknown field {field!r} (fields: {', '.join(SERVE_FIELDS)})")
+        if field in fields:
+            raise InputError(f"{field} is given twice")
+        fields[field], last = value.strip(), field
+    return name, target, fields
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model `uag serve` serves: the name a request's `model` gives, its target, its default speculation, the
+    drafters a request may pick, its dtypes and the `--model-alias` patterns answered as it."""
+
+    name: str
+    target: str
+    config: GenerationConfig  # the default speculation: strategy, k (the most a request may ask for), window, …
+    drafter: str | None  # the default drafter; None: drafter off
+    drafters: tuple[str, ...]  # every drafter a request may pick, the default first
+    target_dtype: str | None
+    drafter_dtype: str | None
+    aliases: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(
+        cls, name: str, target: str, values: dict[str, str | None], flag, problems: list[str]
+    ) -> ServedModel | None:
+        """The model's settings from `values` (by field: drafter, drafters, strategy, k, window, max-tokens and the
+        dtypes; the command line's where `--serve` names none), each problem added to `problems` with `flag(field)`
+        before it; None when there were any."""
+        before = len(problems)
+        strategy = values["strategy"]
+        drafter = None if values["drafter"].strip().lower() == "off" else values["drafter"]
+        k = values["k"] if values["k"] is not None else DEFAULT_K_AUTO if adaptive_k(strategy) else DEFAULT_K
+        fields = {"strategy": strategy, "k": literal(k), "window": literal(values["window"])}
+        fields["max_tokens"] = literal(values["max-tokens"])
+        for field, value in fields.items():
+            try:
+                GenerationConfig.parse(**{field: value})
+            except InputError as err:
+                problems.append(f"{flag(field.replace('_', '-'))}: {err}")
+        if strategy not in SPECULATIVE:
+            problems.append(
+                f"{flag('strategy')}: one of {', '.join(SPECULATIVE)} (for the target alone: {flag('drafter')} off)"
+            )
+        drafters = []
+        for text in ([drafter] if drafter else []) + [d for d in values["drafters"].split(",") if d.strip()]:
+            try:
+                drafters.append(str(DrafterSpec.parse(text)))
+            except InputError as err:
+                problems.append(f"{flag('drafters')}: {err}")
+        dtypes = {}
+        for role in ("target", "drafter"):
+            try:
+                dtypes[role] = parse_dtype(values[f"{role}-dtype"], flag=flag(f"{role}-dtype"))
+            except InputError as err:
+                problems.append(str(err))
+        if len(problems) > before:
+            return None
+        return cls(
+            name=name,
+            target=target,
+            config=GenerationConfig.parse(**fields),
+            drafter=drafters[0] if drafter else None,
+            drafters=tuple(drafters),
+            target_dtype=dtypes["target"],
+            drafter_dtype=dtypes["drafter"],
+        )
+
+
 @dataclass(frozen=True)
 class ServeSettings:
     """`uag serve`'s command line, parsed and checked once (`ServeSettings.parse`): what building the server,
     serving it and the sharded server read. Defaults that depend on other flags are filled in (k under auto,
-    --max-batch, --per-client, --lookup-memory)."""
+    --max-batch, --per-client, --lookup-memory). `models`: what it serves, the default first; `target`, `config`,
+    `drafter`, … are the default model's."""
 
-    target: str
-    config: GenerationConfig  # the default speculation: strategy, k (the most a request may ask for), window, …
-    drafter: str | None  # the default drafter; None: --drafter off
-    drafters: tuple[str, ...]  # every drafter a request may pick, the default first
+    models: tuple[ServedModel, ...]
     host: str
     port: int
     key: str | None  # --api-key or $UAG_API_KEY
     keys: Any  # what create_app checks: the one key, an ApiKeys of a key file's (uag.server.keys), or None
     perimeter: Any  # uag.server.guards.Perimeter: allowed hosts, CORS origins, trusted proxies
     auto: AutoSettings | None  # --auto-off's switches; None: auto as shipped
-    target_dtype: str | None
-    drafter_dtype: str | None
     max_models: int
+    max_gb: float | None  # None: no budget in GB
     max_batch: int  # 1 under --shard
     per_client: int
     max_queue: int
@@ -256,7 +373,6 @@ class ServeSettings:
     cache_dir: str | None
     cache_dir_gb: float
     lookup_memory: int
-    model_alias: tuple[str, ...]
     no_ui: bool
     max_connections: int | None  # None: from the open-file limit
     idle_timeout: float
@@ -265,32 +381,44 @@ class ServeSettings:
     shard_timeout: float
     shard_check: int
 
+    @property
+    def default(self) -> ServedModel:
+        return self.models[0]
+
+    @property
+    def target(self) -> str:
+        return self.default.target
+
+    @property
+    def config(self) -> GenerationConfig:
+        return self.default.config
+
+    @property
+    def drafter(self) -> str | None:
+        return self.default.drafter
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        return self.default.drafters
+
+    @property
+    def target_dtype(self) -> str | None:
+        return self.default.target_dtype
+
+    @property
+    def drafter_dtype(self) -> str | None:
+        return self.default.drafter_dtype
+
+    @property
+    def model_alias(self) -> tuple[str, ...]:
+        return self.default.aliases
+
     @classmethod
     def parse(cls, args: argparse.Namespace) -> ServeSettings:
         """The checked settings of a parsed command line; InputError naming every bad flag."""
         problems = []
         shard = args.shard
-        drafter = None if args.drafter.strip().lower() == "off" else args.drafter
-        k = args.k if args.k is not None else DEFAULT_K_AUTO if adaptive_k(args.strategy) else DEFAULT_K
-        fields = {
-            "strategy": args.strategy,
-            "k": literal(k),
-            "window": literal(args.window),
-            "max_tokens": literal(args.max_tokens),
-        }
-        for name, value in fields.items():
-            try:
-                GenerationConfig.parse(**{name: value})
-            except InputError as err:
-                problems.append(f"{'-k' if name == 'k' else '--' + name.replace('_', '-')}: {err}")
-        if args.strategy not in SPECULATIVE:
-            problems.append(f"--strategy: one of {', '.join(SPECULATIVE)} (for the target alone: --drafter off)")
-        drafters = []
-        for text in ([drafter] if drafter else []) + [d for d in args.drafters.split(",") if d.strip()]:
-            try:
-                drafters.append(str(DrafterSpec.parse(text)))
-            except InputError as err:
-                problems.append(f"--drafters: {err}")
+        models = _served_models(args, problems)
         max_batch = args.max_batch if args.max_batch is not None else 1 if shard else DEFAULT_MAX_BATCH
         max_batch = max_batch or 1  # --max-batch 0 runs one at a time, as it always did
         per_client = args.per_client if args.per_client is not None else max(DEFAULT_PER_CLIENT, max_batch)
@@ -302,7 +430,11 @@ class ServeSettings:
         ):
             if value < lo:
                 problems.append(f"{flag} must be at least {lo} (got {value})")
-        for flag, value in (("--time-budget", args.time_budget), ("--max-body-mb", args.max_body_mb)):
+        for flag, value in (
+            ("--time-budget", args.time_budget),
+            ("--max-body-mb", args.max_body_mb),
+            ("--max-gb", args.max_gb),
+        ):
             if value is not None and not value > 0:
                 problems.append(f"{flag} must be more than 0 (got {value:g})")
         if not args.cache_gb >= 0:
@@ -310,10 +442,6 @@ class ServeSettings:
         lookup_memory = args.lookup_memory
         if lookup_memory is None:
             lookup_memory = 0 if shard else DEFAULT_LOOKUP_MEMORY
-        aliases = tuple(args.model_alias)
-        for pattern in aliases:
-            if not pattern.strip():
-                problems.append("--model-alias is empty: give a model id or a glob such as 'claude-*'")
         if lookup_memory < 0:
             problems.append(f"--lookup-memory must be at least 0 (got {lookup_memory})")
         key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
@@ -345,34 +473,25 @@ class ServeSettings:
                 f"--host {args.host} lets other machines in: set ${KEY_ENV} (or --api-key, --api-key-file) so that "
                 "only clients with the key can run models"
             )
-        dtypes = {}
-        for role in ("target", "drafter"):
-            flag = f"--{role}-dtype"
-            try:
-                dtypes[role] = parse_dtype(getattr(args, f"{role}_dtype"), flag=flag)
-            except InputError as err:
-                problems.append(str(err))
         off = args.auto_off or []
         if off and not adaptive_k(args.strategy):
             problems.append(f"--auto-off switches off parts of auto: --strategy {args.strategy} has none")
         if shard:
-            problems += _shard_problems(args, drafters, lookup_memory)
+            drafters = models[0].drafters if models and models[0] is not None else ()
+            target = models[0].target if models and models[0] is not None else DEFAULT.target
+            problems += _shard_problems(args, target, drafters, lookup_memory)
         if problems:
             raise InputError("; ".join(problems))
         return cls(
-            target=args.target,
-            config=GenerationConfig.parse(**fields),
-            drafter=drafters[0] if drafter else None,
-            drafters=tuple(drafters),
+            models=tuple(models),
             host=args.host,
             port=args.port,
             key=key,
             keys=keys,
             perimeter=perimeter,
             auto=AutoSettings(**dict.fromkeys(off, False)) if off else None,
-            target_dtype=dtypes["target"],
-            drafter_dtype=dtypes["drafter"],
             max_models=args.max_models,
+            max_gb=args.max_gb,
             max_batch=max_batch,
             per_client=per_client,
             max_queue=args.max_queue,
@@ -382,7 +501,6 @@ class ServeSettings:
             cache_dir=cache_dir,
             cache_dir_gb=args.cache_dir_gb,
             lookup_memory=lookup_memory,
-            model_alias=aliases,
             no_ui=args.no_ui,
             max_connections=args.max_connections,
             idle_timeout=args.idle_timeout,
@@ -391,6 +509,53 @@ class ServeSettings:
             shard_timeout=args.shard_timeout,
             shard_check=args.shard_check,
         )
+
+
+def _served_models(args: argparse.Namespace, problems: list[str]) -> list[ServedModel | None]:
+    """The models the command line serves: --target's (when it is given, or no --serve is) under its own name,
+    then each --serve's, fields it does not give taken from the flags; --model-alias patterns given to the model
+    they name (the default one without `=NAME`). A model with problems is None (they are in `problems`)."""
+    flags = {
+        "drafter": args.drafter,
+        "drafters": args.drafters,
+        "strategy": args.strategy,
+        "k": args.k,
+        "window": args.window,
+        "max-tokens": args.max_tokens,
+        "target-dtype": args.target_dtype,
+        "drafter-dtype": args.drafter_dtype,
+    }
+    models = []
+    if args.target is not None or not args.serve:
+        target = DEFAULT.target if args.target is None else args.target
+        models.append(
+            ServedModel.parse(target, target, flags, lambda field: "-k" if field == "k" else f"--{field}", problems)
+        )
+    for text in args.serve:
+        try:
+            name, target, fields = parse_serve(text)
+        except InputError as err:
+            problems.append(f"--serve {text!r}: {err}")
+            continue
+        if args.shard:
+            problems.append("--serve: a sharded server serves one model: drop it with --shard")
+        flag = lambda field, name=name: f"--serve {name}: {field}"  # noqa: E731
+        models.append(ServedModel.parse(name, target, {**flags, **fields}, flag, problems))
+    names = [m.name for m in models if m is not None]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"--serve: two models are named {name!r}: give each its own NAME")
+    aliases: dict[str, list[str]] = {}
+    for text in args.model_alias:
+        pattern, has_name, name = text.rpartition("=") if "=" in text else (text, "", "")
+        if not pattern.strip():
+            problems.append("--model-alias is empty: give a model id or a glob such as 'claude-*'")
+        elif has_name and name not in names:
+            problems.append(
+                f"--model-alias {text!r}: no served model is named {name!r} (served: {', '.join(names) or 'none'})"
+            )
+        elif names:
+            aliases.setdefault(name or names[0], []).append(pattern)
+    return [m if m is None else replace(m, aliases=tuple(aliases.get(m.name, ()))) for m in models]
 
 
 def _loopback(host: str) -> bool:
@@ -403,37 +568,34 @@ def _loopback(host: str) -> bool:
 
 
 def build(settings: ServeSettings, *, store=None, worker=None, stream=None, measure=None):
-    """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service): one `Host` that both the
-    API's Service and the app's Session use. `stream` and `measure`: the host's (a sharded server's run over its
-    ranks)."""
+    """(the FastAPI app with the API and, unless --no-ui, the app at /ui; the Service): a `Host` per served model
+    on one store (its budget: --max-models, --max-gb) and one runner, the default model's shared by the API's
+    Service and the app's Session. `stream` and `measure`: the hosts' (a sharded server's run over its ranks)."""
     s = settings
-    store = store or ModelStore(max_models=s.max_models)
+    store = store or ModelStore(max_models=s.max_models, max_gb=s.max_gb)
     worker = worker or MLXWorker(max_batch=s.max_batch)
-    defaults = ServerDefaults(
-        model=s.target,
-        drafter=s.drafter,
-        strategy=s.config.strategy,
-        k=s.config.k,
-        window=s.config.window,
-        max_tokens=s.config.max_tokens,
-        drafters=s.drafters,
-        checks=not s.shard,
-        aliases=s.model_alias,
-    )
-    # One host: one per-client count, one Evidence per pair and one cost policy for /ui's runs and the API's
-    # (costs measured off the requests' path, by the host's keeper).
-    host = Host(
-        store,
-        JobRunner(worker, per_client=s.per_client, budget_s=s.time_budget),
-        target=s.target,
-        target_dtype=s.target_dtype,
-        drafter_dtype=s.drafter_dtype,
-        stream=stream,
-        measure=measure,
-        auto=s.auto,
-        lookup_memory=s.lookup_memory,
-        off_path=True,
-    )
+    runner = JobRunner(worker, per_client=s.per_client, budget_s=s.time_budget)
+    # A host per served model: one per-client count for all, one Evidence per pair and one cost policy for /ui's
+    # runs and the API's (costs measured off the requests' path, by each host's keeper), one lookup memory.
+    hosts: list[Host] = []
+    for model in s.models:
+        hosts.append(
+            Host(
+                store,
+                runner,
+                target=model.target,
+                target_dtype=model.target_dtype,
+                drafter_dtype=model.drafter_dtype,
+                stream=stream,
+                measure=measure,
+                auto=s.auto,
+                lookup_memory=s.lookup_memory,
+                memory=hosts[0].memory if hosts else None,
+                off_path=True,
+            )
+        )
+    every = [server_defaults(model, checks=not s.shard) for model in s.models]
+    host, defaults = hosts[0], every[0]
     session = None
     if not s.no_ui:
         # /ui loads what the API serves, for every user (uag.runtime.access.ServedModels)
@@ -442,13 +604,36 @@ def build(settings: ServeSettings, *, store=None, worker=None, stream=None, meas
     disk = None
     if s.cache_dir is not None:  # conversation caches that survive a restart
         disk = DiskCaches(s.cache_dir, s.cache_dir_gb * 1e9)
-    service = Service(host, defaults, cache_bytes=s.cache_gb * 1e9, metrics=Metrics(s.target), disk=disk)
+    service = Service(
+        host,
+        defaults,
+        cache_bytes=s.cache_gb * 1e9,
+        metrics=Metrics(*(model.name for model in s.models)),
+        disk=disk,
+        others=list(zip(every[1:], hosts[1:])),
+    )
     app = create_app(
         service, api_key=s.keys, max_body=int(s.max_body_mb * 2**20), max_queue=s.max_queue, perimeter=s.perimeter
     )
     if session is not None:
         _mount_ui(app, session, service, s.keys)
     return app, service
+
+
+def server_defaults(model: ServedModel, *, checks: bool = True) -> ServerDefaults:
+    """What a request for `model` runs with unless it says (uag.server.protocol); `checks`: whether it may ask for a
+    check or a grammar (not under --shard)."""
+    return ServerDefaults(
+        model=model.name,
+        drafter=model.drafter,
+        strategy=model.config.strategy,
+        k=model.config.k,
+        window=model.config.window,
+        max_tokens=model.config.max_tokens,
+        drafters=model.drafters,
+        checks=checks,
+        aliases=model.aliases,
+    )
 
 
 def _mount_ui(app, session, service, key) -> None:
@@ -490,11 +675,14 @@ def serve(args: argparse.Namespace) -> int:
     connections = _logging_and_connections(settings)
     app, service = build(settings)
     say = logging.getLogger("uag.server.main").info  # in the log's format (--log-format json: JSON lines too)
-    if settings.target_dtype and (note := slow_dtype_note(settings.target_dtype, backend())):
-        say("note: %s", note)
+    for model in settings.models:
+        if model.target_dtype and (note := slow_dtype_note(model.target_dtype, backend())):
+            say("note: %s: %s", model.name, note)
     service.preload(progress=lambda text: say("%s", text))
     where = f"http://{settings.host}:{settings.port}"
-    say("serving %s at %s/v1%s", settings.target, where, "" if settings.no_ui else f", the app at {where}/ui")
+    served = ", ".join(model.name for model in settings.models)
+    later = " (the others load on first use)" if len(settings.models) > 1 else ""
+    say("serving %s%s at %s/v1%s", served, later, where, "" if settings.no_ui else f", the app at {where}/ui")
     uvicorn.Server(server_config(app, host=settings.host, port=settings.port, **connections)).run()
     return 0
 
@@ -520,7 +708,7 @@ def _logging_and_connections(settings: ServeSettings) -> dict[str, Any]:
     return {"max_connections": max_connections, "idle_timeout_s": settings.idle_timeout}
 
 
-def _shard_problems(args: argparse.Namespace, drafters: list[str], lookup_memory: int) -> list[str]:
+def _shard_problems(args: argparse.Namespace, target: str, drafters: list[str], lookup_memory: int) -> list[str]:
     """What `serve --shard` refuses (beside the flags every serve checks)."""
     problems = []
     if args.target_dtype or args.drafter_dtype:
@@ -528,7 +716,7 @@ def _shard_problems(args: argparse.Namespace, drafters: list[str], lookup_memory
     if not args.shard_timeout > 0 or args.shard_check < 0:
         problems.append("--shard-timeout must be above 0 and --shard-check at least 0")
     models = [DrafterSpec.parse(d).model for d in drafters]
-    if any(m and ModelStore.identity(m) == ModelStore.identity(args.target) for m in models):
+    if any(m and ModelStore.identity(m) == ModelStore.identity(target) for m in models):
         problems.append("--shard: the target cannot draft for itself (rank 0 holds only its shard)")
     if args.auto_off:
         problems.append("--auto-off is for a single process: drop it with --shard")

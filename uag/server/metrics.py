@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -85,10 +85,12 @@ def per_source(cycles: Iterable[Any]) -> dict[str, tuple[int, int, int]]:
 class Metrics:
     """The server's metrics in their own `CollectorRegistry` (two servers in one process keep theirs apart). Counts
     are fed by `finished` (each reply) and `answered` (each HTTP response); `began`/`ended` bracket a request's time
-    on the worker; `watch` names what the gauges read at scrape time."""
+    on the worker; `watch` names what the gauges read at scrape time. `model_names`: the served models (`uag serve
+    --serve`), each a `model_name` label; the first labels what the server does as a whole (requests running,
+    waiting, the batch)."""
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, *model_names: str):
+        self.model_name, self.model_names = model_names[0], model_names
         self.registry = r = CollectorRegistry()
         model, position, source = ["model_name"], ["model_name", "position"], ["model_name", "source"]
         self.requests = Counter(
@@ -174,10 +176,11 @@ class Metrics:
         self.key_generation_tokens = Counter(
             "uag:key_generation_tokens", "Generated tokens per API key", ["key"], registry=r
         )
-        for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.drafts):
-            metric.labels(model_name)  # present, at 0, from the start: a rate() has a first sample
-        for metric in (self.draft_tokens, self.accepted_tokens, self.ttft, self.tpot, self.e2e):
-            metric.labels(model_name)
+        for model_name in model_names:  # present, at 0, from the start: a rate() has a first sample
+            for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.drafts):
+                metric.labels(model_name)
+            for metric in (self.draft_tokens, self.accepted_tokens, self.ttft, self.tpot, self.e2e):
+                metric.labels(model_name)
         self._routes: dict[str, str] = {}
         self._running = 0
         self._lock = threading.Lock()
@@ -258,7 +261,8 @@ class Metrics:
 
     def watch(self, *, admitted: Callable[[], int], worker: Any = None, costs: Any = None) -> None:
         """What the gauges read at scrape time: `admitted` the requests the server has taken in and not yet
-        answered (uag.server.routes.Gate), the `worker` (its batch) and auto's `CostKeeper`."""
+        answered (uag.server.routes.Gate), the `worker` (its batch) and auto's `CostKeeper`, or each served model's
+        by its name."""
         self._now.admitted, self._now.worker, self._now.costs = admitted, worker, costs
 
     def exposition(self) -> bytes:
@@ -293,8 +297,10 @@ class Now:
             family = GaugeMetricFamily(
                 "uag:auto_cost_pairs", "Pairs by the state of auto's measured costs", labels=["model_name", "state"]
             )
-            for state, n in self.costs.counts().items():
-                family.add_metric([*model, state], n)
+            keepers = self.costs if isinstance(self.costs, Mapping) else {self.metrics.model_name: self.costs}
+            for name, keeper in keepers.items():
+                for state, n in keeper.counts().items():
+                    family.add_metric([name, state], n)
             yield family
 
 

@@ -57,6 +57,64 @@ class ServerDefaults:
 
 
 @dataclass(frozen=True)
+class ModelRouter:
+    """The models one server serves (`uag serve --serve`), each with its own defaults; the first is the default
+    model (the app at /ui, and an id that /infill's clients name at random). A request's `model` picks one: a
+    served name first, then the models' aliases in order.
+
+    Example: names ("demo-target", "coder"), coder's aliases ("claude-*",): pick("claude-haiku") -> coder's
+    defaults;  pick("gpt-4o") -> APIError 404 model_not_found"""
+
+    models: tuple[ServerDefaults, ...]
+
+    def __post_init__(self):
+        names = [m.model for m in self.models]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a server serves one or more models, each under its own name (got {names})")
+
+    @property
+    def default(self) -> ServerDefaults:
+        return self.models[0]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.model for m in self.models)
+
+    def find(self, model: str) -> ServerDefaults | None:
+        """The served model a request naming `model` is answered by (None: none)."""
+        named = next((m for m in self.models if m.model == model), None)
+        return named or next((m for m in self.models if m.serves(model)), None)
+
+    def pick(self, body: Any, *, any_model: bool = False) -> ServerDefaults:
+        """The served model a request body names; the default one when the body names none that the dialect can
+        check (not an object, no model, not a string: its parse says what is wrong) or, with `any_model`, one not
+        served here (llama.cpp's /infill answers whatever id a client sends). APIError 404 otherwise."""
+        model = body.get("model") if isinstance(body, Mapping) else None
+        if not isinstance(model, str):
+            return self.default
+        found = self.find(model)
+        if found is None and any_model:
+            return self.default
+        if found is None:
+            raise unknown_model(model, self.names)
+        return found
+
+
+def unknown_model(model: str, names: Sequence[str]) -> APIError:
+    """OpenAI's 404 for a model id a server does not serve, naming those it does."""
+    served = show(names[-1])
+    if len(names) > 1:
+        served = f"{', '.join(map(show, names[:-1]))} and {served}"
+    return APIError(
+        404,
+        f"the model {show(model)} does not exist on this server: it serves {served} (GET /v1/models; uag serve "
+        "--model-alias answers other ids as one of them)",
+        param="model",
+        code="model_not_found",
+    )
+
+
+@dataclass(frozen=True)
 class Request:
     """One checked request: what to read (messages or a prompt), how to generate, and how to answer."""
 
@@ -224,13 +282,7 @@ def common_fields(body: Mapping, defaults: ServerDefaults, max_tokens_field: str
     if not isinstance(model, str):
         raise bad("model", f"must be a string (got {show(model)})")
     if not defaults.serves(model):
-        raise APIError(
-            404,
-            f"the model {show(model)} does not exist on this server: it serves {show(defaults.model)} (GET /v1/models"
-            "; uag serve --model-alias answers other ids as it)",
-            param="model",
-            code="model_not_found",
-        )
+        raise unknown_model(model, (defaults.model,))
     if _whole(body, "n", 1, 2**31) not in (None, 1):
         raise bad("n", f"uag generates one choice per request: n must be 1 (got {show(body['n'])})")
     stream = _flag(body, "stream")

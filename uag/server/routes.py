@@ -151,15 +151,17 @@ def create_app(
 
     if metrics is not None:  # GET /metrics: uag.server.metrics, behind the key
         metrics.name_routes({path: dialect.name for path, dialect in DIALECTS.items()})
-        metrics.watch(admitted=lambda: gate.count, worker=service.runner.worker, costs=service.costs)
+        metrics.watch(admitted=lambda: gate.count, worker=service.runner.worker, costs=service.keepers)
 
         @app.get("/metrics")
         async def scrape(request: Request) -> Response:
             authorise(request)
             return Response(metrics.exposition(), media_type=METRICS_TYPE)
 
-    def served_model() -> dict:
-        return {"id": service.defaults.model, "object": "model", "created": now(), "owned_by": "uag"}
+    router = service.router  # the served models a request's `model` picks from (uag.server.protocol)
+
+    def served_model(defaults) -> dict:
+        return {"id": defaults.model, "object": "model", "created": now(), "owned_by": "uag"}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
@@ -169,19 +171,20 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         authorise(request)
-        return {"object": "list", "data": [served_model()]}
+        return {"object": "list", "data": [served_model(defaults) for defaults in router.models]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict:
         authorise(request)
-        if not service.defaults.serves(model_id):  # the served model, or an id --model-alias answers as it
+        found = router.find(model_id)  # a served model, or an id --model-alias answers as one
+        if found is None:
             raise APIError(
                 404,
-                f"no model {model_id[:100]!r} here: GET /v1/models lists the one this server serves",
+                f"no model {model_id[:100]!r} here: GET /v1/models lists the models this server serves",
                 param="model",
                 code="model_not_found",
             )
-        return served_model()
+        return served_model(found)
 
     async def serve(request: Request, dialect: Dialect):
         """One request of any dialect: the key, the body, the checks, the gate, then the job's items written as
@@ -197,7 +200,8 @@ def create_app(
             body = await read_json(request, max_body)
         except Disconnected:  # left mid-body: nobody to answer
             return Response(status_code=499)
-        parsed = dialect.parse(body, service.defaults, key) if dialect.keyed else dialect.parse(body, service.defaults)
+        defaults = router.pick(body, any_model=dialect.any_model)  # the served model the body names (404: none)
+        parsed = dialect.parse(body, defaults, key) if dialect.keyed else dialect.parse(body, defaults)
         client = _client(request, key, by_key)
         gate.enter(client)
         feed = Feed(request, _guarded(service, parsed, client, key, dialect.label), wait_s)
@@ -239,7 +243,7 @@ def create_app(
             body = await read_json(request, max_body)
         except Disconnected:
             return Response(status_code=499)
-        parsed = parse_count(body, service.defaults)
+        parsed = parse_count(body, router.pick(body))
         client = _client(request, key, by_key)
         gate.enter(client)
         job = partial(count_tokens, service)

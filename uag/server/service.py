@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -34,7 +34,7 @@ from uag.server.chat import render
 from uag.server.dialects import Accepted, Delta, Done
 from uag.server.errors import APIError, bad
 from uag.server.prompt_cache import ConversationCaches
-from uag.server.protocol import Request, ServerDefaults
+from uag.server.protocol import ModelRouter, Request, ServerDefaults
 from uag.server.responses import Served, StepTime, report, saved_seconds
 from uag.server.streaming import ReplyText
 
@@ -47,12 +47,24 @@ FINISH = {"eos": "stop", "length": "length", "stopped": "stop"}
 class Service:
     """The OpenAI-side adapter over a `Host` (the pairs, auto's evidence, the shared lookup index, the cost keeper:
     uag.runtime.host): the server's defaults, the conversation caches, the log of requests the Server tab shows,
-    and the step times served here."""
+    and the step times served here. `others`: the models served beside `host`'s (`uag serve --serve`), each its
+    defaults and its own host on the same store and runner; a request's `model` picks (`router`), and each pair
+    keeps its evidence, costs and caches."""
 
     def __init__(
-        self, host: Host, defaults: ServerDefaults, *, cache_bytes: float, metrics: Any = None, disk: Any = None
+        self,
+        host: Host,
+        defaults: ServerDefaults,
+        *,
+        cache_bytes: float,
+        metrics: Any = None,
+        disk: Any = None,
+        others: Sequence[tuple[ServerDefaults, Host]] = (),
     ):
-        self.host, self.defaults = host, defaults
+        self.host, self.defaults = host, defaults  # the default model's (the app at /ui, preloading)
+        self.router = ModelRouter((defaults, *(served for served, _ in others)))
+        self.hosts = {defaults.model: host, **{served.model: other for served, other in others}}
+        assert all(other.store is host.store and other.runner is host.runner for other in self.hosts.values())
         self.caches = ConversationCaches(cache_bytes)
         self.disk = disk  # uag.server.disk_cache.DiskCaches (--cache-dir): caches that survive a restart; None: off
         self.metrics = metrics  # uag.server.metrics.Metrics that GET /metrics reads (None: no metrics)
@@ -76,8 +88,18 @@ class Service:
         return self.host.costs
 
     @property
+    def keepers(self) -> dict[str, CostKeeper]:
+        """Each served model's cost keeper, by its name (what GET /metrics reports per model)."""
+        return {name: host.costs for name, host in self.hosts.items()}
+
+    @property
     def store(self):
         return self.host.store
+
+    def host_for(self, model: str) -> Host:
+        """The host of the served model a request's `model` names (the default one for an id none answers to)."""
+        found = self.router.find(model)
+        return self.host if found is None else self.hosts[found.model]
 
     @property
     def target_name(self) -> str:
@@ -97,12 +119,21 @@ class Service:
         return self.host.start(self.defaults.drafter, self.defaults.allowed, progress=progress, then=then)
 
     # --- on the worker thread ------------------------------------------------------------------------------
-    def load(self, job: Job, drafter: str | None, progress: Callable[[str], None] | None = None) -> Loaded:
+    def load(
+        self,
+        job: Job,
+        drafter: str | None,
+        progress: Callable[[str], None] | None = None,
+        *,
+        host: Host | None = None,
+    ) -> Loaded:
         """The target and the drafter (None: the target alone) in the server's dtypes, opened on the host (loaded
         once, checked as a pair, shared for batching), failures as user messages; a job cancelled meanwhile (its
-        client left, its time budget ran out) stops between the two."""
+        client left, its time budget ran out) stops between the two. `host`: the served model's (default: the
+        default model's)."""
         go_on = lambda: self._go_on(job, "loading the models")  # noqa: E731
-        loaded = self.host.open_target(drafter, progress=progress or (lambda text: tell(job, text)), between=go_on)
+        host = host or self.host
+        loaded = host.open_target(drafter, progress=progress or (lambda text: tell(job, text)), between=go_on)
         go_on()
         return loaded
 
@@ -143,15 +174,25 @@ class Service:
         `key`: the API key it presented (None: the server's one key, or none); prompt lookup drafts from the
         earlier requests of that key alone, and this one's prompt and reply join them when it ends."""
         self.runner.limit(job)  # its time budget (--time-budget; none by default) and stall guard: loading counts too
-        loaded = self.load(job, request.drafter)
+        host = self.host_for(request.model)
+        loaded = self.load(job, request.drafter, host=host)
+        # A running request's models stay loaded whatever the store's budget: a request for another model batched
+        # beside it, loading its own, unloads the least recently used of the others.
+        with self.store.pinned(loaded.target, None if loaded.choice is None else loaded.choice.model):
+            yield from self._reply(job, host, loaded, request, key)
+
+    def _reply(
+        self, job: Job, host: Host, loaded: Loaded, request: Request, key: str | None
+    ) -> Iterator[Accepted | Delta | Done]:
+        """`job` once the served model's pair is loaded (and pinned)."""
         target, choice = loaded.target, loaded.choice
         ids = self.prompt(loaded, request)
         self._go_on(job, "reading the prompt")
-        self.host.admit(target, len(ids) + request.config.max_tokens)
+        host.admit(target, len(ids) + request.config.max_tokens)
         config = request.config
         auto = None
         if config.k_policy == "adaptive":  # under `uag serve`, costs missing or off are measured while idle
-            auto = self.host.open_auto(loaded, request.drafter)
+            auto = host.open_auto(loaded, request.drafter)
         # Keyed by the API key's digest and the target: the caches name the models that filled them, and the engine
         # reuses a drafter's cache only for that drafter, so a conversation keeps its target cache when speculation
         # changes; another key's conversation is never reused, however alike.
@@ -166,7 +207,7 @@ class Service:
         text = ReplyText(request.stop, request.tools)
         run, stopped = None, False
         fed = 0  # characters of the run's text given to `text` so far
-        with self.host.running(job, loaded, ids, config, auto=auto, key=key, remember=True, caches=caches) as running:
+        with host.running(job, loaded, ids, config, auto=auto, key=key, remember=True, caches=caches) as running:
             events = watched(job, iter(running))
             try:
                 for event in events:
@@ -210,11 +251,11 @@ class Service:
             done_report["uag"] = {"stopped_by": job.cut, "message": f"the reply was {note}"}
             log.warning("a request was %s after %d tokens", note, run.generated)
         elif request.check and request.drafter is not None:
-            done_report["speculative"]["check"] = self.check(job, loaded, ids, config, run)
+            done_report["speculative"]["check"] = self.check(job, loaded, ids, config, run, host=host)
         self._record(request, run, done_report, step, choice, target)
         if self.metrics is not None:  # every count GET /metrics serves, from the report the client gets
             self.metrics.finished(
-                self.defaults.model, run, done_report, finish, queued_at=job.queued_at, key=getattr(key, "name", None)
+                self.host_model(host), run, done_report, finish, queued_at=job.queued_at, key=getattr(key, "name", None)
             )
         # content: the text outside the calls
         yield Done(text.hold.content, finish, done_report, calls, tail, stop_sequence=text.stop.matched)
@@ -224,13 +265,17 @@ class Service:
         if self.disk is not None and self.disk.pending and not worker.backlog and worker.running <= 1:
             self.disk.flush()
 
-    def check(self, job: Job, loaded: Loaded, ids: list[int], config, run) -> dict:
+    def host_model(self, host: Host) -> str:
+        """The served name of `host`'s model."""
+        return next(name for name, held in self.hosts.items() if held is host)
+
+    def check(self, job: Job, loaded: Loaded, ids: list[int], config, run, *, host: Host | None = None) -> dict:
         """The request's `"check": true` (uag.runtime.pair.check_against_target, as `uag generate --compare`): the
         target alone on the same prompt for as many tokens as the reply, and the verdict on the two greedy
         outputs; a reply cut by a stop string is compared on the tokens it generated, as a length cut."""
         if run.finish_reason == "stopped":
             run = replace(run, finish_reason="length")
-        return self.host.check(loaded, ids, config, run, cancel=job.cancelled).to_dict()
+        return (host or self.host).check(loaded, ids, config, run, cancel=job.cancelled).to_dict()
 
     def step_time(self, target, choice, run, evidence=None) -> StepTime | None:
         """The target's plain step time on this machine: its calibration, else this server's own runs of it
