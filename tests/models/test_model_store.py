@@ -71,6 +71,38 @@ def test_a_gigabyte_budget_unloads_down_to_it(tiny):
     assert store.loaded == [str(m1)]
 
 
+def test_room_is_made_before_a_model_loads_never_after(tiny):
+    """A store at its budget unloads first, so that it never holds the new model on top of a budget's worth."""
+    _, (m0, m1, m2) = tiny
+    sizes = [ModelStore().size_on_disk(str(m)) for m in (m0, m1, m2)]
+    store, held_when_unloading = ModelStore(max_gb=(sizes[1] + sizes[2]) / 1e9), []  # room for m1 and m2
+    store.on_evict.append(lambda model: held_when_unloading.append((model.name, list(store.loaded))))
+    store.get(str(m0))
+    store.get(str(m1))
+    assert [model.name for model in store.unloads_for([sizes[2]])] == [str(m0)]  # what loading m2 would unload
+    store.get(str(m2))
+    assert held_when_unloading == [(str(m0), [str(m1)])]  # m0 was gone before m2 loaded
+    assert store.loaded == [str(m1), str(m2)] and store.weight_bytes <= store.max_bytes
+
+
+def test_the_memory_check_counts_what_a_budget_would_unload(tiny):
+    from uag.models.loading import check_memory
+
+    _, (m0, m1, m2) = tiny
+    size = ModelStore().size_on_disk(str(m2))
+    free = int(size * 1.2) - 1  # a little less than m2 needs with room to run (uag.models.memory.HEADROOM)
+    unbudgeted, budgeted = ModelStore(), ModelStore(max_models=2)
+    for store in (unbudgeted, budgeted):
+        store.get(str(m0))
+        store.get(str(m1))
+    with pytest.raises(ModelError, match="cannot load the target"):
+        check_memory(unbudgeted, [("target", str(m2), None)], available=free)  # nothing would be unloaded
+    check_memory(budgeted, [("target", str(m2), None)], available=free)  # m0 would go: it fits
+    with budgeted.pinned(budgeted.get(str(m0)), budgeted.get(str(m1))):  # both in use: nothing would go
+        with pytest.raises(ModelError, match="cannot load the target"):
+            check_memory(budgeted, [("target", str(m2), None)], available=free)
+
+
 def test_fewer_than_two_models_cannot_hold_a_pair():
     with pytest.raises(ValueError, match="at least 2"):
         ModelStore(max_models=1)

@@ -79,13 +79,17 @@ def check_memory(store, models: Sequence[tuple[str, str | None, str | None]], *,
             continue
         with user_facing_load_errors(role, name):
             identity, dtype = store.key(name, dtype)
-            folder = _local_folder(identity)
+            folder = local_folder(identity)
             if folder is not None:
                 needs.append(memory.Need(role, name, dtype, memory.model_bytes(folder, dtype), store.has(name, dtype)))
-    memory.check_fits(needs, memory.available_bytes() if available is None else available)
+    available = memory.available_bytes() if available is None else available
+    if available is not None:  # a store with a budget unloads its least recently used models to make room first
+        keep = [name for _, name, _ in models if name]
+        available += sum(m.weight_bytes for m in store.unloads_for([n.bytes for n in needs if not n.loaded], keep))
+    memory.check_fits(needs, available)
 
 
-def _local_folder(identity: str):
+def local_folder(identity: str):
     """The folder a model's files are in on this machine, without fetching or converting anything; None if none."""
     from uag.models.store import DEMO_NAMES  # the store loads mlx: only where a folder is looked for
 

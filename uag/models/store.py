@@ -26,6 +26,7 @@ from uag import _blas
 from uag.errors import ModelError
 from uag.models import demo, memory
 from uag.models.dtypes import parse_dtype
+from uag.models.loading import local_folder
 from uag.models.vocab import HFVocab, same_vocabulary
 
 # The offline models uag.models.demo converts on first use (uag.models.catalogue); they load in default_dtype().
@@ -198,9 +199,14 @@ class ModelStore:
                 return self._models[key]
             if Path(key[0]).is_absolute():
                 _check_folder(name, Path(key[0]))
+            protected = {key[0], *map(self.identity, keep)}
+            # Room first, so that the store never holds the new model on top of a budget's worth of others; then
+            # again, for a model whose size its files could not tell before it loaded (a hub id not downloaded).
+            incoming = self.size_on_disk(name, key[1]) if self.max_bytes is not None else None
+            self._evict(protected, coming=[incoming])
             model = _load(name, dtype=key[1], progress=progress)
             self._models[key] = model
-            self._evict(protected={key[0], *map(self.identity, keep)})
+            self._evict(protected)
             return model
 
     @contextmanager
@@ -228,18 +234,40 @@ class ModelStore:
         with self._lock:
             return [self._models[key].name for key in self._pins if key in self._models]
 
-    def _evict(self, protected: set[str]) -> None:
-        def over() -> bool:
-            return (self.max_models is not None and len(self._models) > self.max_models) or (
-                self.max_bytes is not None and self.weight_bytes > self.max_bytes
-            )
+    def size_on_disk(self, name: str, dtype: str | None = None) -> int | None:
+        """The bytes `get(name, dtype=dtype)` would load, from the model files' headers (nothing is loaded); None
+        when its files are not on this machine yet."""
+        identity, dtype = self.key(name, dtype)
+        folder = local_folder(identity)
+        return None if folder is None else memory.model_bytes(folder, dtype)
 
-        evicted = []
-        while over():
-            key = next((k for k in self._models if k[0] not in protected and not self._pins[k]), None)
-            if key is None:  # everything left is in use: keep it, over budget or not
+    def unloads_for(self, coming: Collection[int | None], keep: Collection[str] = ()) -> list[LoadedModel]:
+        """The models this store would unload, least recently used first, to make room within its budget for
+        models of `coming` bytes each (None: size unknown; none without a budget; never one in `keep` or pinned by a
+        run).
+
+        Example: max_gb=8, holding a (1 GB, least recently used) and b (6 GB): coming [2e9] -> [a]"""
+        with self._lock:
+            return [self._models[key] for key in self._unload_order({*map(self.identity, keep)}, list(coming))]
+
+    def _unload_order(self, protected: set[str], coming: list[int | None]) -> list[tuple[str, str | None]]:
+        count = len(self._models) + len(coming)
+        held = self.weight_bytes + sum(size for size in coming if size is not None)
+        chosen = []
+        for key, model in self._models.items():  # least recently used first
+            over_count = self.max_models is not None and count > self.max_models
+            if not (over_count or (self.max_bytes is not None and held > self.max_bytes)):
                 break
-            evicted.append(self._models.pop(key))
+            if key[0] in protected or self._pins[key]:
+                continue  # in use: kept, over budget or not
+            chosen.append(key)
+            count, held = count - 1, held - model.weight_bytes
+        return chosen
+
+    def _evict(self, protected: set[str], *, coming: Collection[int | None] = ()) -> None:
+        """Unload the least recently used models beyond the budget, making room first for models about to load,
+        `coming` bytes each (None: size unknown)."""
+        evicted = [self._models.pop(key) for key in self._unload_order(protected, list(coming))]
         for model in evicted:
             for callback in self.on_evict:
                 callback(model)
