@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from uag.core.records import Sharing
-from uag.runtime.batching import READ, Batch, SharedModel, share, sharing_now
+from uag.runtime.batching import FIXED_ROWS, READ, Batch, SharedModel, share, sharing_now
 from uag.runtime.host import NoRoom, room_for
 from uag.runtime.worker import Busy, Job, MLXWorker
 
@@ -268,13 +268,41 @@ def test_a_shared_model_called_outside_a_member_is_the_model(models):
 
 def test_sharing_prices_a_pass_by_the_whole_batch():
     alone = Sharing()
-    assert (alone.rows(5), alone.mean_size, alone.largest) == (5, 1.0, 1)
-    four = Sharing()
+    assert (alone.pass_tokens(5), alone.pass_tokens(None), alone.mean_size, alone.largest) == ([5], [], 1.0, 1)
+    four = Sharing(others=(Sharing(), Sharing(), Sharing()))
+    assert (four.pass_tokens(1), four.pass_tokens(2), four.pass_tokens(17)) == ([4], [8], [3, 17])  # cut as `groups`
+    assert four.pass_tokens(None) == [3] and four.others_tokens == 3.0  # a round it drafts in: the others' pass
+    four.others[0].proposing(9, 4.0)
+    assert four.pass_tokens(9) == [36] and four.others_tokens == 6.0
     four.shared(4, 9, 12.0)
-    assert (four.rows(1), four.rows(9), four.rows(17)) == (4, 36, 68)  # the batch's pass at that width
     assert (four.computed(1), four.computed(17)) == (36, 68)  # the pass it ran in: padded to the widest other
     four.shared(2, 0, None)
     assert (four.mean_size, four.largest, four.passes, four.size, four.pass_ms) == (3.0, 4, 2, 2, None)
+
+
+def test_every_member_sees_the_others_and_the_batch_s_cost_of_a_pass(models, monkeypatch):
+    """The batch keeps each member's `Sharing.others` current as members join and leave, and tells every member
+    what a pass costs beside its tokens (`PassCosts.fixed_rows`), which its auto prices proposals with."""
+    import uag.runtime.batching
+
+    monkeypatch.setattr(
+        uag.runtime.batching,
+        "batched_pass",
+        lambda model, xs, caches, kept=None: ([model(x, cache=c) for x, c in zip(xs, caches)], None),
+    )
+    target, _ = models
+    batch, log = Batch(max_size=4), []
+    plans = ("a", [(target, 1)] * 3), ("b", [(target, 1)]), ("c", [(target, 1)] * 2)
+    jobs = joined(batch, *plans, log=log, cache=MergeableCache)
+    a, b, c = (member(batch, jobs[n]) for n in "abc")
+    assert a.sharing.others == (b.sharing, c.sharing) and c.sharing.others == (a.sharing, b.sharing)
+    batch.costs.observe(4, 850.0)
+    batch.costs.observe(68, 2580.0)
+    batch.round()  # b ends
+    assert a.sharing.others == (c.sharing,) and c.sharing.others == (a.sharing,)
+    assert a.sharing.fixed_rows == c.sharing.fixed_rows == batch.costs.fixed_rows() != FIXED_ROWS
+    drained(batch)
+    assert a.sharing.others == () and not batch
 
 
 # --- the worker: shared jobs together, up to max_batch; the rest in turn ----------------------------------------------

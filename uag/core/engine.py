@@ -286,7 +286,8 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
     generated = 0
     offer = lambda: spec.drafter.offer(k_max)  # noqa: E731
     forced = lambda: 0 if spec.grammar is None else len(spec.grammar.forced())  # noqa: E731
-    lookup_pending = lambda: LOOKUP in offer() or forced() > 0  # noqa: E731  a draft turned up: stop the stretch
+    # a draft turned up, or the batch the stretch was decided in changed: stop the stretch
+    lookup_pending = lambda: policy.reconsider() or LOOKUP in offer() or forced() > 0  # noqa: E731
 
     def choose(left: int) -> tuple[str, int]:  # what the grammar forces is proposed free, before the policy asks
         n = forced()

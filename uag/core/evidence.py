@@ -290,11 +290,9 @@ class Prices:
 
         Example: profile 450 / 500 ms for 1 / 2 tokens, this run's 2-token passes 700 ms -> w = 1: 630 ms
 
-        Batched with other requests (a server's), w is priced as the pass every sequence of the batch would make
-        with it, `Sharing.rows`: size × w tokens, so a draft pays only where the batch's pass has room left.
+        Passes batched with other requests' are timed (`time_verify`) and priced (`verify_ms`) by the tokens the
+        whole pass computed.
         """
-        if self.sharing is not None:
-            w = self.sharing.rows(w)
         timed = self.evidence.verify_ms
         if w in timed:
             return timed[w]
@@ -314,16 +312,60 @@ class Prices:
         slope = max(0.0, (timed[hi] - timed[lo]) / (hi - lo))
         return timed[lo] + slope * (w - lo) if w > lo else base
 
+    # --- batched with other requests (a server's): what a proposal costs the whole batch --------------------
+    @property
+    def batched(self) -> bool:
+        """Whether the request runs beside others now (its target passes and its drafting are the batch's)."""
+        return self.sharing is not None and bool(self.sharing.others)
+
+    def verify_ms(self, w: int) -> float | None:
+        """The target pass that verifies a proposal of w − 1 tokens: alone, `target_ms(w)`; batched, the batch's
+        whole round of target passes with this request at w and the others at what they propose
+        (`Sharing.pass_tokens`), for every member waits on it.
+
+        Example: a pass costs 28 + n (n tokens); three others plain: w = 1 -> 32;  w = 2 -> 36;  alone: w = 2 -> 30
+        """
+        if not self.batched:
+            return self.target_ms(w)
+        return self._round_ms(w)
+
+    def round_ms(self) -> float:
+        """A round of the batch in which this request makes no target pass (it drafts, or rehearses): the others'
+        passes, which it waits on (0 alone)."""
+        if not self.batched:
+            return 0.0
+        return self._round_ms(None) or 0.0
+
+    def others_tokens(self) -> float:
+        """What the other members commit per round (0 alone): a round this request spends drafting is theirs."""
+        return self.sharing.others_tokens if self.batched else 0.0
+
+    def common_ms(self, w: int, drafting_ms: float = 0.0) -> float | None:
+        """What a cycle costs were every member of the batch to propose as this request does: its drafting
+        (drafter steps batched alike) and one pass of size × w tokens (the price every draft had before
+        the others' proposals were known). Beside members that propose wide, a draft rides in their padding at
+        no cost of its own; this keeps a batch whose members all draft from staying there where none of them
+        would pay alone (`AdaptiveK.rates`). Alone: `target_ms(w)` and the drafting."""
+        size = len(self.sharing.others) + 1 if self.batched else 1
+        pass_ms = self.target_ms(size * w)
+        return None if pass_ms is None else drafting_ms + pass_ms
+
+    def _round_ms(self, w: int | None) -> float | None:
+        costs = [self.target_ms(n) for n in self.sharing.pass_tokens(w)]
+        return None if None in costs else sum(costs)
+
     def proposal_length(self, k: int) -> int:
         """Target tokens k drafter tokens translate into (`Evidence.expansion`)."""
         return max(1, round(self.evidence.expansion * k)) if k else 0
 
     def cycle_ms(self, k: int) -> float | None:
-        """A cycle of k model drafts: k drafter steps, translation and re-sync, the target's pass over them."""
-        verify = self.target_ms(self.proposal_length(k) + 1)
+        """A cycle of k model drafts: k drafter steps, translation and re-sync, the target's pass over them.
+        Batched, each drafter step is a round of the batch (the others' passes with it) and the pass is the
+        batch's (`verify_ms`)."""
+        verify = self.verify_ms(self.proposal_length(k) + 1)
         if verify is None or k == 0:
             return verify
-        return k * self.drafter_step_ms(verify) + self.cycle_overhead_ms() + verify
+        return k * (self.drafter_step_ms(verify) + self.round_ms()) + self.cycle_overhead_ms() + verify
 
     def drafter_step_ms(self, fallback: float) -> float:
         """One drafter pass: own timings first, then the profile, then r × a target step (or `fallback`)."""
@@ -379,6 +421,8 @@ class Prices:
         """A model cycle: its drafter steps, or, where its first pass caught up on the prompt or a parked
         stretch, what reading a token costs; translation and re-sync."""
         evidence = self.evidence
+        if self.batched:  # its drafter passes waited on the batch's rounds: `cycle_ms` prices those apart
+            return
         passes = cycle.drafter_passes if self.learn else 0
         if passes and cycle.drafter_read <= 2 * passes + 1:
             evidence.drafter_ms = ema(evidence.drafter_ms, cycle.draft_ms / passes)
@@ -390,7 +434,7 @@ class Prices:
 
     def time_rehearsal(self, rehearsal: Rehearsal) -> None:
         """A rehearsal is one drafter pass: a step, and what each token it read added."""
-        if self.learn and rehearsal.read > 1:
+        if self.learn and rehearsal.read > 1 and not self.batched:
             step = self.drafter_step_ms(self.target_ms(1) or 0.0)
             per_token = max(0.0, rehearsal.ms - step) / (rehearsal.read - 1)
             self.evidence.read_ms = ema(self.evidence.read_ms, per_token)

@@ -80,6 +80,9 @@ class Policy(Protocol):
     def wants_rehearsal(self) -> bool:
         """Parked long enough that the drafter should catch up and show whether drafting would pay."""
 
+    def reconsider(self) -> bool:
+        """End the parked stretch now: what it was decided under changed (the batch it runs in)."""
+
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         """Learn from a rehearsal's guesses and what its reading cost."""
 
@@ -147,6 +150,9 @@ class FixedK:
     def wants_rehearsal(self) -> bool:
         return False
 
+    def reconsider(self) -> bool:
+        return False
+
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         pass
 
@@ -167,6 +173,7 @@ class AdaptiveK:
     unread: int = field(default=0, init=False)  # committed tokens the drafter has not read (prompt, parked steps)
     parked_for: int = field(default=0, init=False)  # plain steps since the policy last drafted or rehearsed
     rehearsal_gap: int = field(default=0, init=False)  # least parked steps before the next rehearsal (backed off)
+    parked_beside: int = field(default=0, init=False)  # batched: the other members when the stretch began
     remaining: int | None = field(default=None, init=False)  # tokens the run has yet to write (None: unknown)
     declined_lookup: int | None = field(default=None, init=False)  # the decision in flight passed a lookup match
     #   over (the band of its match; -1 unknown): `observe` ages lookup's evidence for it
@@ -207,19 +214,42 @@ class AdaptiveK:
         return self.prices.reading_ms(self.unread)
 
     def rates(self) -> dict[int, float]:
-        """Expected tokens per millisecond for each k (empty until a cost is known). Where the drafter
-        has a backlog to read first, drafting's rate includes it, spread over the tokens left to write."""
+        """Expected tokens per millisecond for each k (empty until a cost is known). Batched with other requests,
+        the whole batch's: this request's tokens and the others' over the rounds its cycle spans (k drafter
+        rounds and the pass), over those rounds' time (`Prices.cycle_ms`), so that a draft pays only where it
+        earns more than the batch loses waiting on it; alone, the run's own. Where the drafter has a backlog to
+        read first, drafting's rate includes it, spread over the tokens left to write.
+
+        Example: a pass over n tokens costs 28 + n ms, drafter steps nothing, α 0.4 -> alone: k = 1 1.4 / 30 >
+                 k = 0 1 / 29 (it drafts); beside three parked members: k = 1 (1.4 + 2 × 3) / (31 + 36) = 0.110 <
+                 k = 0 (1 + 3) / 32 = 0.125 (it parks: its draft widens the pass all four wait on)
+        """
         prices = self.prices
         acceptances = self.acceptances(prices.proposal_length(self.k_max))
+        others, backlog = prices.others_tokens(), self.backlog_ms() if self.remaining else 0.0
         out = {}
         for k in range(self.k_max + 1):
             ms = prices.cycle_ms(k)
             if ms:
-                out[k] = expected_tokens(acceptances[: prices.proposal_length(k)]) / ms
-        backlog = self.backlog_ms()
-        if backlog and self.remaining:
-            out = {k: rate if k == 0 else self.remaining / (backlog + self.remaining / rate) for k, rate in out.items()}
+                own = expected_tokens(acceptances[: prices.proposal_length(k)])
+                spread = backlog * own / self.remaining if k and backlog else 0.0  # the backlog's share per cycle
+                out[k] = (own + (k + 1) * others) / (ms + spread)
+                if k and 0 in out and prices.batched:
+                    drafting = k * prices.drafter_step_ms(ms) + prices.cycle_overhead_ms()
+                    out[k] = self.alike(out[k], out[0], own, prices.proposal_length(k) + 1, drafting)
         return out
+
+    def alike(self, rate: float, plain: float, own: float, w: int, drafting_ms: float = 0.0) -> float:
+        """A batched draft's rate, at most what it would gain over a plain step were every member to propose
+        alike (`Prices.common_ms`): priced only against the others' proposals, a draft that rides in their
+        padding looks free to each member of a batch that drafts, and none of them would park first.
+
+        Example: a pass over n tokens costs 3 + n, α 0.5, four members each drafting 2: beside the others, one
+        more draft of 2 pays (7 / 15 > 6.25 / 15); alike, 1.75 / 15 < 1 / 7: the four park (4 tokens in 7 ms
+        against 7 in 15)
+        """
+        plain_alike, ms = self.prices.common_ms(1), self.prices.common_ms(w, drafting_ms)
+        return rate if not (plain_alike and ms) else min(rate, plain * own * plain_alike / ms)
 
     def lookup_rates(self, k_max: int, match: int | None = None, branched: bool = False) -> dict[int, float]:
         """Expected tokens per millisecond of a lookup proposal of k tokens (it costs a lookup and the wider
@@ -227,13 +257,18 @@ class AdaptiveK:
         continuations (lookup.branch_room(k) rows), which it pays for by its own tokens: what a branch might
         add is not counted, so they ride along only where the proposal pays for their rows."""
         acceptances = self.acceptances(k_max, LOOKUP, match)
+        others = self.prices.others_tokens()  # batched: the others' tokens in the round it widens (`rates`)
+        plain = (1 + others) / (self.prices.verify_ms(1) or math.inf) if self.prices.batched else 0.0
         out, expected, survive = {}, 1.0, 1.0  # expected_tokens(acceptances[:k]), grown one position at a time
         for k in range(1, k_max + 1):
             survive *= acceptances[k - 1]
             expected += survive
-            verify = self.prices.target_ms(k + 1 + (branch_room(k) if branched else 0))
+            w = k + 1 + (branch_room(k) if branched else 0)
+            verify = self.prices.verify_ms(w)
             if verify:
-                out[k] = expected / (self.evidence.lookup_ms + verify)
+                out[k] = (expected + others) / (self.evidence.lookup_ms + verify)
+                if plain:
+                    out[k] = self.alike(out[k], plain, expected, w, self.evidence.lookup_ms)
         return out
 
     def copy_reach(self, offered: int, match: int | None) -> int:
@@ -280,9 +315,21 @@ class AdaptiveK:
             lookup = self.lookup_rates(self.copy_reach(offer[LOOKUP], match), match, branched)
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
             if k and lookup[k] > rates[model_k if cap else 0]:
-                return within((LOOKUP, k), left)
+                decision = within((LOOKUP, k), left)
+                self._proposing(decision[1] + 1, expected_tokens(self.acceptances(decision[1], LOOKUP, match)))
+                return decision
             self.declined_lookup = -1 if match is None else match_band(match)
-        return (MODEL, cap) if cap else ("", 0)
+        if not cap:
+            self._proposing(1, 1.0)
+            return "", 0
+        n = self.prices.proposal_length(min(model_k, cap))  # the stop rule's drafts: about what k pays for
+        self._proposing(n + 1, expected_tokens(self.acceptances(n)) / (min(model_k, cap) + 1))
+        return MODEL, cap
+
+    def _proposing(self, width: int, tokens: float) -> None:
+        """Batched: tell the batch what this request's next target pass reads, and its tokens per round."""
+        if self.sharing is not None:
+            self.sharing.proposing(width, tokens)
 
     def stop_rule(self, source: str, k: int) -> StopRule | None:
         """For the model's cycle of at most k drafts, `enough` at the rate this decision expects; without the
@@ -314,13 +361,14 @@ class AdaptiveK:
 
         # n drafts kept are expansion × n target tokens (Polish in an English drafter's tokens: fewer)
         def worth(n: int, drafts: float) -> float:
-            return 1 + evidence.expansion * drafts - pace * prices.target_ms(prices.proposal_length(n) + 1)
+            return 1 + evidence.expansion * drafts - pace * prices.verify_ms(prices.proposal_length(n) + 1)
 
         now = [worth(n, sum(kept[:n])) for n in range(j + 1)]
         best = max(range(j + 1), key=lambda n: (now[n], -n))
         if j >= cap:
             return best
-        step = pace * prices.drafter_step_ms(prices.target_ms(1) or 0.0)
+        # one more drafter pass: batched, a round of the batch that the others' tokens partly pay for
+        step = pace * (prices.drafter_step_ms(prices.target_ms(1) or 0.0) + prices.round_ms()) - prices.others_tokens()
         nxt = evidence.next_chances(bands) or [(1.0, self.acceptance(0))]
         total, sure = sum(w for w, _ in nxt), sum(kept)
         last = kept[-1] if kept else 1.0
@@ -342,13 +390,13 @@ class AdaptiveK:
         -> 65 + 3 × (40 + s − 1) <= 13.5 s from s = 18 on; a 400-token prompt -> s = 121
         """
         prices, settings = self.prices, self.settings
-        step = prices.target_ms(1)
+        step, waits = prices.verify_ms(1), prices.round_ms()  # batched: a round, and the one its rehearsal waits
         if not settings.rehearsals:
             return math.inf
         if step is None or step <= 0:
             return self.rehearsal_gap
         budget, backlog = settings.rehearsal_budget * step, max(0, self.unread - self.parked_for)
-        over = lambda s: prices.drafter_step_ms(step) + prices.reading_ms(backlog + s) - budget * s  # noqa: E731
+        over = lambda s: prices.drafter_step_ms(step) + waits + prices.reading_ms(backlog + s) - budget * s  # noqa: E731
         lo, hi = self.rehearsal_gap, 64 * settings.stretch_max  # reading grows linearly past the measured widths
         if over(lo) <= 0:
             return lo
@@ -363,12 +411,18 @@ class AdaptiveK:
         """Plain target steps to take in a row after choosing none: up to the next rehearsal (at most the
         settings' stretch_max: the decision is revisited as the run's own timings come in)."""
         opening, self.opening = self.opening and self.unread > 0, False
+        self.parked_beside = len(self.sharing.others) if self.sharing is not None else 0
         if self.best_k() is None or opening:  # after a deferred opening the model may draft from the next token
             return 1
         return max(1, min(self.settings.stretch_max, self.rehearsal_wait() - self.parked_for))
 
     def wants_rehearsal(self) -> bool:
         return self.parked_for > 0 and self.parked_for >= self.rehearsal_wait()
+
+    def reconsider(self) -> bool:
+        """Batched: a member joined or left since the stretch began, so it ends and the policy decides again (a
+        request parked under load drafts again once the batch shrinks)."""
+        return self.sharing is not None and len(self.sharing.others) != self.parked_beside
 
     # --- learning ------------------------------------------------------------------------------------------
     def begin(self, unread: int, budget: int | None = None) -> None:

@@ -23,6 +23,7 @@ the same numbers. Definitions (also in docs/how-it-works.md#metrics):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -337,11 +338,37 @@ def spans(tokens: Iterable[Token]) -> list[tuple[str, str | None]]:
 
 # --- a request's passes shared with others' (continuous batching: uag.runtime.batching) --------------------------
 
+FIXED_ROWS = 16.0  # a pass's fixed cost in padded tokens' worth, until a batch has timed passes of its own
 
-@dataclass
+
+def groups(widths: list[int], fixed_rows: float) -> list[list[int]]:
+    """The passes (their indices) a batch runs together: every sequence of a pass is padded to its widest, so a
+    pass over [17, 1, 1, 1] computes 68 tokens for 20. Sorted by width, the passes are cut where the padded tokens
+    plus `fixed_rows` per pass (what a pass costs beside its tokens) sum least.
+
+    Example: [17, 1, 1, 1], 16 -> [[0], [1, 2, 3]] (16 + 17 + 16 + 3 = 52 < 16 + 68 = 84)
+             [9, 8, 9, 1], 16 -> [[0, 1, 2, 3]]   (16 + 36 = 52 < 16 + 27 + 16 + 1 = 60)
+    """
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        for start in range(end):  # order[start:end] as one pass, its widest order[start]
+            cost = best[start] + fixed_rows + (end - start) * widths[order[start]]
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    out, end = [], len(order)
+    while end > 0:
+        out.append(sorted(order[cut[end] : end]))  # in the order they came
+        end = cut[end]
+    return sorted(out)
+
+
+@dataclass(eq=False)
 class Sharing:
-    """How one request's target passes were shared with other requests' (a server batching them), for `auto`
-    (uag.core.evidence.Prices prices a pass by the width of the whole batch) and for the request's report."""
+    """How one request's target passes are shared with other requests' (a server batching them), for `auto`
+    and for the request's report. The batch keeps `others` (the other members' `Sharing`) and `fixed_rows`
+    current; each member's policy says what it proposes next (`proposing`), so that every member prices its own
+    proposal against the whole batch's pass, given the others' (uag.core.evidence.Prices)."""
 
     size: int = 1  # sequences in the last target pass shared with this request
     widest: int = 0  # the most tokens another sequence put in it (each sequence is padded to the widest)
@@ -349,6 +376,11 @@ class Sharing:
     passes: int = 0  # target passes this request made
     summed: int = 0  # the sizes of the batches they ran in, summed
     largest: int = 1
+    others: tuple[Sharing, ...] = field(default=(), repr=False)  # the batch's other members now (the batch sets
+    #   them as members join and leave)
+    fixed_rows: float = FIXED_ROWS  # what the batch's pass costs beside its tokens, in tokens (its `groups`)
+    width: int = 1  # the tokens this request puts in its next target pass (1: a plain step)
+    tokens: float = 1.0  # the tokens it expects to commit per round of the batch, at that width
 
     def shared(self, size: int, widest: int, ms: float | None) -> None:
         """A target pass ran over `size` sequences, the widest of the others `widest` tokens, in `ms`."""
@@ -357,16 +389,26 @@ class Sharing:
         self.summed += size
         self.largest = max(self.largest, size)
 
-    def rows(self, w: int) -> int:
-        """Tokens a target pass computes when every sequence of this request's batch puts w in it: what `auto`
-        prices a proposal of w at. Each request choosing the w with the most tokens per ms at that price is the
-        batch choosing its best common width: were a request to price only what its own draft adds to the
-        others' widest, drafts up to that width would look free, and every request would draft as far as the
-        widest (on a CPU, a pass of 4 × 17 tokens costs 3 passes of 4 × 1).
+    def proposing(self, width: int, tokens: float) -> None:
+        """This request's next target pass reads `width` tokens, and it expects `tokens` a round from it."""
+        self.width, self.tokens = width, tokens
 
-        Example: 4 sequences -> w = 1: 4;  w = 9: 36;  1 sequence -> w = 9: 9
+    def pass_tokens(self, w: int | None) -> list[int]:
+        """Tokens each target pass of the batch's next round computes when this request puts w in it (None: it
+        makes none: it drafts), the others at what they propose: every sequence of a pass padded to its widest,
+        the batch cut into passes as `groups` cuts it. What a draft of this request costs is what it adds to the
+        whole round: on a CPU a pass of 4 × 17 tokens costs 3 passes of 4 × 1, and all four wait for it.
+
+        Example: alone -> w = 9: [9];  three others at 1, fixed_rows 16 -> w = 1: [4];  w = 2: [8];
+                 w = 17: [3, 17];  None: [3]
         """
-        return w if self.size <= 1 else self.size * w
+        widths = [o.width for o in self.others] + ([] if w is None else [w])
+        return [len(g) * max(widths[i] for i in g) for g in groups(widths, self.fixed_rows)]
+
+    @property
+    def others_tokens(self) -> float:
+        """The tokens the other members expect to commit per round (0 alone)."""
+        return sum(o.tokens for o in self.others)
 
     def computed(self, w: int) -> int:
         """Tokens the last pass computed where this request put w in it: every sequence padded to the widest."""

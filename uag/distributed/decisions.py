@@ -171,6 +171,9 @@ class RankPolicy:
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         self.inner.rehearsed(rehearsal)
 
+    def reconsider(self) -> bool:
+        return False  # a sharded target serves one request at a time: no batch to change
+
     def choose(self, offer, left: int | None = None) -> tuple[str, int]:
         message = self._decide(offer, left) if self.link.rank == 0 else None
         tic = time.perf_counter()

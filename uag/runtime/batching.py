@@ -18,7 +18,6 @@ exactly the calls it would make outside a batch.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from collections import deque
@@ -30,13 +29,12 @@ import greenlet
 import mlx.core as mx
 
 from uag.core.passes import batched_pass, mergeable
-from uag.core.records import Sharing
+from uag.core.records import FIXED_ROWS, Sharing, groups
 
 log = logging.getLogger(__name__)
 
 READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): it runs alone, in chunks
 READ_CHUNK = 128  # tokens of a read per round while other members decode
-FIXED_ROWS = 16.0  # a pass's fixed cost in padded tokens' worth, until the batch has timed passes of its own
 
 
 class SharedModel:
@@ -140,7 +138,9 @@ class Batch:
     def join(self, job: Any) -> None:
         """Start a job as a member: it runs up to its first shared pass (or to its end)."""
         member = Member(job, greenlet.getcurrent(), self)
+        member.sharing.fixed_rows = self.costs.fixed_rows()
         self.members.append(member)
+        self._met()
         self._resume(member, None)
         self._noted()
 
@@ -192,6 +192,9 @@ class Batch:
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 else None
         if merged and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
+            fixed_rows = self.costs.fixed_rows()
+            for m in self.members:
+                m.sharing.fixed_rows = fixed_rows
         if model.role == "target":
             for m in members:
                 widest = max((p.width for other, p in zip(members, passes) if other is not m), default=0)
@@ -233,38 +236,22 @@ class Batch:
         waiting = member.throw(error) if error is not None else member.switch(value)
         if member.dead:
             self.members.remove(member)
+            self._met()
             self.kept.clear()  # its caches leave with it, and the merged copy that holds them
         else:
             if not isinstance(waiting, Pass):
                 raise RuntimeError(f"a batched job switched out with {waiting!r} instead of a pass")
             self.waiting[member] = waiting
 
+    def _met(self) -> None:
+        """Every member's `Sharing` sees the others now (their auto prices its proposals against theirs)."""
+        for member in self.members:
+            member.sharing.others = tuple(o.sharing for o in self.members if o is not member)
+
     def _noted(self) -> None:
         if not self.history or self.history[-1][1] != len(self.members):
             self.history.append((time.time(), len(self.members)))
             del self.history[:-1000]
-
-
-def groups(widths: list[int], fixed_rows: float) -> list[list[int]]:
-    """The passes (their indices) to run together: every sequence of a pass is padded to its widest, so a pass
-    over [17, 1, 1, 1] computes 68 tokens for 20. Sorted by width, the passes are cut where the padded tokens
-    plus `fixed_rows` per pass (what a pass costs beside its tokens) sum least.
-
-    Example: [17, 1, 1, 1], 16 -> [[0], [1, 2, 3]] (16 + 17 + 16 + 3 = 52 < 16 + 68 = 84)
-             [9, 8, 9, 1], 16 -> [[0, 1, 2, 3]]   (16 + 36 = 52 < 16 + 27 + 16 + 1 = 60)
-    """
-    order = sorted(range(len(widths)), key=lambda i: -widths[i])
-    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
-    for end in range(1, len(order) + 1):
-        for start in range(end):  # order[start:end] as one pass, its widest order[start]
-            cost = best[start] + fixed_rows + (end - start) * widths[order[start]]
-            if cost < best[end]:
-                best[end], cut[end] = cost, start
-    out, end = [], len(order)
-    while end > 0:
-        out.append(sorted(order[cut[end] : end]))  # in the order they came
-        end = cut[end]
-    return sorted(out)
 
 
 class PassCosts:
