@@ -60,8 +60,12 @@ def client_of(server: serving.Server) -> openai.OpenAI:
 
 
 def warmed(server: serving.Server) -> serving.Server:
-    """The server after one short request (mlx_lm.server loads its model on its first request)."""
-    first_token_s(server, client_of(server), [{"role": "user", "content": "Hi"}])
+    """The server after one short request without the head's tools (mlx_lm.server loads its model on its first
+    request)."""
+    bare = replace(
+        server.condition, extra_body={k: v for k, v in (server.condition.extra_body or {}).items() if k != "tools"}
+    )
+    serving.ask(client_of(server), bare, [{"role": "user", "content": "Hi"}], 2, first_only=True)
     return server
 
 
