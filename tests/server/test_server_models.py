@@ -336,9 +336,17 @@ def test_the_router_picks_by_name_then_alias_and_falls_back_only_where_told():
 # --- the demo and coder targets from one process --------------------------------------------------------------------
 @pytest.mark.slow
 @needs_coder_pair
-def test_the_demo_and_coder_targets_from_one_server_answer_as_each_alone(store):
+def test_the_demo_and_coder_targets_from_one_server_answer_as_each_alone():
     """Alternating requests to one server serving both targets (each with SmolLM2 drafting across tokenizers) get
-    the greedy replies of a server serving each alone. One store for all three servers: each model loads once."""
+    the greedy replies of a server serving each alone. One store for all three servers: each model loads once; a
+    store of its own, dropped after the test, so that the 7 GB coder target is not held for the rest of the run."""
+    import gc
+
+    import mlx.core as mx
+
+    from uag.models.store import ModelStore
+
+    store = ModelStore()
     flags = ("--drafter", "lookup+demo-drafter", "--strategy", "context", "-k", "4", "--no-ui", "--cache-gb", "0")
     flags += ("--max-tokens", "6", "--max-batch", "1")  # one at a time: the session's models stay unwrapped
     prompts = {"demo-target": "Name a colour.", "coder": "Write a Python function that adds two numbers."}
@@ -350,3 +358,6 @@ def test_the_demo_and_coder_targets_from_one_server_answer_as_each_alone(store):
         for name in ("demo-target", "coder", "demo-target", "coder"):
             assert chat(url, name, prompts[name]) == alone[name], name
         assert {"demo-target", "coder-target"} <= set(service.store.loaded)
+    del store, service
+    gc.collect()
+    mx.clear_cache()
