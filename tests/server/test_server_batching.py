@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.support.server import held, until
 
 pytestmark = pytest.mark.slow
 
@@ -84,13 +84,6 @@ ASKS = [  # first 2, first 4, all 8 at once; the first two make a target pass ev
 ]
 
 
-def until(condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s  # a bound on the wait, not a claim about speed
-    while not condition():
-        assert time.monotonic() < deadline, "the server did not get there"
-        time.sleep(0.02)
-
-
 def parsed(data: dict, route: str) -> Reply:
     choice = data["choices"][0]
     text = (choice["message"]["content"] or "") if route == "chat" else choice["text"]
@@ -130,24 +123,6 @@ def streamed(url: str, request: Ask, *, started: threading.Event | None = None, 
                 return "".join(pieces)
             last = chunk
     return Reply("".join(pieces), finish, last["usage"]["completion_tokens"], last["speculative"].get("batch"))
-
-
-@contextmanager
-def held(service):
-    """The worker busy with a job of the test's while the block queues requests; they start when it ends."""
-    gate = threading.Event()
-
-    def hold(job):
-        gate.wait(300)
-        yield "released"
-
-    holder = service.runner.worker.submit(hold, label="the test holds the worker")
-    until(holder.started.is_set)
-    try:
-        yield
-    finally:
-        gate.set()
-        assert list(holder) == ["released"]
 
 
 def together(served, requests: list[Ask], *, call=ask) -> list:

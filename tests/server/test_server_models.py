@@ -6,8 +6,6 @@ demo and coder targets from one process where the coder pair is converted."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -16,7 +14,7 @@ import httpx
 import pytest
 
 from tests.support.coder import needs_coder_pair
-from tests.support.server import serve_args, serving
+from tests.support.server import held, serve_args, serving, until
 from uag.errors import InputError
 from uag.server.main import parse_serve
 from uag.server.protocol import ModelRouter, ServerDefaults
@@ -49,13 +47,6 @@ def chat(url: str, model: str, prompt: str = PROMPT, max_tokens: int | None = No
     answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
     assert answer.status_code == 200, answer.text
     return answer.json()["choices"][0]["message"]["content"]
-
-
-def until(condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -199,24 +190,6 @@ def test_the_least_recently_used_model_is_unloaded_first(served, folders, alone)
         service.store.on_evict.pop()
 
 
-@contextmanager
-def worker_held(service):
-    """The worker busy with a job of the test's while the block queues requests; they start together after it."""
-    gate = threading.Event()
-
-    def hold(job):
-        gate.wait(300)
-        yield "released"
-
-    holder = service.runner.worker.submit(hold, label="the test holds the worker")
-    until(holder.started.is_set)
-    try:
-        yield
-    finally:
-        gate.set()
-        assert list(holder) == ["released"]
-
-
 def test_a_model_a_running_request_uses_is_never_unloaded(served, folders, alone):
     """Three requests for three models run together on a store that keeps two: the third's load finds the other
     two generating, so the store holds three until one ends, and only then unloads the least recently used. No
@@ -245,7 +218,7 @@ def test_a_model_a_running_request_uses_is_never_unloaded(served, folders, alone
     service.store.on_evict.append(lambda model: unloaded.append((names[model.name], generating[names[model.name]] > 0)))
     try:
         worker = service.runner.worker
-        with ThreadPoolExecutor(3) as pool, worker_held(service):
+        with ThreadPoolExecutor(3) as pool, held(service):
             replies = [pool.submit(chat, url, name) for name in ("a", "b", "c")]
             until(lambda: worker.backlog >= 3)
         assert [reply.result() for reply in replies] == [alone["a"], alone["b"], alone["c"]]

@@ -39,3 +39,29 @@ def serving(app, **limits) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def until(condition, timeout_s: float = 120.0) -> None:
+    """Wait until `condition()` holds; a bound on the wait, not a claim about speed."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the server did not get there"
+        time.sleep(0.02)
+
+
+@contextmanager
+def held(service):
+    """The server's worker busy with a job of the test's while the block queues requests; they start when it ends."""
+    gate = threading.Event()
+
+    def hold(job):
+        gate.wait(300)
+        yield "released"
+
+    holder = service.runner.worker.submit(hold, label="the test holds the worker")
+    until(holder.started.is_set)
+    try:
+        yield
+    finally:
+        gate.set()
+        assert list(holder) == ["released"]
