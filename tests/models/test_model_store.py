@@ -63,6 +63,22 @@ def test_a_pinned_model_is_never_unloaded_and_the_budget_holds_again_once_none_p
     assert store.loaded == [str(m0), str(m1)] and not store.pinned_names
 
 
+def test_clear_unloads_every_model_no_run_uses_and_frees_its_memory(tiny):
+    import weakref
+
+    _, (m0, m1, _) = tiny
+    store, gone = ModelStore(), []
+    store.on_evict.append(lambda model: gone.append(model.name))
+    a, b = store.get(str(m0)), store.get(str(m1))
+    freed = weakref.ref(b)
+    with store.pinned(a):
+        del b
+        store.clear()
+        assert gone == [str(m1)] and store.loaded == [str(m0)] and freed() is None
+    store.clear()
+    assert gone == [str(m1), str(m0)] and store.loaded == []
+
+
 def test_a_gigabyte_budget_unloads_down_to_it(tiny):
     _, (m0, m1, _) = tiny
     store = ModelStore(max_gb=1e-12)  # smaller than any model: only the one just loaded stays

@@ -184,3 +184,27 @@ def test_failure_tells_user_errors_from_bugs(caplog):
     message = failure(ZeroDivisionError("division by zero"), "run")
     assert message.startswith("**Internal error**") and "ZeroDivision" not in message and "division" not in message
     assert caplog.records[-1].exc_info[0] is ZeroDivisionError
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_idle_worker_keeps_nothing_of_the_jobs_it_ran(shared):
+    """A server idle after a request must not hold that request's job, and through it its models and caches."""
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    def job(_job, payload):
+        yield "done"
+
+    worker = MLXWorker(name="test-idle", max_batch=4 if shared else 1)
+    payload = Payload()
+    gone = weakref.ref(payload)
+    assert list(worker.submit(job, payload, shared=shared)) == ["done"]
+    del payload
+    deadline = time.monotonic() + 10
+    while gc.collect() is not None and gone() is not None:
+        assert time.monotonic() < deadline, "the idle worker still holds the job it ran"
+        time.sleep(0.02)
+    worker.close(timeout=10)

@@ -7,7 +7,6 @@ line of the suffix by prompt lookup (where the coder pair is converted)."""
 from __future__ import annotations
 
 import ast
-import gc
 import json
 
 import httpx
@@ -214,7 +213,7 @@ def coder_url():
     from uag.models.store import ModelStore
     from uag.server.main import build
 
-    store = ModelStore(max_models=2)  # its own, dropped after: the 1.5B is never held twice in the session
+    store = ModelStore(max_models=2)  # its own, cleared after: the 1.5B is never held twice in the session
     settings = serve_args("--target", "coder-target", "--drafter", "lookup", "--max-tokens", "64", "--no-ui")
     app, service = build(settings, store=store)
     try:
@@ -222,8 +221,7 @@ def coder_url():
             yield url
     finally:
         service.costs.close()
-        del app, service, store
-        gc.collect()
+        store.clear()  # FastAPI keeps a stopped app's endpoints (and through them this store) alive in a cache
 
 
 CODER_PREFIX = 'def mean(values):\n    """The arithmetic mean of a non-empty list of numbers."""\n    '  # the cursor

@@ -312,11 +312,8 @@ def test_the_router_picks_by_name_then_alias_and_falls_back_only_where_told():
 def test_the_demo_and_coder_targets_from_one_server_answer_as_each_alone():
     """Alternating requests to one server serving both targets (each with SmolLM2 drafting across tokenizers) get
     the greedy replies of a server serving each alone. One store for all three servers: each model loads once; a
-    store of its own, dropped after the test, so that the 7 GB coder target is not held for the rest of the run."""
-    import gc
-
-    import mlx.core as mx
-
+    store of its own, cleared after the test, so that the 7 GB coder target is not held for the rest of the run
+    (FastAPI keeps a stopped app's endpoints, and through them its hosts, alive in a cache)."""
     from uag.models.store import ModelStore
 
     store = ModelStore()
@@ -324,13 +321,13 @@ def test_the_demo_and_coder_targets_from_one_server_answer_as_each_alone():
     flags += ("--max-tokens", "6", "--max-batch", "1")  # one at a time: the session's models stay unwrapped
     prompts = {"demo-target": "Name a colour.", "coder": "Write a Python function that adds two numbers."}
     alone = {}
-    for name, target in (("demo-target", "demo-target"), ("coder", "coder-target")):
-        with server("--target", target, *flags, store=store) as (url, _):
-            alone[name] = chat(url, target, prompts[name])
-    with server("--target", "demo-target", "--serve", "coder=coder-target", *flags, store=store) as (url, service):
-        for name in ("demo-target", "coder", "demo-target", "coder"):
-            assert chat(url, name, prompts[name]) == alone[name], name
-        assert {"demo-target", "coder-target"} <= set(service.store.loaded)
-    del store, service
-    gc.collect()
-    mx.clear_cache()
+    try:
+        for name, target in (("demo-target", "demo-target"), ("coder", "coder-target")):
+            with server("--target", target, *flags, store=store) as (url, _):
+                alone[name] = chat(url, target, prompts[name])
+        with server("--target", "demo-target", "--serve", "coder=coder-target", *flags, store=store) as (url, service):
+            for name in ("demo-target", "coder", "demo-target", "coder"):
+                assert chat(url, name, prompts[name]) == alone[name], name
+            assert {"demo-target", "coder-target"} <= set(service.store.loaded)
+    finally:
+        store.clear()

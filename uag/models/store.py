@@ -267,7 +267,15 @@ class ModelStore:
     def _evict(self, protected: set[str], *, coming: Collection[int | None] = ()) -> None:
         """Unload the least recently used models beyond the budget, making room first for models about to load,
         `coming` bytes each (None: size unknown)."""
-        evicted = [self._models.pop(key) for key in self._unload_order(protected, list(coming))]
+        self._unloaded([self._models.pop(key) for key in self._unload_order(protected, list(coming))])
+
+    def clear(self) -> None:
+        """Unload every model no run is using now (a server that has stopped, a notebook moving on); the holders
+        of references hear of each through `on_evict` and drop them, so that the memory is freed."""
+        with self._lock:
+            self._unloaded([self._models.pop(key) for key in list(self._models) if not self._pins[key]])
+
+    def _unloaded(self, evicted: list[LoadedModel]) -> None:
         for model in evicted:
             for callback in self.on_evict:
                 callback(model)

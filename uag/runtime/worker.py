@@ -245,6 +245,7 @@ class MLXWorker:
         solo, closing = None, False
         while not (closing and solo is None and not batch):
             while solo is None and not closing and not batch.full:  # admit what may run now
+                self._running = [job for job in self._running if not job.done.is_set()]  # none kept while idle
                 try:
                     job = self._jobs.get(block=not batch)
                 except queue.Empty:
@@ -256,6 +257,7 @@ class MLXWorker:
                     batch = self._batched(batch, batch.join, job)
                 else:
                     solo = job  # runs once the shared jobs running now are done; none joins them meanwhile
+                job = None  # an idle worker, blocked on the queue, must not keep the last job (and its models) alive
             if batch:
                 batch = self._batched(batch, batch.round)
             elif solo is not None:
