@@ -4,11 +4,13 @@ pass, and leaves when it is done.
 Each shared job runs in a greenlet of its own on the worker's thread (MLX arrays and streams stay on the thread
 that made them), and its engine runs unchanged: where it calls a model the batch shares (`SharedModel`), the call
 hands its pass to the `Batch` and waits. The batch lets every member run up to its next pass (drafting, checking,
-detokenising: what each does on its own), then runs one pass per model for all of them
-(`uag.core.passes.batched_pass`: ragged widths, every cache its own) and hands each member its rows. A pass over
-more than `READ` tokens (a prompt being read) runs alone, in chunks of `read_chunk` tokens while others decode,
-one chunk per round, so that a long prompt does not freeze the other streams. A member that runs alone makes
-exactly the calls it would make outside a batch.
+detokenising: what each does on its own), then runs one pass per model for all of them and hands each member its
+rows. Plain KV caches are kept merged between passes (`uag.core.kept_caches`: a member's cache becomes a row of
+the batch's storage at its first batched pass and plain again when it reads, runs alone or its run ends); other
+caches are merged afresh for each pass (`uag.core.passes.batched_pass`). A pass over more than `READ` tokens (a
+prompt being read) runs alone, in chunks of `read_chunk` tokens while others decode, one chunk per round, so that
+a long prompt does not freeze the other streams. A member that runs alone makes exactly the calls it would make
+outside a batch, on its own plain cache.
 
     batch = Batch(max_size=4)
     batch.join(job)          # a Job whose function calls models wrapped in SharedModel
@@ -28,6 +30,7 @@ from typing import Any
 import greenlet
 import mlx.core as mx
 
+from uag.core.kept_caches import KeptCaches
 from uag.core.passes import batched_pass, mergeable
 from uag.core.records import FIXED_ROWS, Sharing, groups
 
@@ -53,7 +56,7 @@ class SharedModel:
         if not isinstance(member, Member) or cache is None or kwargs or inputs.shape[0] != 1:
             return self.inner(inputs, cache=cache, **kwargs)
         if member.batch.solo():  # nobody to batch with, nobody waiting to join: the pass runs here and now
-            member.batch.kept.pop(id(self), None)  # the cache grows outside any merged copy of it
+            member.batch.hand_back(cache)  # its own plain cache again, as outside a batch
             if self.role == "target":
                 member.sharing.shared(1, 0, None)
             return self.inner(inputs, cache=cache)
@@ -62,9 +65,17 @@ class SharedModel:
     def alone(self) -> bool:
         """Whether a call made now is the model's own: outside a batch, or from a member running alone in it
         (`Batch.solo`); only then may a caller change the model for one pass (a tree pass's rope: uag.core.passes,
-        which asks it as a `uag.core.passes.Shareable`)."""
+        which asks it as a `uag.core.passes.Shareable`). A member alone gets its own plain caches back here, as its
+        passes would, so that what it asks of them next (a tree pass needs plain KV caches) sees them as it would
+        outside a batch."""
         member = greenlet.getcurrent()
-        return not isinstance(member, Member) or member.batch.solo()
+        if not isinstance(member, Member):
+            return True
+        if not member.batch.solo():
+            return False
+        for cache in list(member.adopted):
+            member.batch.hand_back(cache)
+        return True
 
 
 def share(loaded: Any, role: str) -> None:
@@ -94,9 +105,19 @@ class Member(greenlet.greenlet):
     def __init__(self, job: Any, parent: greenlet.greenlet, batch: Batch):
         super().__init__(self._main, parent)
         self.job, self.sharing, self.batch = job, Sharing(), batch
+        self.adopted: list[list] = []  # its cache lists that are rows of the batch's kept caches now
 
     def _main(self, *_start) -> None:
         self.job._run()
+
+
+def handed_back() -> None:
+    """The running request's caches made plain KV caches again, where they are rows of its batch's kept caches: at
+    its run's end, before they are stored for the conversation's next turn (in memory, on disk)."""
+    member = greenlet.getcurrent()
+    if isinstance(member, Member):
+        for cache in list(member.adopted):
+            member.batch.hand_back(cache)
 
 
 def sharing_now() -> Sharing | None:
@@ -118,7 +139,7 @@ class Batch:
         self.waiting: dict[Member, Pass] = {}  # every live member, at the pass it waits on
         self.members: list[Member] = []  # every member not yet ended
         self.costs = PassCosts()
-        self.kept: dict[int, Any] = {}  # per model: the merged caches of its last batched pass of plain steps
+        self.kept: dict[int, KeptCaches] = {}  # per model: its members' plain KV caches, kept merged
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
         self.queued: Callable[[], bool] = lambda: False  # whether a job waits to start (the worker's queue)
 
@@ -164,18 +185,33 @@ class Batch:
             self._noted()
 
     def _decode(self, members: list[Member]) -> list[tuple[Member, Any, BaseException | None]]:
-        """The members' narrow passes: one batched pass where their caches merge, else one pass each. A failed
-        pass fails the members it served (their engines clean up); the others go on."""
+        """The members' narrow passes: one batched pass on the caches kept merged (plain KV caches, and a member
+        whose cache is a row already), or merged for this pass (other caches mlx-lm merges), else one pass each. A
+        failed pass fails the members it served (their engines clean up); the others go on, except after a pass
+        that failed part way on the kept caches, which fails every member holding a row of them at its next pass."""
         passes = [self.waiting[m] for m in members]
         model = passes[0].model
         tic = self.clock()
-        merged = len(passes) > 1 and all(mergeable(p.cache) for p in passes)
-        if merged:
+        kept = self.kept.get(id(model))
+        rows = kept is not None and any(kept.holds(p.cache) for p in passes)
+        keep = (len(passes) > 1 or rows) and all(KeptCaches.keepable(p.cache) for p in passes)
+        merged = keep or (len(passes) > 1 and all(mergeable(p.cache) for p in passes))
+        if keep:
+            kept = self.kept.setdefault(id(model), KeptCaches())
             try:
-                kept = self.kept.pop(id(model), None)
-                out, self.kept[id(model)] = batched_pass(
-                    model.inner, [p.inputs for p in passes], [p.cache for p in passes], kept
+                out = kept.run(
+                    model.inner,
+                    [self._adopted(kept, m, p.cache) for m, p in zip(members, passes)],
+                    [p.inputs for p in passes],
                 )
+            except Exception as err:
+                log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
+                if kept.broken or not kept:
+                    del self.kept[id(model)]
+                return [(m, None, err) for m in members]
+        elif merged:
+            try:
+                out, _ = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
                 _evaluated(out, passes)
             except Exception as err:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
@@ -190,7 +226,7 @@ class Batch:
                 except Exception as err:
                     out.append(err)
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 else None
-        if merged and model.role == "target":
+        if merged and ms is not None and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
             fixed_rows = self.costs.fixed_rows()
             for m in self.members:
@@ -204,7 +240,7 @@ class Batch:
     def _read(self, member: Member, alone: bool) -> list[tuple[Member, Any, BaseException | None]]:
         """One chunk of a member's read (all of it when nobody else waits); its logits once it is read."""
         waiting = self.waiting[member]
-        self.kept.pop(id(waiting.model), None)  # its cache grows outside the merged copy
+        self.hand_back(waiting.cache)  # read on its own plain cache: a long read's slots would be every row's holes
         end = waiting.width if alone else min(waiting.width, waiting.read + self.read_chunk)
         try:
             chunk = waiting.inputs[:, waiting.read : end]
@@ -228,16 +264,37 @@ class Batch:
                     member.throw(err)
                 except Exception:  # it raised out of its job (a bug of its own): nothing more to end
                     log.debug("a member raised while it was ended", exc_info=True)
-        self.members, self.waiting = [], {}
+        for kept in self.kept.values():
+            for cache in [owner for owner in kept.owners if owner is not None]:
+                kept.hand_back(cache)
+        self.members, self.waiting, self.kept = [], {}, {}
+
+    def hand_back(self, cache: list) -> None:
+        """A member's cache made plain KV caches again where it is a row of the kept caches (a no-op where not);
+        a model's kept caches holding no row are dropped."""
+        for key, kept in list(self.kept.items()):
+            if kept.holds(cache):
+                kept.hand_back(cache)
+                for member in self.members:
+                    member.adopted = [c for c in member.adopted if c is not cache]
+                if not kept:
+                    del self.kept[key]
+
+    def _adopted(self, kept: KeptCaches, member: Member, cache: list) -> int:
+        """The row of the kept caches that holds a member's cache (adopted at its first batched pass)."""
+        if not kept.holds(cache):
+            member.adopted.append(cache)
+        return kept.adopt(cache)
 
     def _resume(self, member: Member, value: Any, error: BaseException | None = None) -> None:
         """Let a member run on to its next shared pass (or its end)."""
         self.waiting.pop(member, None)
         waiting = member.throw(error) if error is not None else member.switch(value)
         if member.dead:
+            for cache in list(member.adopted):  # its caches leave with it, plain again
+                self.hand_back(cache)
             self.members.remove(member)
             self._met()
-            self.kept.clear()  # its caches leave with it, and the merged copy that holds them
         else:
             if not isinstance(waiting, Pass):
                 raise RuntimeError(f"a batched job switched out with {waiting!r} instead of a pass")

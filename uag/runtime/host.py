@@ -37,7 +37,7 @@ from uag.costs.pair import AutoInputs, evidence_key, open_auto, read_calibration
 from uag.costs.profiles import pair_name
 from uag.models.memory import available_bytes
 from uag.models.store import LoadedModel, ModelStore
-from uag.runtime.batching import Batch, share, sharing_now
+from uag.runtime.batching import Batch, handed_back, share, sharing_now
 from uag.runtime.jobs import JobRunner, tell
 from uag.runtime.keeper import CostKeeper, Measures, Wanted, measure_wanted
 from uag.runtime.pair import Load, Loaded, check_against_target, open_pair
@@ -291,6 +291,7 @@ class Host:
             clean = True
         finally:
             events.close()  # the engine's finally leaves the caches exact, also when stopped early
+            handed_back()  # plain KV caches again, where they were rows of the batch's: kept for the next turn
             if clean and remember and self.memory is not None and running.run is not None:
                 self.memory.add(owner, [*running.run.prompt_ids, *running.run.token_ids])
             if auto is not None:

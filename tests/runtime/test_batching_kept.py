@@ -1,0 +1,93 @@
+"""A batch keeps its members' plain KV caches merged between passes (uag.core.kept_caches): requests of a tiny random
+target run through the real engine in one `Batch`, speculating with drafters that are kept in full (the target as
+its own drafter), rejected (another model), or in part (prompt lookup), at different k, one of them joining late,
+and each one's greedy tokens equal the target alone's; no pass merges caches afresh, and every cache leaves the
+batch as plain KV caches."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import uag.runtime.batching
+from tests.support.tiny_models import build_tiny
+from uag.core.config import GenerationConfig
+from uag.core.drafters import DrafterChoice
+from uag.core.engine import generate
+from uag.core.kept_caches import KeptCaches
+from uag.core.passes import PromptCaches
+from uag.runtime.batching import Batch, SharedModel, handed_back, share
+from uag.runtime.worker import Job
+
+
+@pytest.fixture(scope="module")
+def pair(store):
+    target = store.get(str(build_tiny("llama", "llama-3.2", seed=21, tie_embeddings=False)))
+    other = store.get(str(build_tiny("llama", "llama-3.2", seed=22, tie_embeddings=False)))
+    yield target, other
+    for loaded in (target, other):  # the store's models as other modules get them
+        if isinstance(loaded.model, SharedModel):
+            loaded.model = loaded.model.inner
+
+
+def request(job, target, drafter, ids: list[int], config: GenerationConfig, out: dict, name: str):
+    caches = PromptCaches()
+    out[name] = generate(target, drafter, ids, config, caches=caches)
+    handed_back()  # as the host does at a run's end
+    out[name, "caches"] = caches
+    yield name
+
+
+def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, monkeypatch):
+    target, other = pair
+    base = [5, 17, 23, 42, 8, 99, 61, 5, 17, 23, 42, 8, 99, 61]
+    requests = {  # name: (drafter, prompt ids, k, max_tokens)
+        "self": (DrafterChoice(model=target), [3, *base], 3, 24),  # kept in full
+        "other": (DrafterChoice(model=other), [7, 7, 9] * 9, 2, 16),  # rejected: every cycle trims
+        "lookup": (DrafterChoice(lookup=True), base * 3, 4, 30),  # kept in part
+        "late": (DrafterChoice(model=other), [11, 12], 4, 20),
+    }
+    alone = {
+        name: generate(target, None, ids, GenerationConfig("baseline", max_tokens=n)).token_ids
+        for name, (_, ids, _, n) in requests.items()
+    }
+
+    def merged_afresh(*args, **kwargs):
+        raise AssertionError("plain KV caches were merged for a pass")
+
+    monkeypatch.setattr(uag.runtime.batching, "batched_pass", merged_afresh)
+    passes, run = [], KeptCaches.run
+
+    def recorded(kept, model, rows, inputs):
+        passes.append(sorted(int(x.shape[-1]) for x in inputs))
+        return run(kept, model, rows, inputs)
+
+    monkeypatch.setattr(KeptCaches, "run", recorded)
+    share(target, "target")
+    share(other, "drafter")
+    out: dict = {}
+    batch = Batch(max_size=4)
+    batch.queued = lambda: True  # as under load: a member alone still waits for its rounds
+    jobs = {
+        name: Job(request, (target, d, ids, GenerationConfig("context", k, max_tokens=n), out, name), name, shared=True)
+        for name, (d, ids, k, n) in requests.items()
+    }
+    for name in ("self", "other", "lookup"):
+        batch.join(jobs[name])
+    held = []
+    for rounds in range(10_000):
+        if not batch:
+            break
+        if rounds == 6:
+            batch.join(jobs["late"])
+        batch.round()
+        held.append(sum(len([o for o in k.owners if o is not None]) for k in batch.kept.values()))
+    for job in jobs.values():
+        list(job)  # raises what the job raised
+    assert {name: out[name].token_ids for name in requests} == alone
+    assert max(held) >= 3 and not batch.kept  # rows were kept across rounds, and all of them went back
+    assert any(len(w) >= 3 and w[0] < w[-1] for w in passes)  # ragged passes of three members and more
+    for name in requests:
+        caches = out[name, "caches"]
+        assert all(type(c) is KVCache for c in caches.target_cache)
+        assert caches.target_cache[0].offset == len(caches.target_ids)

@@ -1,0 +1,284 @@
+"""A batch's KV caches kept merged between its passes: per model one storage, each member's cache a row of it.
+
+Why holes rather than mlx-lm's `BatchKVCache`: speculation trims every row by a different amount every cycle, and a
+left-padded cache can only trim all rows alike; here every slot carries its token's position (the rope position),
+a pass writes all rows' new tokens at one shared slot index, and a trim only shortens its row: the slots it gave up
+become holes the next pass masks out. Nothing is copied per pass; a compaction (one gather) only when holes pass a
+quarter of the longest row. The engine keeps "its cache": the list's entries are `RowCache`s while it is a row.
+Plain `KVCache`s only; rotating and quantized ones stay on `batched_pass`, and tree passes run alone, as before.
+
+    rows = [kept.adopt(cache) for cache in caches]      # each member's cache copied in once
+    logits = kept.run(model, rows, [ids_a, ids_b])      # a pass: no merge, no split
+    kept.hand_back(caches[0])                           # plain KV caches again, holding what the row held
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+UNSET = 2**30  # the position of a slot no token of its row is in: beyond every query, so never attended
+STEP = 256  # slots added at a time, as mlx-lm's caches grow
+MIN_HOLES = 64  # holes tolerated whatever the rows' length (a compaction copies every row)
+HOLES_SHARE = 0.25  # compact once holes exceed this share of the longest row: attention reads every slot
+
+
+class RowCache:
+    """One layer of a member's cache while it is a row of a `KeptCaches`: what its engine reads and trims. Written
+    only by the batch's passes; `offset` is the row's length, and `trim` just lowers it (the slots become holes)."""
+
+    def __init__(self, kept: KeptCaches, row: int, layer: int, offset: int):
+        self.kept, self.row, self.layer, self.offset = kept, row, layer, offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> list:
+        keys, values = self.kept.keys[self.layer], self.kept.values[self.layer]
+        return [] if keys is None else [keys, values]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tokens the row holds in this layer (its share of the storage, holes not counted)."""
+        keys, values = self.kept.keys[self.layer], self.kept.values[self.layer]
+        if keys is None:
+            return 0
+        return self.offset * (keys.nbytes + values.nbytes) // (keys.shape[0] * keys.shape[2])
+
+    def update_and_fetch(self, keys, values):
+        raise RuntimeError("a row of a batch's kept caches is written by the batch's passes only (KeptCaches.run)")
+
+
+class KeptCaches:
+    """The KV caches of a batch's members for one model, kept merged between passes (see the module)."""
+
+    def __init__(self):
+        self.keys: list[mx.array | None] = []  # per layer: (rows, heads, capacity, dim), None until written
+        self.values: list[mx.array | None] = []
+        self.positions: mx.array | None = None  # (rows, capacity) int32: each slot's position, UNSET where none
+        self.owners: list[list | None] = []  # per row: the cache list (of RowCaches) it backs; None: free
+        self.end = 0  # slots written so far: the next pass writes at end
+        self.copies = 0  # times every row was copied (growth, compaction): a pass itself copies none
+        self.broken = False  # a pass failed part way: what the storage holds is unknown
+
+    # --- members coming and going -----------------------------------------------------------------------------
+    @staticmethod
+    def keepable(cache: list) -> bool:
+        """Whether a cache can be a row here: plain KV caches (or rows already), every layer of the same length."""
+        if not cache or not all(type(c) is KVCache or isinstance(c, RowCache) for c in cache):
+            return False
+        return len({c.offset for c in cache}) == 1
+
+    def holds(self, cache: list) -> bool:
+        return bool(cache) and isinstance(cache[0], RowCache) and cache[0].kept is self
+
+    def adopt(self, cache: list) -> int:
+        """Make a member's plain KV caches a row (their contents copied in; the list's entries become `RowCache`s)
+        and return the row; a cache already a row here returns its row, copying nothing."""
+        if self.holds(cache):
+            return cache[0].row
+        if self.broken or isinstance(cache[0], RowCache):  # a row of storage a failed pass left unknown
+            raise RuntimeError("the batch's kept caches were lost with a failed pass")
+        if not self.keys:
+            self.keys, self.values = [None] * len(cache), [None] * len(cache)
+        assert len(cache) == len(self.keys), (len(cache), len(self.keys))
+        row = next((r for r, owner in enumerate(self.owners) if owner is None), None)
+        if row is None:
+            row = len(self.owners)
+            self._add_rows(max(2, 2 * len(self.owners)) - len(self.owners))
+        n = cache[0].offset
+        if n > self.end:  # the others' rows get holes up to n (fresh slots: UNSET already)
+            self._room(n - self.capacity)
+            self.end = n
+        start = self.end - n  # right-aligned: the next pass writes just after it
+        for layer, own in enumerate(cache):
+            if n:
+                self._allocated(layer, own.keys, own.values)
+                self.keys[layer][row : row + 1, :, start : self.end] = own.keys[..., :n, :]
+                self.values[layer][row : row + 1, :, start : self.end] = own.values[..., :n, :]
+        slots = mx.arange(self.capacity)
+        self.positions[row] = mx.where((slots >= start) & (slots < self.end), slots - start, UNSET)
+        cache[:] = [RowCache(self, row, layer, n) for layer in range(len(cache))]
+        self.owners[row] = cache
+        return row
+
+    def hand_back(self, cache: list) -> None:
+        """Make a row's cache list plain KV caches again, holding what the row held (one row copied out), and free
+        the row. After a failed pass the caches come back empty (their contents are unknown)."""
+        if not self.holds(cache):
+            return
+        row, n = cache[0].row, cache[0].offset
+        plain = [KVCache() for _ in cache]
+        if n and not self.broken:
+            order = mx.argsort(self._live()[row])[:n]  # the row's slots in position order: 0 … n-1
+            room = -(-n // KVCache.step) * KVCache.step - n  # the room a cache of its own would have: no copy next
+            for layer, own in enumerate(plain):
+                own.keys, own.values = (
+                    mx.pad(mx.take(store[layer][row : row + 1], order, axis=2), [(0, 0), (0, 0), (0, room), (0, 0)])
+                    for store in (self.keys, self.values)
+                )
+                own.offset = n
+            mx.eval([c.state for c in plain])
+        cache[:] = plain
+        self.owners[row] = None
+
+    def __bool__(self) -> bool:
+        """Whether any row is held."""
+        return any(owner is not None for owner in self.owners)
+
+    # --- a pass ---------------------------------------------------------------------------------------------
+    def run(self, model, rows: Sequence[int], inputs: Sequence[mx.array]) -> list[mx.array]:
+        """One pass of `model` over the given rows' new tokens (ragged widths, right padded: a row's padding comes
+        after its tokens, which the causal mask keeps from them); each row's logits, evaluated, and each row
+        longer by its own tokens.
+
+        Example: rows [0, 2] holding 30 and 12 tokens, inputs of widths [1, 4] -> one pass over 2 × 4 tokens at
+                 positions 30… and 12…, written at slots end … end + 3; logits (1, 1, V) and (1, 4, V)
+        """
+        assert rows and len(rows) == len(inputs) and not self.broken
+        if list(rows) != sorted(rows):  # in row order, so that rows next to each other are a view, not a gather
+            order = sorted(range(len(rows)), key=rows.__getitem__)
+            logits = self.run(model, [rows[i] for i in order], [inputs[i] for i in order])
+            return [logits[order.index(i)] for i in range(len(rows))]
+        caches = [self.owners[r] for r in rows]
+        assert all(c is not None and self.holds(c) and self.keepable(c) for c in caches), "rows not adopted here"
+        widths = [int(x.shape[-1]) for x in inputs]
+        width = max(widths)
+        lengths = [c[0].offset for c in caches]
+        self._tidy(width)
+        at = self.end
+        picked = (
+            slice(rows[0], rows[0] + len(rows))
+            if list(rows) == list(range(rows[0], rows[0] + len(rows)))
+            else mx.array(rows)
+        )
+        queries = mx.array(lengths)[:, None] + mx.arange(width)[None]  # (n, width): each new token's position
+        self.positions[picked, at : at + width] = queries
+        layers = [_PassLayer(self, layer, picked, at, width, mx.array(lengths)) for layer in range(len(self.keys))]
+        masks: dict = {}
+        for layer in layers:
+            layer.masks, layer.queries = masks, queries
+        tokens = mx.concatenate(
+            [mx.pad(x.reshape(1, -1).astype(mx.int32), [(0, 0), (0, width - w)]) for x, w in zip(inputs, widths)]
+        )
+        try:
+            logits = model(tokens, cache=layers)
+            mx.eval(logits, self.positions, [a for a in (*self.keys, *self.values) if a is not None])
+        except BaseException:
+            self.broken = True
+            raise
+        self.end = at + width
+        for cache, w in zip(caches, widths):
+            for layer in cache:
+                layer.offset += w
+        return [logits[i : i + 1, :w] for i, w in enumerate(widths)]
+
+    # --- storage ----------------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.positions is None else int(self.positions.shape[1])
+
+    def _lengths(self) -> mx.array:
+        """Each row's length (-1 for a free row, whose slots are all holes)."""
+        return mx.array([-1 if owner is None else owner[0].offset for owner in self.owners])
+
+    def _live(self) -> mx.array:
+        """`positions` with the holes trims and padding left marked UNSET: a row's slots at or past its length."""
+        return mx.where(self.positions >= self._lengths()[:, None], UNSET, self.positions)
+
+    def _tidy(self, width: int) -> None:
+        """Before a pass of `width`: holes marked, compacted when they cost more than a copy, room for the pass."""
+        self.positions = self._live()
+        longest = max(owner[0].offset for owner in self.owners if owner is not None)
+        holes = self.end - longest
+        if holes >= max(MIN_HOLES, HOLES_SHARE * longest):
+            self._compact(longest)
+        self._room(self.end + width - self.capacity)
+
+    def _compact(self, longest: int) -> None:
+        """Every row's tokens gathered to the front, in position order (one copy of the storage)."""
+        order = mx.argsort(self.positions, axis=1)[:, :longest]  # holes (UNSET) sort last
+        fresh = self.capacity - longest
+        self.positions = mx.concatenate(
+            [mx.take_along_axis(self.positions, order, axis=1), mx.full((len(self.owners), fresh), UNSET, mx.int32)],
+            axis=1,
+        )
+        for store in (self.keys, self.values):
+            for layer, a in enumerate(store):
+                if a is not None:
+                    kept = mx.take_along_axis(a, order[:, None, :, None], axis=2)
+                    store[layer] = mx.concatenate([kept, mx.zeros((*a.shape[:2], fresh, a.shape[3]), a.dtype)], axis=2)
+        self.end = longest
+        self.copies += 1
+
+    def _room(self, more: int) -> None:
+        """At least `more` slots added past the capacity (in STEPs; one copy of the storage)."""
+        if more <= 0:
+            return
+        more = -(-more // STEP) * STEP
+        rows = len(self.owners)
+        self.positions = mx.concatenate([self.positions, mx.full((rows, more), UNSET, mx.int32)], axis=1)
+        for store in (self.keys, self.values):
+            for layer, a in enumerate(store):
+                if a is not None:
+                    store[layer] = mx.concatenate([a, mx.zeros((*a.shape[:2], more, a.shape[3]), a.dtype)], axis=2)
+        self.copies += 1
+
+    def _add_rows(self, more: int) -> None:
+        """Rows for members to come (doubling: the rows grow, and every row is copied, a few times per batch)."""
+        capacity = max(self.capacity, STEP)
+        fresh = mx.full((more, capacity), UNSET, mx.int32)
+        self.positions = fresh if self.positions is None else mx.concatenate([self.positions, fresh])
+        for store in (self.keys, self.values):
+            for layer, a in enumerate(store):
+                if a is not None:
+                    store[layer] = mx.concatenate([a, mx.zeros((more, *a.shape[1:]), a.dtype)])
+        self.owners += [None] * more
+        if any(a is not None for a in self.keys):
+            self.copies += 1
+
+    def _allocated(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """A layer's storage, made on its first tokens (their heads, dims and dtype)."""
+        if self.keys[layer] is None:
+            rows, capacity = len(self.owners), self.capacity
+            self.keys[layer] = mx.zeros((rows, keys.shape[1], capacity, keys.shape[3]), keys.dtype)
+            self.values[layer] = mx.zeros((rows, values.shape[1], capacity, values.shape[3]), values.dtype)
+
+
+class _PassLayer:
+    """One layer's cache as the model sees it during one `KeptCaches.run`: the rows' positions as rope offsets,
+    their slots as one batch (`update_and_fetch`), and the mask of what each new token may attend to (`make_mask`)."""
+
+    def __init__(self, kept: KeptCaches, layer: int, rows: Any, at: int, width: int, offset: mx.array):
+        self.kept, self.layer, self.rows, self.at, self.width, self.offset = kept, layer, rows, at, width, offset
+        self.masks: dict = {}
+        self.queries: mx.array | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        kept, end = self.kept, self.at + self.width
+        kept._allocated(self.layer, keys, values)
+        kept.keys[self.layer][self.rows, :, self.at : end] = keys
+        kept.values[self.layer][self.rows, :, self.at : end] = values
+        return kept.keys[self.layer][self.rows, :, :end], kept.values[self.layer][self.rows, :, :end]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """(rows, 1, n, slots): a slot is attended where its position is at most the query's (holes are UNSET),
+        and within the window where the model asks for one."""
+        assert n == self.width, (n, self.width)
+        if window_size not in self.masks:
+            slots = self.kept.positions[self.rows, : self.at + self.width][:, None, None, :]
+            queries = self.queries[:, None, :, None]
+            mask = slots <= queries
+            if window_size is not None:
+                mask = mask & (queries - slots < window_size)
+            self.masks[window_size] = mask
+        return self.masks[window_size]
