@@ -1,9 +1,12 @@
 """What a batched target pass costs over batch × width: how far batching and drafting can both go on a machine.
 
 `uag serve` runs concurrent requests' passes together (uag.runtime.batching): B sequences, each proposing up to W
-tokens (W = 1 for a plain step, k + 1 for a draft of k), every sequence padded to the widest, each with its own
-cache of `--context` tokens (uag.core.passes.batched_pass). This times that pass for every B × W and prints it
-in ms and in target steps (the pass over one token, B = 1), with two derived rows:
+tokens (W = 1 for a plain step, k + 1 for a draft of k), every sequence padded to the widest, each cache holding
+`--context` tokens. This times that pass for every B × W and prints it in ms and in target steps (the pass over one
+token, B = 1): on caches kept merged (uag.core.kept_caches, what the batch runs plain KV caches on; every row
+trimmed back after each pass, as a rejected draft), on caches merged afresh for each pass
+(uag.core.passes.batched_pass: rotating and quantized caches), and on mlx-lm's `BatchKVCache` merged once (no
+trims: the floor). Two derived rows, from the kept passes:
 - tokens per step, plain: B / cost(B, 1) — what batching alone buys;
 - the batch width that pays: for each B, the widest W whose pass costs at most twice the plain batched step
   (a draft that keeps half its tokens still pays there).
@@ -22,13 +25,16 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
 
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from uag.core.kept_caches import KeptCaches
 from uag.core.passes import batched_pass, prefill, trim_to
 
 
@@ -44,6 +50,24 @@ def random_model(config_path: str, dtype: str):
     return model
 
 
+ROUNDS = 8  # passes timed together on kept caches: a compaction now and then is part of their cost
+
+
+def copied(cache: list) -> list:
+    """Plain KV caches holding what `cache` holds, in buffers of their own."""
+    copies = []
+    for layer in cache:
+        copy = KVCache()
+        copy.keys, copy.values = (
+            mx.contiguous(layer.keys[..., : layer.offset, :]),
+            mx.contiguous(layer.values[..., : layer.offset, :]),
+        )
+        copy.offset = layer.offset
+        copies.append(copy)
+    mx.eval([c.state for c in copies])
+    return copies
+
+
 def timed(fn, repeats: int) -> float:
     """Median ms of `repeats` calls after one warm-up."""
     fn()
@@ -55,56 +79,75 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def costs(model: nn.Module, batches: list[int], widths: list[int], context: int, repeats: int) -> dict:
-    """{(B, W): ms} of a batched pass over B sequences of W new tokens, each after `context` cached tokens."""
-    from mlx_lm.models.cache import make_prompt_cache
+def costs(model: nn.Module, make_cache, batches: list[int], widths: list[int], context: int, repeats: int) -> dict:
+    """{(B, W): ms} of a batched pass over B sequences of W new tokens, each after `context` cached tokens in a
+    cache from `make_cache` (the store's: plain KV caches where a window is masked, as the server makes them).
+    Keys: (B, W) on caches kept merged (the mean of `ROUNDS` passes, so that compactions count), (B, W, "afresh")
+    merged afresh for each pass, (B, W, "once") on mlx-lm's BatchKVCache merged once."""
+    from uag.core.passes import _merge
 
     caches = []
     for b in range(max(batches)):
-        cache = make_prompt_cache(model)
+        cache = make_cache()
         prefill(model, cache, [(7 * b + i) % 1000 + 10 for i in range(context)])
         caches.append(cache)
     out = {}
     for size in batches:
+        kept = KeptCaches()
+        rows = [copied(cache) for cache in caches[:size]]
+        members = [kept.adopt(cache) for cache in rows]
         for w in widths:
             tokens = [mx.array([(13 * i + j) % 1000 + 10 for j in range(w)]) for i in range(size)]
 
-            def one_pass(size=size, tokens=tokens):
-                if size == 1:
-                    logits = [model(tokens[0][None], cache=caches[0])]
-                else:
-                    logits, _ = batched_pass(model, tokens, caches[:size])  # merged afresh, as for drafts
-                mx.eval(logits)
+            def alone(tokens=tokens):
+                mx.eval(model(tokens[0][None], cache=caches[0]))
+                trim_to(caches[0], context)
+
+            if size == 1:
+                out[size, w] = timed(alone, repeats)
+                continue
+
+            def kept_rounds(kept=kept, members=members, rows=rows, tokens=tokens):
+                for _ in range(ROUNDS):
+                    kept.run(model, members, tokens)  # evaluated
+                    for cache in rows:
+                        trim_to(cache, context)  # every row trimmed back: a draft rejected, holes left
+
+            def afresh(size=size, tokens=tokens):
+                mx.eval(batched_pass(model, tokens, caches[:size])[0])
                 for cache in caches[:size]:
                     trim_to(cache, context)
 
-            out[size, w] = timed(one_pass, repeats)
-            if size > 1:  # the same pass on caches merged once (mlx-lm's BatchKVCache, as its BatchGenerator keeps)
-                from uag.core.passes import _merge
+            merged = [_merge(list(layer), room=w) for layer in zip(*caches[:size])]
+            batched = mx.concatenate([t[None] for t in tokens])
 
-                merged = [_merge(list(layer), room=w) for layer in zip(*caches[:size])]
-                tokens_b = mx.concatenate([t[None] for t in tokens])
+            def once(merged=merged, batched=batched, w=w):
+                mx.eval(model(batched, cache=merged))
+                for layer in merged:
+                    layer.trim(w)
 
-                def kept_pass(merged=merged, tokens_b=tokens_b, w=w):
-                    mx.eval(model(tokens_b, cache=merged))
-                    for layer in merged:
-                        layer.trim(w)
-
-                out[size, w, "kept"] = timed(kept_pass, repeats)
+            out[size, w] = timed(kept_rounds, repeats) / ROUNDS
+            out[size, w, "afresh"] = timed(afresh, repeats)
+            out[size, w, "once"] = timed(once, repeats)
     return out
 
 
 def report(table: dict, batches: list[int], widths: list[int]) -> str:
     step = table[1, 1]
-    lines = [f"one pass, B = 1, W = 1: {step:.2f} ms", "", "ms (target steps) of a pass over B sequences x W tokens:"]
+    lines = [f"one pass, B = 1, W = 1: {step:.2f} ms", "", "ms (target steps) of a pass over B sequences x W tokens,"]
+    lines.append("on caches kept merged, every row trimmed back after each pass (uag.core.kept_caches):")
     lines.append("B \\ W " + "".join(f"{w:>16}" for w in widths))
     for b in batches:
         lines.append(f"{b:<6}" + "".join(f"{table[b, w]:>9.1f} ({table[b, w] / step:4.2f})" for w in widths))
-    lines.append("the same passes on caches merged once and kept (mlx-lm's BatchKVCache, no per-request caches):")
-    for b in batches[1:]:
-        lines.append(
-            f"{b:<6}" + "".join(f"{table[b, w, 'kept']:>9.1f} ({table[b, w, 'kept'] / step:4.2f})" for w in widths)
-        )
+    for key, title in [
+        ("afresh", "the same passes on caches merged afresh for each pass (batched_pass: rotating, quantized caches):"),
+        ("once", "the same passes on mlx-lm's BatchKVCache merged once (no per-request caches, no trims):"),
+    ]:
+        lines.append(title)
+        for b in batches[1:]:
+            lines.append(
+                f"{b:<6}" + "".join(f"{table[b, w, key]:>9.1f} ({table[b, w, key] / step:4.2f})" for w in widths)
+            )
     lines.append("")
     lines.append(
         "tokens per target step, plain batched steps: "
@@ -132,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.target:
         from uag.models.store import ModelStore
 
-        model, name = ModelStore().get(args.target).model, args.target
+        loaded = ModelStore().get(args.target)
+        model, make_cache, name = loaded.model, loaded.make_cache, args.target
     else:
         model, name = random_model(args.shapes, args.dtype), f"random weights of {args.shapes} ({args.dtype})"
+        make_cache = partial(make_prompt_cache, model)
     print(f"{name} on {mx.default_device()}, MLX {mx.__version__}; context {args.context}, median of {args.repeats}")
-    table = costs(model, sorted(set(args.batches) | {1}), sorted(set(args.widths) | {1}), args.context, args.repeats)
+    table = costs(
+        model, make_cache, sorted(set(args.batches) | {1}), sorted(set(args.widths) | {1}), args.context, args.repeats
+    )
     print(report(table, sorted(set(args.batches) | {1}), sorted(set(args.widths) | {1})))
     return 0
 
