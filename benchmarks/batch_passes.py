@@ -114,7 +114,7 @@ def costs(model: nn.Module, make_cache, batches: list[int], widths: list[int], c
                         trim_to(cache, context)  # every row trimmed back: a draft rejected, holes left
 
             def afresh(size=size, tokens=tokens):
-                mx.eval(batched_pass(model, tokens, caches[:size])[0])
+                mx.eval(batched_pass(model, tokens, caches[:size]))
                 for cache in caches[:size]:
                     trim_to(cache, context)
 

@@ -1,6 +1,5 @@
 """`uag.core.passes.batched_pass`: one pass over several sequences, each with its own cache, gives each the logits
-a pass of its own would, and leaves each cache as that pass would; passes of plain steps reuse the merged caches
-while no sequence trimmed its own."""
+a pass of its own would, and leaves each cache as that pass would."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from tests.support.tiny_models import build_tiny
-from uag.core.passes import batched_pass, prefill, trim_to
+from uag.core.passes import batched_pass, prefill
 
 
 @pytest.fixture(scope="module")
@@ -31,27 +30,8 @@ def test_ragged_proposals_get_the_logits_and_caches_of_passes_of_their_own(qwen)
     alone = [filled(qwen, n, s) for s, n in enumerate(lengths)]
     together = [filled(qwen, n, s) for s, n in enumerate(lengths)]
     expected = [qwen.model(mx.array(p)[None], cache=c) for p, c in zip(proposals, alone)]
-    logits, kept = batched_pass(qwen.model, [mx.array(p) for p in proposals], together)
-    assert kept is None  # drafts: the merged copy is not kept (each sequence trims its own as it accepts)
+    logits = batched_pass(qwen.model, [mx.array(p) for p in proposals], together)
     assert all(close(a, b) for a, b in zip(logits, expected))
     for own, solo in zip(together, alone):
         assert own[0].offset == solo[0].offset
         assert all(close(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :]) for a, b in zip(own, solo))
-
-
-def test_plain_steps_reuse_the_merged_caches_until_a_sequence_trims_its_own(qwen):
-    lengths = (30, 12)
-    alone = [filled(qwen, n, s) for s, n in enumerate(lengths)]
-    together = [filled(qwen, n, s) for s, n in enumerate(lengths)]
-    kept, reused = None, []
-    for step in range(4):
-        if step == 2:  # one sequence trims its own cache (a rejected draft): the merged copy no longer holds it
-            for cache in (alone[1], together[1]):
-                trim_to(cache, cache[0].offset - 2)
-        tokens = [mx.array([40 + step]), mx.array([60 + step])]
-        reused.append(kept is not None and kept.holds(together))
-        logits, kept = batched_pass(qwen.model, tokens, together, kept)
-        expected = [qwen.model(t[None], cache=c) for t, c in zip(tokens, alone)]
-        assert all(close(a, b) for a, b in zip(logits, expected)), f"step {step}"
-        assert [c[0].offset for c in together] == [c[0].offset for c in alone]
-    assert reused == [False, True, False, True]

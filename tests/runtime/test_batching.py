@@ -125,9 +125,9 @@ def test_mergeable_caches_make_one_batched_pass(models, monkeypatch):
     target, _ = models
     groups = []
 
-    def recorded(model, inputs, caches, kept=None):
+    def recorded(model, inputs, caches):
         groups.append(([int(x.shape[-1]) for x in inputs], [c.name for c in caches]))
-        return [model(x, cache=c) for x, c in zip(inputs, caches)], None
+        return [model(x, cache=c) for x, c in zip(inputs, caches)]
 
     monkeypatch.setattr(uag.runtime.batching, "batched_pass", recorded)
     batch, log = Batch(max_size=4), []
@@ -288,7 +288,7 @@ def test_every_member_sees_the_others_and_the_batch_s_cost_of_a_pass(models, mon
     monkeypatch.setattr(
         uag.runtime.batching,
         "batched_pass",
-        lambda model, xs, caches, kept=None: ([model(x, cache=c) for x, c in zip(xs, caches)], None),
+        lambda model, xs, caches: [model(x, cache=c) for x, c in zip(xs, caches)],
     )
     target, _ = models
     batch, log = Batch(max_size=4), []

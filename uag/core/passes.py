@@ -149,36 +149,15 @@ def mergeable(cache: list) -> bool:
     return bool(cache) and all(hasattr(c, "merge") and hasattr(c, "update_and_fetch") for c in cache)
 
 
-@dataclass(eq=False)
-class Merged:
-    """The merged caches of a batched pass of plain steps, kept for the next pass: while every sequence's own
-    cache still holds exactly what its row holds (each grew by the one token the pass wrote, nobody trimmed),
-    the next pass of the same sequences merges nothing. Only plain KV caches are kept."""
-
-    caches: list  # the sequences' own caches, in row order
-    lengths: list[int]  # tokens each held after the pass
-    layers: list  # the merged BatchKVCache per layer
-
-    def holds(self, caches: Sequence[list]) -> bool:
-        return (
-            len(caches) == len(self.caches)
-            and all(a is b for a, b in zip(caches, self.caches))
-            and all(c[0].offset == n for c, n in zip(caches, self.lengths))
-        )
-
-
-def batched_pass(
-    model, inputs: Sequence[mx.array], caches: Sequence[list], kept: Merged | None = None
-) -> tuple[list[mx.array], Merged | None]:
-    """One forward pass over several sequences, each with its own cache: the logits each would get alone, and
-    the merged caches where the next pass may reuse them (`Merged`; pass them back as `kept`).
+def batched_pass(model, inputs: Sequence[mx.array], caches: Sequence[list]) -> list[mx.array]:
+    """One forward pass over several sequences, each with its own cache: the logits each would get alone.
 
     Each sequence's cache is merged with the others' (left padded, mlx-lm's `BatchKVCache`); its new tokens
     are right padded to the longest (padding after a row's tokens cannot reach them: the mask is causal). The
     keys and values the pass computes for each row's own tokens are appended to that row's cache, so that every
     cache ends as a pass of its own would leave it; the padding's are dropped with the merged cache. Merging
-    copies every cache (on a CPU, 40-60 % of a pass over four 1,000-token conversations): a pass of plain steps
-    keeps the merged caches, and the next one over the same sequences, none of which trimmed, starts from them.
+    copies every cache (on a CPU, 40-60 % of a pass over four 1,000-token conversations): a batch runs plain KV
+    caches on caches it keeps merged instead (uag.core.kept_caches), and this pass the caches they cannot hold.
 
     Example: inputs of widths [1, 5, 3] -> one pass over 3 × 5 tokens; logits of shapes (1, 1, V), (1, 5, V),
              (1, 3, V)
@@ -186,9 +165,7 @@ def batched_pass(
     widths = [int(x.shape[-1]) for x in inputs]
     width = max(widths)
     rows = [mx.pad(x.reshape(1, -1).astype(mx.int32), [(0, 0), (0, width - w)]) for x, w in zip(inputs, widths)]
-    reuse = kept is not None and width == 1 and kept.holds(caches)
-    room = width if width > 1 else BatchKVCache.step  # plain steps: room for the passes that will reuse it
-    merged = kept.layers if reuse else [_merge(list(layer), room=room) for layer in zip(*caches)]
+    merged = [_merge(list(layer), room=width) for layer in zip(*caches)]
     fresh = []
     for batch in merged:
         computed: list = []
@@ -199,9 +176,7 @@ def batched_pass(
         for layer, computed in zip(cache, fresh):
             keys, values = computed[0]
             layer.update_and_fetch(keys[row : row + 1, :, :w], values[row : row + 1, :, :w])
-    plain = width == 1 and all(type(c) is KVCache for cache in caches for c in cache)
-    out = Merged(list(caches), [c[0].offset for c in caches], merged) if plain else None
-    return [logits[row : row + 1, :w] for row, w in enumerate(widths)], out
+    return [logits[row : row + 1, :w] for row, w in enumerate(widths)]
 
 
 def _recorded(update: Callable, into: list) -> Callable:

@@ -211,7 +211,7 @@ class Batch:
                 return [(m, None, err) for m in members]
         elif merged:
             try:
-                out, _ = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
+                out = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
                 _evaluated(out, passes)
             except Exception as err:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
