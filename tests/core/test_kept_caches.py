@@ -97,3 +97,24 @@ def test_passes_copy_no_cache_until_holes_are_worth_a_compaction(tiny):
     for m in members:
         kept.hand_back(m.cache)
         assert m.cache[0].offset == m.own[0].offset
+
+
+def test_a_pass_that_fails_part_way_loses_the_kept_caches_and_says_so(tiny):
+    """A failed pass leaves the storage unknown: the members' caches come back empty (their engines drop them), and
+    no cache is adopted into it again."""
+    kept = KeptCaches()
+    a, b = Member(tiny, 20, 0), Member(tiny, 9, 1)
+    cycle(tiny, kept, [a, b])
+    held = a.cache[0].offset
+
+    def fails(tokens, cache):
+        cache[0].update_and_fetch(mx.zeros((2, 2, 1, 16)), mx.zeros((2, 2, 1, 16)))
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        kept.run(fails, [0, 1], [mx.array([5]), mx.array([6])])
+    assert kept.broken and a.cache[0].offset == held  # the failed pass counted nothing
+    kept.hand_back(a.cache)
+    assert all(type(layer) is not RowCache and layer.offset == 0 for layer in a.cache)
+    with pytest.raises(RuntimeError, match="lost with a failed pass"):
+        kept.adopt(filled(tiny, 5, 2))
