@@ -6,6 +6,7 @@ batch as plain KV caches."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
@@ -91,3 +92,52 @@ def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, 
         caches = out[name, "caches"]
         assert all(type(c) is KVCache for c in caches.target_cache)
         assert caches.target_cache[0].offset == len(caches.target_ids)
+
+
+class Flaky:
+    """A model whose pass over two rows fails (say, out of memory), after writing its first layer."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, inputs, cache=None):
+        if inputs.shape[0] == 2:
+            cache[0].update_and_fetch(*[mx.zeros((2, 2, inputs.shape[1], 16))] * 2)
+            raise RuntimeError("out of memory")
+        return self.model(inputs, cache=cache)
+
+
+def steps(job, plan: list, caches: dict, name: str):
+    """A member's passes: (shared model, loaded model, width) each, a cache per model; its caches go to `caches`."""
+    for shared, loaded, width in plan:
+        cache = caches.setdefault((name, id(shared)), loaded.make_cache())
+        shared(mx.array([[5] * width]), cache=cache)
+        yield width
+
+
+def test_a_failed_pass_on_kept_caches_fails_every_member_holding_a_row_and_no_other(pair):
+    """b and c fail with their pass; a, whose target cache was a row beside theirs, fails at its next target pass
+    (and its cache comes back empty); d, whose rows were never in the target's kept caches, runs to its end."""
+    target, other = pair
+    flaky, drafter = SharedModel(Flaky(target.model), "target"), SharedModel(other.model, "drafter")
+    plans = {
+        "a": [(flaky, target, 3), (drafter, other, 1), (flaky, target, 1)],
+        "b": [(flaky, target, 3), (flaky, target, 1)],
+        "c": [(flaky, target, 3), (flaky, target, 1)],
+        "d": [(drafter, other, 2), (drafter, other, 1), (drafter, other, 1)],
+    }
+    caches: dict = {}
+    batch = Batch(max_size=4)
+    batch.queued = lambda: True
+    jobs = {name: Job(steps, (plan, caches, name), name, shared=True) for name, plan in plans.items()}
+    for job in jobs.values():
+        batch.join(job)
+    while batch:
+        batch.round()
+    for name in "bc":
+        with pytest.raises(RuntimeError, match="out of memory"):
+            list(jobs[name])
+    with pytest.raises(RuntimeError, match="lost with a batched pass that failed"):
+        list(jobs["a"])
+    assert list(jobs["d"]) == [2, 1, 1] and not batch.kept and not batch.lost
+    assert all(type(c) is KVCache and c.offset == 0 for c in caches["a", id(flaky)])

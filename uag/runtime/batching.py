@@ -140,6 +140,7 @@ class Batch:
         self.members: list[Member] = []  # every member not yet ended
         self.costs = PassCosts()
         self.kept: dict[int, KeptCaches] = {}  # per model: its members' plain KV caches, kept merged
+        self.lost: list[KeptCaches] = []  # kept caches a failed pass left unknown, until their rows are handed back
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
         self.queued: Callable[[], bool] = lambda: False  # whether a job waits to start (the worker's queue)
 
@@ -169,9 +170,12 @@ class Batch:
         """One pass per shared model for the members waiting on it (reads: one chunk of one), then every member
         served runs on to its next pass."""
         by_model: dict[int, list[Member]] = {}
-        for member, waiting in self.waiting.items():
-            by_model.setdefault(id(waiting.model), []).append(member)
         served: list[tuple[Member, Any, BaseException | None]] = []
+        for member, waiting in self.waiting.items():
+            if any(kept.holds(waiting.cache) for kept in self.lost):
+                served.append((member, None, RuntimeError("its cache was lost with a batched pass that failed")))
+            else:
+                by_model.setdefault(id(waiting.model), []).append(member)
         for members in by_model.values():
             decoding = [m for m in members if self.waiting[m].width <= READ]
             reading = [m for m in members if self.waiting[m].width > READ]
@@ -188,7 +192,8 @@ class Batch:
         """The members' narrow passes: one batched pass on the caches kept merged (plain KV caches, and a member
         whose cache is a row already), or merged for this pass (other caches mlx-lm merges), else one pass each. A
         failed pass fails the members it served (their engines clean up); the others go on, except after a pass
-        that failed part way on the kept caches, which fails every member holding a row of them at its next pass."""
+        that failed part way on the kept caches, which fails every member holding a row of them at its next pass
+        (`lost`: their caches come back empty, so that no later turn trusts them)."""
         passes = [self.waiting[m] for m in members]
         model = passes[0].model
         tic = self.clock()
@@ -208,6 +213,8 @@ class Batch:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
                 if kept.broken or not kept:
                     del self.kept[id(model)]
+                if kept.broken:
+                    self.lost.append(kept)
                 return [(m, None, err) for m in members]
         elif merged:
             try:
@@ -264,21 +271,21 @@ class Batch:
                     member.throw(err)
                 except Exception:  # it raised out of its job (a bug of its own): nothing more to end
                     log.debug("a member raised while it was ended", exc_info=True)
-        for kept in self.kept.values():
+        for kept in [*self.kept.values(), *self.lost]:
             for cache in [owner for owner in kept.owners if owner is not None]:
                 kept.hand_back(cache)
-        self.members, self.waiting, self.kept = [], {}, {}
+        self.members, self.waiting, self.kept, self.lost = [], {}, {}, []
 
     def hand_back(self, cache: list) -> None:
         """A member's cache made plain KV caches again where it is a row of the kept caches (a no-op where not);
         a model's kept caches holding no row are dropped."""
-        for key, kept in list(self.kept.items()):
+        for kept in [*self.kept.values(), *self.lost]:
             if kept.holds(cache):
                 kept.hand_back(cache)
                 for member in self.members:
                     member.adopted = [c for c in member.adopted if c is not cache]
-                if not kept:
-                    del self.kept[key]
+        self.kept = {key: kept for key, kept in self.kept.items() if kept}
+        self.lost = [kept for kept in self.lost if kept]
 
     def _adopted(self, kept: KeptCaches, member: Member, cache: list) -> int:
         """The row of the kept caches that holds a member's cache (adopted at its first batched pass)."""
