@@ -3,8 +3,9 @@
 Why holes rather than mlx-lm's `BatchKVCache`: speculation trims every row by a different amount every cycle, and a
 left-padded cache can only trim all rows alike; here every slot carries its token's position (the rope position),
 a pass writes all rows' new tokens at one shared slot index, and a trim only shortens its row: the slots it gave up
-become holes the next pass masks out. Nothing is copied per pass; a compaction (one gather) only when holes pass a
-quarter of the longest row. The engine keeps "its cache": the list's entries are `RowCache`s while it is a row.
+become holes the next pass masks out. A pass copies nothing (but gathers rows that are not next to each other);
+one gather compacts the holes once they pass a quarter of the longest row. The engine keeps "its cache": the
+list's entries are `RowCache`s while it is a row, plain `KVCache`s again when it leaves.
 Plain `KVCache`s only; rotating and quantized ones stay on `batched_pass`, and tree passes run alone, as before.
 
     rows = [kept.adopt(cache) for cache in caches]      # each member's cache copied in once
