@@ -164,7 +164,12 @@ class KeptCaches:
         )
         queries = mx.array(lengths)[:, None] + mx.arange(width)[None]  # (n, width): each new token's position
         self.positions[picked, at : at + width] = queries
-        layers = [_PassLayer(self, layer, picked, at, width, mx.array(lengths)) for layer in range(len(self.keys))]
+        span = (
+            -(-(at + width) // STEP) * STEP
+        )  # slots attended, in STEPs: a GPU kernel sees a few shapes, not one a pass
+        layers = [
+            _PassLayer(self, layer, picked, at, width, span, mx.array(lengths)) for layer in range(len(self.keys))
+        ]
         masks: dict = {}
         for layer in layers:
             layer.masks, layer.queries = masks, queries
@@ -259,8 +264,9 @@ class _PassLayer:
     """One layer's cache as the model sees it during one `KeptCaches.run`: the rows' positions as rope offsets,
     their slots as one batch (`update_and_fetch`), and the mask of what each new token may attend to (`make_mask`)."""
 
-    def __init__(self, kept: KeptCaches, layer: int, rows: Any, at: int, width: int, offset: mx.array):
+    def __init__(self, kept: KeptCaches, layer: int, rows: Any, at: int, width: int, span: int, offset: mx.array):
         self.kept, self.layer, self.rows, self.at, self.width, self.offset = kept, layer, rows, at, width, offset
+        self.span = span  # slots fetched and masked: past at + width they are fresh (UNSET), never attended
         self.masks: dict = {}
         self.queries: mx.array | None = None
 
@@ -269,14 +275,14 @@ class _PassLayer:
         kept._allocated(self.layer, keys, values)
         kept.keys[self.layer][self.rows, :, self.at : end] = keys
         kept.values[self.layer][self.rows, :, self.at : end] = values
-        return kept.keys[self.layer][self.rows, :, :end], kept.values[self.layer][self.rows, :, :end]
+        return kept.keys[self.layer][self.rows, :, : self.span], kept.values[self.layer][self.rows, :, : self.span]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """(rows, 1, n, slots): a slot is attended where its position is at most the query's (holes are UNSET),
         and within the window where the model asks for one."""
         assert n == self.width, (n, self.width)
         if window_size not in self.masks:
-            slots = self.kept.positions[self.rows, : self.at + self.width][:, None, None, :]
+            slots = self.kept.positions[self.rows, : self.span][:, None, None, :]
             queries = self.queries[:, None, :, None]
             mask = slots <= queries
             if window_size is not None:
