@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from tests.support.tiny_models import build_tiny
-from uag.core.kept_caches import KeptCaches, RowCache
+from uag.core.kept_caches import STEP, KeptCaches, RowCache
 from uag.core.passes import prefill, trim_to
 
 
@@ -59,8 +59,10 @@ def cycle(tiny, kept: KeptCaches, members: list[Member]) -> None:
         m.rejected(len(p))
 
 
-def test_a_pass_on_kept_caches_is_each_member_s_own_through_joins_leaves_and_rejections(tiny):
+@pytest.mark.parametrize("span_step", [1, STEP], ids=["cpu-span", "gpu-span"])
+def test_a_pass_on_kept_caches_is_each_member_s_own_through_joins_leaves_and_rejections(tiny, span_step):
     kept = KeptCaches()
+    kept.span_step = span_step  # as on a GPU: slots past the pass's tokens attended in whole steps, masked out
     a, b, c = Member(tiny, 40, 0), Member(tiny, 7, 1), Member(tiny, 23, 2)
     for _ in range(3):
         cycle(tiny, kept, [a, b])

@@ -70,6 +70,10 @@ class KeptCaches:
         self.end = 0  # slots written so far: the next pass writes at end
         self.copies = 0  # times every row was copied (growth, compaction): a pass itself copies none
         self.broken = False  # a pass failed part way: what the storage holds is unknown
+        # slots a pass attends to, in whole steps of: on a GPU, STEP (past its tokens they are masked out), so that
+        # its attention kernels see a few key lengths rather than a new one each pass; on a CPU every masked slot
+        # costs its share of the pass, and a new length nothing
+        self.span_step = STEP if mx.default_device() == mx.gpu else 1
 
     # --- members coming and going -----------------------------------------------------------------------------
     @staticmethod
@@ -164,9 +168,7 @@ class KeptCaches:
         )
         queries = mx.array(lengths)[:, None] + mx.arange(width)[None]  # (n, width): each new token's position
         self.positions[picked, at : at + width] = queries
-        span = (
-            -(-(at + width) // STEP) * STEP
-        )  # slots attended, in STEPs: a GPU kernel sees a few shapes, not one a pass
+        span = -(-(at + width) // self.span_step) * self.span_step
         layers = [
             _PassLayer(self, layer, picked, at, width, span, mx.array(lengths)) for layer in range(len(self.keys))
         ]
