@@ -20,8 +20,11 @@ app: setup
 serve: setup
 	$(PY) -m uag serve $(ARGS)
 
+# A worker per core, two at most (each holds its own models; the coder pair's tests share one worker: tests/conftest.py)
+PYTEST_WORKERS ?= -n auto --maxprocesses 2 --dist loadgroup --no-loadscope-reorder
+
 test: setup-dev
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 lint: setup-dev
 	$(VENV)/bin/ruff check uag tests benchmarks app.py
