@@ -102,21 +102,40 @@ def test_a_member_runs_up_to_its_first_pass_then_waits(models):
 
 def test_one_round_serves_every_waiting_member_once_per_model(models):
     """One pass per member per round, grouped by model; the target's passes tell each member how they were shared
-    (size, the widest other, the whole pass's time), the drafter's tell nothing."""
+    (size, the widest other, the whole pass's time), the drafter's tell nothing. While a member drafts with a model,
+    the target's passes wait for it, so that every member's verification shares one target pass."""
     target, drafter = models
     batch, log = Batch(max_size=4, clock=itertools.count().__next__), []
     plans = [("a", [(target, 1), (target, 1)]), ("b", [(drafter, 3), (target, 2)]), ("c", [(target, 4)])]
     jobs = joined(batch, *plans, log=log)
     a, b, c = (member(batch, jobs[n]) for n in "abc")
     batch.round()
-    assert target.inner.calls == [(1, "a/target"), (4, "c/target")] and drafter.inner.calls == [(3, "b/drafter")]
-    assert (a.sharing.size, a.sharing.widest, a.sharing.pass_ms) == (2, 4, 1000.0)  # the clock ticks 1 s a call
-    assert (c.sharing.size, c.sharing.widest) == (2, 1) and b.sharing.passes == 0
-    assert jobs["c"].done.is_set() and len(batch) == 2
+    assert target.inner.calls == [] and drafter.inner.calls == [(3, "b/drafter")] and b.sharing.passes == 0
     batch.round()
-    assert target.inner.calls[2:] == [(1, "a/target"), (2, "b/target")] and not batch
-    assert (a.sharing.passes, a.sharing.largest, b.sharing.passes, b.sharing.widest) == (2, 2, 1, 1)
+    assert target.inner.calls == [(1, "a/target"), (4, "c/target"), (2, "b/target")]
+    assert (a.sharing.size, a.sharing.widest, a.sharing.pass_ms) == (3, 4, 1000.0)  # the clock ticks 1 s a call
+    assert (c.sharing.size, c.sharing.widest) == (3, 2) and jobs["b"].done.is_set() and jobs["c"].done.is_set()
+    batch.round()
+    assert target.inner.calls[3:] == [(1, "a/target")] and not batch
+    assert (a.sharing.passes, a.sharing.largest, b.sharing.passes, b.sharing.widest) == (2, 3, 1, 4)
     assert [list(jobs[n]) for n in "abc"] == [[1, 1], [3, 2], [4]]
+
+
+def test_the_target_waits_for_drafting_members_at_most_hold_rounds(models):
+    """A model one pair drafts with may be another's target: a member whose passes all go to a drafter-role model
+    never starves the target's passes beyond HOLD_ROUNDS rounds."""
+    from uag.runtime.batching import HOLD_ROUNDS
+
+    target, drafter = models
+    batch, log = Batch(max_size=4), []
+    jobs = joined(batch, ("a", [(target, 1)]), ("b", [(drafter, 1)] * (HOLD_ROUNDS + 5)), log=log)
+    for _ in range(HOLD_ROUNDS):
+        batch.round()
+    assert target.inner.calls == [] and len(drafter.inner.calls) == HOLD_ROUNDS
+    batch.round()
+    assert target.inner.calls == [(1, "a/target")] and jobs["a"].done.is_set()
+    drained(batch)
+    assert len(list(jobs["b"])) == HOLD_ROUNDS + 5
 
 
 def test_mergeable_caches_make_one_batched_pass(models, monkeypatch):

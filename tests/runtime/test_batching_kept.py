@@ -115,9 +115,13 @@ def steps(job, plan: list, caches: dict, name: str):
         yield width
 
 
-def test_a_failed_pass_on_kept_caches_fails_every_member_holding_a_row_and_no_other(pair):
+def test_a_failed_pass_on_kept_caches_fails_every_member_holding_a_row_and_no_other(pair, monkeypatch):
     """b and c fail with their pass; a, whose target cache was a row beside theirs, fails at its next target pass
-    (and its cache comes back empty); d, whose rows were never in the target's kept caches, runs to its end."""
+    (and its cache comes back empty); d, whose rows were never in the target's kept caches, runs to its end. The
+    target's passes are served every round (HOLD_ROUNDS 0), so that a and d draft while b and c verify."""
+    import uag.runtime.batching
+
+    monkeypatch.setattr(uag.runtime.batching, "HOLD_ROUNDS", 0)
     target, other = pair
     flaky, drafter = SharedModel(Flaky(target.model), "target"), SharedModel(other.model, "drafter")
     plans = {

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): it runs alone, in chunks
 READ_CHUNK = 128  # tokens of a read per round while other members decode
+HOLD_ROUNDS = 16  # rounds the target's passes wait at most while members draft with a model (Batch.round)
 
 
 class SharedModel:
@@ -139,6 +140,7 @@ class Batch:
         self.waiting: dict[Member, Pass] = {}  # every live member, at the pass it waits on
         self.members: list[Member] = []  # every member not yet ended
         self.costs = PassCosts()
+        self.held = 0  # rounds in a row the target's passes waited for members drafting with a model
         self.kept: dict[int, KeptCaches] = {}  # per model: its members' plain KV caches, kept merged
         self.lost: list[KeptCaches] = []  # kept caches a failed pass left unknown, until their rows are handed back
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
@@ -168,7 +170,14 @@ class Batch:
 
     def round(self) -> None:
         """One pass per shared model for the members waiting on it (reads: one chunk of one), then every member
-        served runs on to its next pass."""
+        served runs on to its next pass.
+
+        While some members draft with a model, the target's narrow passes wait for them: a member drafting k tokens
+        makes k drafter passes before its next target pass, so a target pass served every round would hold only the
+        members that happen to be between drafts (on an H200, a mean of 2 of 4 requests: docs/results.md, bd). The
+        drafter's passes are the cheap ones; held until no member drafts, every member's verification shares one
+        target pass. Reads are never held, nor a target pass for more than HOLD_ROUNDS rounds in a row (a model one
+        pair drafts with may be another's target)."""
         by_model: dict[int, list[Member]] = {}
         served: list[tuple[Member, Any, BaseException | None]] = []
         for member, waiting in self.waiting.items():
@@ -176,8 +185,15 @@ class Batch:
                 served.append((member, None, RuntimeError("its cache was lost with a batched pass that failed")))
             else:
                 by_model.setdefault(id(waiting.model), []).append(member)
+        drafting = self.held < HOLD_ROUNDS and any(
+            self.waiting[m].model.role != "target" and self.waiting[m].width <= READ
+            for members in by_model.values()
+            for m in members
+        )
+        self.held = self.held + 1 if drafting else 0
         for members in by_model.values():
-            decoding = [m for m in members if self.waiting[m].width <= READ]
+            held = drafting and self.waiting[members[0]].model.role == "target"
+            decoding = [] if held else [m for m in members if self.waiting[m].width <= READ]
             reading = [m for m in members if self.waiting[m].width > READ]
             for group in groups([self.waiting[m].width for m in decoding], self.costs.fixed_rows()):
                 served += self._decode([decoding[i] for i in group])
