@@ -36,9 +36,10 @@ from uag.costs.profiles import save as save_calibration
 from uag.errors import InputError, UserError
 from uag.machine import backend
 from uag.models import demo
+from uag.models.demo import DEMO_NAMES
 from uag.models.dtypes import slow_dtype_note
 from uag.models.loading import load_model
-from uag.models.store import DEMO_NAMES, LoadedModel, ModelStore
+from uag.models.store import LoadedModel, ModelStore
 from uag.runtime.access import (
     LOCAL,
     Access,

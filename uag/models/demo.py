@@ -46,6 +46,8 @@ from uag.models import wheels
 from uag.models.catalogue import CODER_MODELS as CODER_MODELS  # read as demo.CODER_MODELS beside demo.ensure
 from uag.models.catalogue import DEMO_MODELS, MODELS, OfflineModel, Package, Wheels
 
+# The offline models this module converts on first use (uag.models.catalogue); they load in default_dtype().
+DEMO_NAMES = ("demo-target", "demo-drafter", "coder-target", "coder-drafter")
 CONVERTER_VERSION = "1"  # bump when the output of a conversion changes: old folders are then not used
 MARKER = "uag-demo.json"  # written last, before the rename; a folder without a matching one is not a model
 

@@ -91,9 +91,7 @@ def check_memory(store, models: Sequence[tuple[str, str | None, str | None]], *,
 
 def local_folder(identity: str):
     """The folder a model's files are in on this machine, without fetching or converting anything; None if none."""
-    from uag.models.store import DEMO_NAMES  # the store loads mlx: only where a folder is looked for
-
-    if identity in DEMO_NAMES:
+    if identity in demo.DEMO_NAMES:
         return demo.model_dir(identity) if demo.is_ready(identity) else None
     if Path(identity).is_absolute():
         return Path(identity) if (Path(identity) / "config.json").is_file() else None

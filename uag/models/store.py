@@ -25,12 +25,11 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache,
 from uag import _blas
 from uag.errors import ModelError
 from uag.models import demo, memory
+from uag.models.demo import DEMO_NAMES
 from uag.models.dtypes import parse_dtype
 from uag.models.loading import local_folder
 from uag.models.vocab import HFVocab, same_vocabulary
 
-# The offline models uag.models.demo converts on first use (uag.models.catalogue); they load in default_dtype().
-DEMO_NAMES = ("demo-target", "demo-drafter", "coder-target", "coder-drafter")
 # Architectures whose sliding-window layers build the window into the attention mask, so those layers
 # can use a plain (always trimmable) KVCache instead of a RotatingKVCache, which stops being trimmable
 # once it wraps around (checked against the rotating cache in tests/core/test_engine.py).

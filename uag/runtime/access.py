@@ -20,7 +20,7 @@ from pathlib import Path
 
 from uag.core.config import DrafterSpec
 from uag.errors import InputError
-from uag.models.store import DEMO_NAMES
+from uag.models.demo import DEMO_NAMES
 from uag.runtime.presets import PRESETS, Preset, preset_models
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
