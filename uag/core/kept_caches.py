@@ -166,12 +166,11 @@ class KeptCaches:
             if list(rows) == list(range(rows[0], rows[0] + len(rows)))
             else mx.array(rows)
         )
-        queries = mx.array(lengths)[:, None] + mx.arange(width)[None]  # (n, width): each new token's position
+        offsets = mx.array(lengths)
+        queries = offsets[:, None] + mx.arange(width)[None]  # (n, width): each new token's position
         self.positions[picked, at : at + width] = queries
         span = -(-(at + width) // self.span_step) * self.span_step
-        layers = [
-            _PassLayer(self, layer, picked, at, width, span, mx.array(lengths)) for layer in range(len(self.keys))
-        ]
+        layers = [_PassLayer(self, layer, picked, at, width, span, offsets) for layer in range(len(self.keys))]
         masks: dict = {}
         for layer in layers:
             layer.masks, layer.queries = masks, queries
@@ -216,15 +215,14 @@ class KeptCaches:
         """Every row's tokens gathered to the front, in position order (one copy of the storage)."""
         order = mx.argsort(self.positions, axis=1)[:, :longest]  # holes (UNSET) sort last
         fresh = self.capacity - longest
-        self.positions = mx.concatenate(
-            [mx.take_along_axis(self.positions, order, axis=1), mx.full((len(self.owners), fresh), UNSET, mx.int32)],
-            axis=1,
+        self.positions = mx.pad(
+            mx.take_along_axis(self.positions, order, axis=1), [(0, 0), (0, fresh)], constant_values=UNSET
         )
         for store in (self.keys, self.values):
             for layer, a in enumerate(store):
                 if a is not None:
                     kept = mx.take_along_axis(a, order[:, None, :, None], axis=2)
-                    store[layer] = mx.concatenate([kept, mx.zeros((*a.shape[:2], fresh, a.shape[3]), a.dtype)], axis=2)
+                    store[layer] = mx.pad(kept, [(0, 0), (0, 0), (0, fresh), (0, 0)])
         self.end = longest
         self.copies += 1
 
@@ -233,12 +231,11 @@ class KeptCaches:
         if more <= 0:
             return
         more = -(-more // STEP) * STEP
-        rows = len(self.owners)
-        self.positions = mx.concatenate([self.positions, mx.full((rows, more), UNSET, mx.int32)], axis=1)
+        self.positions = mx.pad(self.positions, [(0, 0), (0, more)], constant_values=UNSET)
         for store in (self.keys, self.values):
             for layer, a in enumerate(store):
                 if a is not None:
-                    store[layer] = mx.concatenate([a, mx.zeros((*a.shape[:2], more, a.shape[3]), a.dtype)], axis=2)
+                    store[layer] = mx.pad(a, [(0, 0), (0, 0), (0, more), (0, 0)])
         self.copies += 1
 
     def _add_rows(self, more: int) -> None:
@@ -249,7 +246,7 @@ class KeptCaches:
         for store in (self.keys, self.values):
             for layer, a in enumerate(store):
                 if a is not None:
-                    store[layer] = mx.concatenate([a, mx.zeros((more, *a.shape[1:]), a.dtype)])
+                    store[layer] = mx.pad(a, [(0, more), (0, 0), (0, 0), (0, 0)])
         self.owners += [None] * more
         if any(a is not None for a in self.keys):
             self.copies += 1
