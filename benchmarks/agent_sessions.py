@@ -13,8 +13,9 @@ Per turn and server, two requests, greedy, streamed, timed at the client:
   on a session's first turn nothing is cached: the cold read;
 - the whole reply (at most `--max-tokens`), right after: its prompt is then in the server's cache, so its time is
   the generation's; generation tokens/s = completion tokens ÷ that time.
-Servers run side by side; each turn goes to both, the order alternating from turn to turn and round to round, so
-that a machine whose speed drifts slows both alike. Rounds repeat a session on fresh servers; medians over rounds.
+Servers run side by side, each warmed first by a short request (so that no turn pays for a model's load); each turn
+goes to both, the order alternating from turn to turn and round to round, so that a machine whose speed drifts slows
+both alike. Rounds repeat a session on fresh servers; medians over rounds.
 An *edit turn* is one whose uag reply calls an editing tool (`Edit`, `MultiEdit`, `Write`, `apply_patch`, or a shell
 command that writes a file).
 
@@ -207,6 +208,13 @@ def edits(answer: Answer) -> bool:
     return False
 
 
+def warm_up(client: httpx.Client, server: serving.Server) -> None:
+    """A short chat request without tools (`serving.WARM_UP`): mlx_lm.server loads its model on its first request,
+    uag serve loads it beside its first ones; neither load belongs to a turn's read."""
+    body = {"model": server.condition.model, "messages": serving.WARM_UP, "max_tokens": serving.WARM_UP_TOKENS}
+    ask(client, server.url, "/v1/chat/completions", {**body, "temperature": 0.0, "stream": True})
+
+
 # --- replaying --------------------------------------------------------------------------------------------------
 def load(path: Path) -> list[dict]:
     turns = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -232,6 +240,8 @@ def replay(args: argparse.Namespace) -> list[dict]:
             with ExitStack() as stack:  # fresh servers per session and round: nothing cached at its first turn
                 servers = [stack.enter_context(serving.Server(c, logs / f"{c.name}-{round_}.log")) for c in conditions]
                 client = stack.enter_context(httpx.Client())
+                for server in servers:  # loaded and warm: the first turn times the cold read, not the start
+                    warm_up(client, server)
                 for i, turn in enumerate(turns):
                     order = servers if (i + round_) % 2 == 0 else servers[::-1]
                     for server in order:
