@@ -23,7 +23,8 @@ import mlx.core as mx
 from uag.core import anatomy
 from uag.core.anatomy import Loss
 from uag.core.config import LOOKUP, DrafterSpec, GenerationConfig
-from uag.core.lookup import LOOKUP_REACH, NGRAMS, NgramIndex, SharedIndex, proposal, recall
+from uag.core.copy_forms import copy_forms
+from uag.core.lookup import LOOKUP_REACH, NGRAMS, NgramIndex, SharedIndex, own_match, proposal, recall
 from uag.core.passes import PREFILL_STEP, PromptCaches, prefill, reuse, settle_allocator, trim_to
 from uag.core.policy import StopRule
 from uag.core.prompt_input import check_context
@@ -39,11 +40,13 @@ REHEARSAL_SPAN = 64  # positions per pass of a rehearsal (its logits are kept: o
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    """A loaded drafter choice: prompt lookup (also from `shared_index`, earlier requests' text), a model, or both."""
+    """A loaded drafter choice: prompt lookup (also from `shared_index`, earlier requests' text, and with
+    `copy_forms` from the prompt in the forms a JSON reply copies it in), a model, or both."""
 
     lookup: bool = False
     model: LoadedModel | None = None
     shared_index: SharedIndex | None = field(default=None, compare=False, repr=False)
+    copy_forms: bool = field(default=False, compare=False)  # a reply that may write JSON: a tool call, a schema
 
     def __post_init__(self):
         if not self.lookup and self.model is None:
@@ -176,31 +179,52 @@ def lookup_offer(index: NgramIndex, k_max: int) -> Offer:
     return Offer({LOOKUP: max(k_max, LOOKUP_REACH)}, match=index.match_length(), branched=index.branching())
 
 
+def copy_views(vocab: Vocab, prompt: Sequence[int]) -> SharedIndex | None:
+    """The prompt in the forms a JSON reply copies it in (uag.core.copy_forms), as target ids indexed for lookup;
+    None where no form differs from the prompt's text."""
+    forms = [vocab.encode(form)[0] for form in copy_forms(vocab.decode(prompt))]
+    if not forms:
+        return None
+    views = SharedIndex(max(1, sum(len(ids) for ids in forms)), NGRAMS)
+    for ids in forms:
+        views.add(ids)
+    return views
+
+
 class LookupDrafter:
-    """Prompt lookup over everything committed (and `shared`, earlier requests' text): no model, no translation."""
+    """Prompt lookup over everything committed (and `shared`, earlier requests' text; with `copy_forms`, also the
+    prompt as a tool call's JSON string or a copy out of a numbered listing writes it): no model, no translation."""
 
     name = translation = LOOKUP
 
-    def __init__(self, vocab: Vocab, ngrams: Sequence[int] = NGRAMS, shared: SharedIndex | None = None):
+    def __init__(
+        self, vocab: Vocab, ngrams: Sequence[int] = NGRAMS, shared: SharedIndex | None = None, copy_forms: bool = False
+    ):
         self.vocab = vocab  # the target's: lookup's proposals are target tokens
         self.index = NgramIndex(ngrams)
         self.shared = shared
+        self.copy_forms = copy_forms
+        self.views: SharedIndex | None = None  # the prompt's copy forms, built by `start`
 
     def start(self, prompt: Sequence[int]) -> int:
         self.index = NgramIndex(self.index.ngrams)  # rebuilt for every run: microseconds per thousand tokens
         self.index.extend(prompt)
+        self.views = copy_views(self.vocab, prompt) if self.copy_forms else None  # ~10 ms per thousand tokens
         return 0
 
     def offer(self, k_max: int) -> Offer:
-        match, recalled = recall(self.shared, self.index, max(k_max, LOOKUP_REACH))
-        if not recalled:
-            return lookup_offer(self.index, k_max)
-        # the request's own continuation, where it has a match, may go beside the recalled one (lookup.proposal)
-        return Offer({LOOKUP: len(recalled)}, match=match, branched=self.index.match is not None)
+        reach = max(k_max, LOOKUP_REACH)
+        match, recalled = recall(self.shared, self.index, reach, self.views)
+        if recalled:  # the request's own continuation, where it has a match, may go beside it (lookup.proposal)
+            return Offer({LOOKUP: len(recalled)}, match=match, branched=self.index.match is not None)
+        written, match, viewed = own_match(self.index, self.views, reach)
+        if viewed:
+            return Offer({LOOKUP: len(written)}, match=match)
+        return lookup_offer(self.index, k_max)
 
     def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         tic = time.perf_counter()  # the source that matches further back; the other's continuation a branch
-        ids, match, branches, recalled = proposal(self.index, self.shared, min(k, budget))
+        ids, match, branches, recalled = proposal(self.index, self.shared, min(k, budget), self.views)
         ms = (time.perf_counter() - tic) * 1000
         return Draft(
             LOOKUP, ids, list(ids), list(ids), draft_ms=ms, match=match, branches=branches, shared_index=recalled
@@ -454,7 +478,9 @@ def make_drafter(
 ) -> Drafter:
     """The stateful drafter of one run for a loaded choice (the translation strategy applies to the model;
     `caches` is the conversation's, whose drafter side the model reads from and leaves ready)."""
-    lookup = LookupDrafter(target.vocab, shared=choice.shared_index) if choice.lookup else None
+    lookup = (
+        LookupDrafter(target.vocab, shared=choice.shared_index, copy_forms=choice.copy_forms) if choice.lookup else None
+    )
     if choice.model is None:
         return lookup
     translator = translator or make_translator(

@@ -311,16 +311,31 @@ def branch_room(k: int) -> int:
     return min(max(1, k // 2), BRANCH_NODES)
 
 
-def proposal(index: NgramIndex, shared: SharedIndex | None, k: int) -> tuple[list[int], int, list[list[int]], bool]:
+def own_match(index: NgramIndex, views: SharedIndex | None, k: int) -> tuple[list[int], int, bool]:
+    """The request's own continuation of up to k tokens, how far its match runs back, and whether it came from
+    `views` (its prompt in the forms a reply copies it in, uag.core.copy_forms) rather than from the text as read:
+    the views propose only where their match runs back further.
+
+    Example: index [5, 1, 2, 3, 1, 2], views [[7, 3, 1, 2, 8, 9]], k 2 -> ([8, 9], 3, True)  (its own: 2)
+    """
+    own, mine = index.propose(k), index.match_length()
+    found, written = (0, []) if views is None else views.find(index.ids[-MATCH_CAP:], k)
+    return (written, found, True) if found > mine else (own, mine, False)
+
+
+def proposal(
+    index: NgramIndex, shared: SharedIndex | None, k: int, views: SharedIndex | None = None
+) -> tuple[list[int], int, list[list[int]], bool]:
     """One lookup proposal of up to k tokens: (the tokens, how far their match runs back, other continuations to
-    verify beside them as a tree, whether they came from `shared`). The source whose match runs back further
-    proposes (the request's own on a tie); where the other matches as well and continues differently (an earlier
-    request's reply against the file the prompt holds), its continuation is a branch, cut to `branch_room`;
-    otherwise a short match's other continuations are (`NgramIndex.branches`).
+    verify beside them as a tree, whether they came from `shared`). The request's own continuation (`own_match`:
+    its text, or its `views`) and `shared`'s compete: the one whose match runs back further proposes (the request's
+    own on a tie); where the other matches as well and continues differently (an earlier request's reply against the
+    file the prompt holds), its continuation is a branch, cut to `branch_room`; otherwise a short match's other
+    continuations are (`NgramIndex.branches`).
 
     Example: own [1, 2, 3, 9, 1, 2], shared [[1, 2, 7, 7]], k 2 -> ([3, 9], 2, [[7]], False)
     """
-    own, mine = index.propose(k), index.match_length()
+    own, mine, viewed = own_match(index, views, k)
     found, theirs = (0, []) if shared is None else shared.find(index.ids[-MATCH_CAP:], k)
     if found > mine:
         main, match, rival, recalled = theirs, found, own, True
@@ -329,14 +344,17 @@ def proposal(index: NgramIndex, shared: SharedIndex | None, k: int) -> tuple[lis
     common = _common_prefix(rival, main)
     if rival and common < min(len(rival), len(main)):
         return main, match, [rival[: common + branch_room(k)]], recalled
-    return main, match, [] if recalled else index.branches(k), recalled
+    return main, match, [] if recalled or viewed else index.branches(k), recalled
 
 
-def recall(shared: SharedIndex | None, index: NgramIndex, k: int) -> tuple[int, list[int]]:
+def recall(
+    shared: SharedIndex | None, index: NgramIndex, k: int, views: SharedIndex | None = None
+) -> tuple[int, list[int]]:
     """`shared`'s (match length, up to k tokens) for the end of `index`'s sequence where that match runs back further
-    than `index`'s own, else (0, []): a run drafts from earlier requests only where they hold the longer copy.
+    than the request's own (`own_match`), else (0, []): a run drafts from earlier requests only where they hold the
+    longer copy.
 
     Example: shared holds [9, 1, 2, 3, 4], index [7, 2, 3, 9, 1, 2, 3], k 2 -> (4, [4])  (its own, "2 3": 2)
     """
     found = (0, []) if shared is None else shared.find(index.ids[-MATCH_CAP:], k)
-    return found if found[0] > index.match_length() else (0, [])
+    return found if found[0] > own_match(index, views, k)[1] else (0, [])

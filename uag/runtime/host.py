@@ -266,13 +266,15 @@ class Host:
         key: str | None = None,
         remember: bool = False,
         caches: Any = None,
+        copy_forms: bool = False,
     ) -> Iterator[Running]:
         """Run the pair on `ids` (the host's `stream`, cancelled with the job), batched with the requests running
         together now where it is; at the end, also when stopped early, the engine's `finally` leaves the caches
         exact and `auto` is finished (its evidence saved, costs found off measured again). `remember` (an API
         request, where the host keeps a lookup memory): prompt lookup also drafts from the earlier requests of the
         API key it presented (`key`; None: none, or the server's one) and of no other, and this run's prompt and
-        reply join them when it ends without an error."""
+        reply join them when it ends without an error. `copy_forms` (a reply that may write JSON: a request with tools
+        or a JSON grammar): lookup also drafts from the prompt as a JSON string holds it (uag.core.copy_forms)."""
         target, choice = loaded.target, loaded.choice
         extra: dict[str, Any] = {} if auto is None else auto.engine_kwargs()
         if self.auto is not None:
@@ -284,6 +286,8 @@ class Host:
         memory = self.memory if remember and choice is not None and choice.lookup else None
         if memory is not None:
             drafting = replace(choice, shared_index=memory.get(owner))
+        if copy_forms and choice is not None and choice.lookup:
+            drafting = replace(drafting, copy_forms=True)
         events = self.stream(target, drafting, ids, config, cancel=job.cancelled, caches=caches, **extra)
         running, clean = Running(events, sharing), False
         try:

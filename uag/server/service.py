@@ -207,7 +207,10 @@ class Service:
         text = ReplyText(request.stop, request.tools)
         run, stopped = None, False
         fed = 0  # characters of the run's text given to `text` so far
-        with host.running(job, loaded, ids, config, auto=auto, key=key, remember=True, caches=caches) as running:
+        writes_json = bool(request.tools) or config.constraint is not None  # lookup also copies the prompt as JSON
+        with host.running(
+            job, loaded, ids, config, auto=auto, key=key, remember=True, caches=caches, copy_forms=writes_json
+        ) as running:
             events = watched(job, iter(running))
             try:
                 for event in events:
