@@ -17,6 +17,12 @@ CONFIG.json`: no download, any backend; the figures depend on shapes and dtype, 
 
     python benchmarks/batch_passes.py --target coder-target                    # this machine's CPU
     python benchmarks/batch_passes.py --shapes config.json --dtype bfloat16     # e.g. on a GPU (MLX's CUDA backend)
+
+`--margins` measures rounding instead of time: how far a batched pass moves each row's top-two logit gap (and its
+logits) from the row's own pass and from one-token steps — rows of different lengths, widths 1, k + 1 and both
+mixed, on caches kept merged and merged afresh — the drift the near-tie bound of uag/runtime/divergence.py must
+cover where a server batches requests:
+    python benchmarks/batch_passes.py --target demo-target --margins --repeats 5
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import argparse
 import json
 import statistics
 import time
+from collections import defaultdict
 from functools import partial
+from pathlib import Path
 
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
 
@@ -39,13 +47,18 @@ from uag.core.passes import batched_pass, prefill, trim_to
 
 
 def random_model(config_path: str, dtype: str):
-    """An mlx-lm model of the config's shapes with random weights, in `dtype`."""
-    from mlx_lm.utils import _get_classes
+    """An mlx-lm model of the config's shapes with random weights, in `dtype` (a float type, or q8 / q4: mlx-lm's
+    quantisation, group size 64, over bfloat16, as uag.models.dtypes loads them)."""
+    from mlx_lm.utils import _get_classes, quantize_model
+
+    from uag.models.dtypes import QUANTIZED, QUANTIZED_OVER
 
     config = json.loads(open(config_path).read())
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    model.set_dtype(getattr(mx, dtype))
+    model.set_dtype(getattr(mx, QUANTIZED_OVER if dtype in QUANTIZED else dtype))
+    if dtype in QUANTIZED:
+        model, _ = quantize_model(model, config, 64, QUANTIZED[dtype])
     mx.eval(model.parameters())
     return model
 
@@ -161,30 +174,219 @@ def report(table: dict, batches: list[int], widths: list[int]) -> str:
     return "\n".join(lines)
 
 
+# --- --margins: how far a batched pass moves each row's logits -----------------------------------------------------
+PATHS = ("kept", "afresh")  # caches kept merged (plain KV caches, as served); merged afresh (rotating, quantized)
+
+
+def row_lengths(rows: int, context: int) -> list[int]:
+    """Cached tokens per row, from `context` down to half of it: a batch's requests never hold the same number.
+
+    Example: row_lengths(3, 512) -> [512, 384, 256];  row_lengths(1, 512) -> [512]
+    """
+    half = context // 2
+    return [context - half * i // max(1, rows - 1) for i in range(rows)]
+
+
+def shapes(size: int, widths: list[int]) -> list[tuple[str, list[int]]]:
+    """(label, each row's width) of the passes measured over `size` rows: every width alike, then the narrowest
+    and the widest mixed, row by row (plain steps batched with verifications, padded to the widest).
+
+    Example: shapes(3, [1, 9]) -> [("1", [1, 1, 1]), ("9", [9, 9, 9]), ("1/9", [1, 9, 1])]
+    """
+    out = [(str(w), [w] * size) for w in widths]
+    if len(widths) > 1:
+        lo, hi = min(widths), max(widths)
+        out.append((f"{lo}/{hi}", [lo if i % 2 == 0 else hi for i in range(size)]))
+    return out
+
+
+def spread(values: list[float]) -> tuple[float, float] | None:
+    """(median, max) of per-repeat figures; None for none.  Example: [3e-6, 1e-6, 2e-6] -> (2e-06, 3e-06)"""
+    return (statistics.median(values), max(values)) if values else None
+
+
+def gap_changes(reference: mx.array, other: mx.array) -> tuple[float, float]:
+    """The largest |change of the top-two gap| and |change of a logit| between two computations of the same
+    positions' logits (W, V), over the positions; the top two are the reference's, everything in float32.
+
+    Example: reference [[0, 3, 2]], other [[0, 2.9, 2.05]] -> (0.15, 0.1) (to float32 rounding)
+    """
+    ref, oth = reference.astype(mx.float32), other.astype(mx.float32)
+    top = mx.argsort(ref, axis=-1)[:, -2:]  # (W, 2): the runner-up, the top choice
+    a, b = mx.take_along_axis(ref, top, axis=-1), mx.take_along_axis(oth, top, axis=-1)
+    gaps = mx.abs((a[:, 1] - a[:, 0]) - (b[:, 1] - b[:, 0]))
+    return float(mx.max(gaps)), float(mx.max(mx.abs(ref - oth)))
+
+
+def drift(
+    model: nn.Module, make_cache, batches: list[int], widths: list[int], context: int, repeats: int
+) -> dict[tuple[int, str, str], list[dict]]:
+    """{(B, shape label, path): per repeat {"gap", "logit": the largest change against each row's own pass,
+    "steps": the largest gap change against one-token steps over the same tokens}} for passes over B rows
+    (`row_lengths`) of `shapes(B, widths)`; path "alone" is the rows' own pass against their steps (what
+    benchmarks/dtypes.py measures). Kept caches keep their holes between passes, as served: every row is trimmed
+    back after each pass (a rejected draft), and the next pass masks the holes out (compacting now and then)."""
+    mx.random.seed(0)
+    lengths = row_lengths(max(batches), context)
+    own = []
+    for n in lengths:
+        cache = make_cache()
+        prefill(model, cache, [int(t) for t in mx.random.randint(10, 1000, (n,))])
+        own.append(cache)
+    out: dict[tuple[int, str, str], list[dict]] = defaultdict(list)
+    for size in batches:
+        kept = KeptCaches()
+        kept_rows = [copied(cache) for cache in own[:size]]
+        members = [kept.adopt(cache) for cache in kept_rows]
+        fresh = [copied(cache) for cache in own[:size]]
+        for _ in range(repeats):
+            for label, ws in shapes(size, widths):
+                tokens = [mx.random.randint(10, 1000, (w,)) for w in ws]
+                alone, steps = [], []
+                for cache, n, t in zip(own, lengths, tokens):  # each row's own pass, then its one-token steps
+                    alone.append(model(t[None], cache=cache)[0])
+                    mx.eval(alone[-1])
+                    trim_to(cache, n)
+                    if t.shape[0] == 1:
+                        steps.append(alone[-1])
+                        continue
+                    one = []
+                    for j in range(t.shape[0]):
+                        one.append(model(t[j : j + 1][None], cache=cache)[0])
+                        mx.eval(one[-1])
+                    steps.append(mx.concatenate(one))
+                    trim_to(cache, n)
+                batched = {"kept": [x[0] for x in kept.run(model, members, tokens)]}  # evaluated
+                batched["afresh"] = [x[0] for x in batched_pass(model, tokens, fresh)]
+                mx.eval(steps, batched["afresh"])
+                for rows in (kept_rows, fresh):
+                    for cache, n in zip(rows, lengths):
+                        trim_to(cache, n)
+                for path, logits in batched.items():
+                    changes = [(gap_changes(a, b), gap_changes(s, b)[0]) for a, s, b in zip(alone, steps, logits)]
+                    out[size, label, path].append(
+                        {
+                            "gap": max(c[0][0] for c in changes),
+                            "logit": max(c[0][1] for c in changes),
+                            "steps": max(c[1] for c in changes),
+                        }
+                    )
+                if max(ws) > 1:
+                    out[size, label, "alone"].append({"steps": max(gap_changes(s, a)[0] for a, s in zip(alone, steps))})
+    return dict(out)
+
+
+def drift_report(table: dict, dtype: str, threshold: float) -> str:
+    """The drift table (median and max over repeats of each repeat's largest change) and what it means for the
+    near-tie bound `threshold` of `dtype`: two runs batched differently may each sit that far from one-token steps,
+    so the bound must be at least twice the largest change against them."""
+    g = lambda pair: "-" if pair is None else f"{pair[0]:.2g} ({pair[1]:.2g})"  # noqa: E731
+    lines = [
+        "the largest change in a pass over its rows' positions, median (max) over repeats",
+        f"{'B':<4}{'widths':<8}{'path':<8}{'|Δ gap| vs own pass':>22}{'|Δ logit| vs own pass':>24}"
+        f"{'|Δ gap| vs 1-token steps':>27}",
+    ]
+    for (size, label, path), reps in table.items():
+        cells = [spread([r[name] for r in reps if name in r]) for name in ("gap", "logit", "steps")]
+        lines.append(f"{size:<4}{label:<8}{path:<8}{g(cells[0]):>22}{g(cells[1]):>24}{g(cells[2]):>27}")
+    worst = worst_drift(table)
+    covered = 2 * worst["batched_vs_steps"] <= threshold
+    lines += [
+        "",
+        f"largest |Δ gap|: a batched pass against its rows' own pass {worst['batched_vs_own']:.2g}, against "
+        f"one-token steps {worst['batched_vs_steps']:.2g}; a row's own pass against its steps "
+        f"{worst['pass_vs_steps']:.2g}",
+        f"near-tie bound for {dtype}: {threshold:g} — "
+        + (
+            f"covers two runs batched differently (2 x {worst['batched_vs_steps']:.2g})"
+            if covered
+            else f"does NOT cover two runs batched differently (needs >= {2 * worst['batched_vs_steps']:.2g})"
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def worst_drift(table: dict) -> dict[str, float]:
+    """The largest change over every pass of a `drift` table: a batched pass against its rows' own pass, and
+    against one-token steps; a row's own pass against its steps.
+
+    Example: {(2, "1", "kept"): [{"gap": 1e-6, "logit": 2e-6, "steps": 1e-6}], (2, "9", "alone"): [{"steps": 3e-6}]}
+             -> {"batched_vs_own": 1e-06, "batched_vs_steps": 1e-06, "pass_vs_steps": 3e-06}
+    """
+
+    def most(paths: tuple[str, ...], name: str) -> float:
+        return max((r[name] for (_, _, path), reps in table.items() if path in paths for r in reps), default=0.0)
+
+    return {
+        "batched_vs_own": most(PATHS, "gap"),
+        "batched_vs_steps": most(PATHS, "steps"),
+        "pass_vs_steps": most(("alone",), "steps"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--target", help="an offline name, a folder or a hub id")
     source.add_argument("--shapes", metavar="CONFIG.json", help="random weights of this config's shapes")
-    parser.add_argument("--dtype", default="float32", help="with --shapes: float32, bfloat16, float16")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--context", type=int, default=512, help="tokens each sequence's cache holds")
+    parser.add_argument(
+        "--dtype",
+        help="float32, bfloat16, float16, q8, q4 (default: with --shapes float32, with --target as stored)",
+    )
+    parser.add_argument("--batches", type=int, nargs="+", help="default: 1 2 4 8 (with --margins: 2 4 8)")
+    parser.add_argument("--widths", type=int, nargs="+", help="default: 1 2 4 8 16 (with --margins: 1 and k + 1 = 9)")
+    parser.add_argument(
+        "--context", type=int, default=512, help="tokens each sequence's cache holds (--margins: the most)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--margins",
+        action="store_true",
+        help="measure how far a batched pass moves each row's top-two logit gap from its own pass (no timing)",
+    )
+    parser.add_argument("--json", metavar="FILE", help="with --margins: every repeat's figures, as JSON")
     args = parser.parse_args(argv)
     if args.target:
         from uag.models.store import ModelStore
 
-        loaded = ModelStore().get(args.target)
-        model, make_cache, name = loaded.model, loaded.make_cache, args.target
+        loaded = ModelStore().get(args.target, dtype=args.dtype)
+        model, make_cache = loaded.model, loaded.make_cache
+        name, dtype = f"{args.target} ({loaded.dtype})", loaded.dtype
     else:
-        model, name = random_model(args.shapes, args.dtype), f"random weights of {args.shapes} ({args.dtype})"
+        dtype = args.dtype or "float32"
+        model, name = random_model(args.shapes, dtype), f"random weights of {args.shapes} ({dtype})"
         make_cache = partial(make_prompt_cache, model)
+    if args.margins:
+        return margins(args, model, make_cache, name, dtype)
     print(f"{name} on {mx.default_device()}, MLX {mx.__version__}; context {args.context}, median of {args.repeats}")
+    args.batches, args.widths = args.batches or [1, 2, 4, 8], args.widths or [1, 2, 4, 8, 16]
     table = costs(
         model, make_cache, sorted(set(args.batches) | {1}), sorted(set(args.widths) | {1}), args.context, args.repeats
     )
     print(report(table, sorted(set(args.batches) | {1}), sorted(set(args.widths) | {1})))
+    return 0
+
+
+def margins(args: argparse.Namespace, model: nn.Module, make_cache, name: str, dtype: str) -> int:
+    """`--margins`: the drift table, what it means for the dtype's near-tie bound, and with `--json` the figures."""
+    from uag.runtime.divergence import near_tie_margin
+
+    batches = sorted(set(args.batches or [2, 4, 8]) - {1})
+    widths = sorted(set(args.widths or [1, 9]))
+    if not batches or min(widths) < 1:
+        raise SystemExit("--margins needs a batch of 2 or more rows and widths of 1 or more")
+    lengths = row_lengths(max(batches), args.context)
+    print(
+        f"{name} on {mx.default_device()}, MLX {mx.__version__}; rows of {lengths[-1]}…{lengths[0]} cached tokens, "
+        f"{args.repeats} repeats"
+    )
+    table = drift(model, make_cache, batches, widths, args.context, args.repeats)
+    threshold = near_tie_margin(dtype)
+    print(drift_report(table, dtype, threshold))
+    if args.json:
+        rows = [{"batch": b, "widths": w, "path": p, "repeats": reps} for (b, w, p), reps in table.items()]
+        worst = {"dtype": dtype, "threshold": threshold, **worst_drift(table)}
+        Path(args.json).write_text(json.dumps({"model": name, "worst": worst, "passes": rows}, indent=1))
     return 0
 
 
