@@ -46,6 +46,8 @@ alone; open chat uag >= 0.97x mlx_lm alone (pooled); speculation off >= 0.97x ml
 pooled); turn-2 time to first token <= 0.25x the cold read; lossless: every uag speculative text equals
 uag:off's text for the same turn (and whether mlx_lm's text agrees, for information: on a target without a
 chat template, such as the demo target, mlx_lm.server joins the messages its own way, so its text differs).
+Where a text differs, after the servers stop the target is loaded here and the margin where the two part says
+near-tie or bug (benchmarks/near_ties.py; a "parted" row each); met where every difference is a near-tie.
 
 Usage (a smoke run on the demo pair, which has no same-vocabulary drafter for mlx_lm):
     python benchmarks/serve.py --conversations 1 --chat-prompts 1 --max-tokens 8 --repeats 1
@@ -54,6 +56,7 @@ The issue's run (on a quiet machine; hours: every edit turn writes a whole file 
         --repeats 3 --out serve-coder.jsonl     # drafters lookup+demo-drafter and lookup+coder-drafter; the
                                                 # peer drafts with coder-drafter, N = 2, 3, 4
     python benchmarks/serve.py --summarize serve-coder.jsonl      # the summary again, from the rows
+    python benchmarks/serve.py --summarize serve-coder.jsonl --classify   # with verdicts the rows lack
 Chosen conversations instead of the first N (e.g. ones no tuning looked at): --ids edit-010 edit-015 edit-020
 """
 
@@ -76,6 +79,7 @@ import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag
 # isort: split
 import edit_formats  # benchmarks/edit_formats.py, beside this script
 import httpx
+import near_ties  # benchmarks/near_ties.py: where a reply differs from uag:off's, near-tie or bug
 import openai
 import serve_many  # benchmarks/serve_many.py: --concurrency, and its rows' summary
 from serving import (  # benchmarks/serving.py: what this script shares with serve_many.py
@@ -527,26 +531,41 @@ def ablation(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, float | None
     return out
 
 
-def lossless(tables: dict[str, dict[Key, dict]]) -> list[tuple[str, str, int, int]]:
-    """(condition, reference, turns equal, turns compared): each condition against uag:off, turn by turn and repeat
-    by repeat (mlx_lm's for information); where uag:off did not run, uag's against mlx_lm, for information."""
-    reference = "uag:off" if "uag:off" in tables else "mlx_lm" if "mlx_lm" in tables else None
+def lossless(rows: Iterable[dict]) -> list[near_ties.Comparison]:
+    """Each condition's texts against uag:off's, turn by turn and repeat by repeat (mlx_lm's for information); where
+    uag:off did not run, uag's against mlx_lm, for information. A comparison's `parted` are the turns that differ."""
+    said = near_ties.replies(rows)
+    reference = "uag:off" if "uag:off" in said else "mlx_lm" if "mlx_lm" in said else None
     if reference is None:
         return []
-    off, out = tables[reference], []
-    for name, table in tables.items():
+    out = []
+    for name, runs in said.items():
         if name == reference or (reference == "mlx_lm" and not name.startswith("uag:")):
             continue
-        same = total = 0
-        for key, m in table.items():
-            if key[0] == "ttft-cold" or key not in off:
-                continue
-            for repeat, text in m["texts"].items():
-                if repeat in off[key]["texts"]:
-                    total += 1
-                    same += text == off[key]["texts"][repeat]
-        out.append((name, reference, same, total))
+        total = near_ties.Comparison(name, reference)
+        for run, texts in runs.items():
+            if run in said[reference]:
+                where = {"repeat": run[0]}
+                total.add(near_ties.compare(name, reference, texts, said[reference][run], where, where))
+        out.append(total)
     return out
+
+
+def classified(rows: list[dict], target: str, write: Callable[[dict], None]) -> None:
+    """Where a uag condition's text differs from uag:off's, the verdict (near-tie or bug: benchmarks/near_ties.py),
+    each written as a "parted" row; the target is loaded in this process only where a text differs."""
+    known = near_ties.verdicts(rows)
+    parted = [
+        p
+        for c in lossless(rows)
+        if c.reference == "uag:off" and c.condition.startswith("uag:")
+        for p in c.parted
+        if p.key not in known
+    ]
+    if parted:
+        say(f"{len(parted)} replies differ from uag:off's: classifying them with {target} loaded here")
+        for r in near_ties.classify(parted, target, say=lambda line: say(f"  {line}")):
+            write(r)
 
 
 def summary(rows: list[dict]) -> str:
@@ -609,12 +628,14 @@ def summary(rows: list[dict]) -> str:
     for name, tps, e2e in ablation(tables):
         what = f"ablation: {name}, edit turns 2-3 × auto as shipped: tokens/s; speed end to end"
         lines.append(f"{what:<86}{fmt(tps, '.3f'):>9}  {fmt(e2e, '.3f')}")
-    for name, reference, same, total in lossless(tables):
-        if name.startswith("uag:") and reference == "uag:off":
-            what, verdict = f"lossless: {name} text == uag:off text", "met" if same == total and total else "NOT met"
+    found = near_ties.verdicts(rows)
+    for c in lossless(rows):
+        if c.condition.startswith("uag:") and c.reference == "uag:off":
+            what = f"lossless: {c.condition} text == uag:off text"
+            why, verdict = near_ties.note(c, found)
         else:
-            what, verdict = f"for information: {name} text == {reference} text", ""
-        lines.append(f"{what:<86}{f'{same}/{total}':>9}  {'all' if verdict else '':<9} {verdict}")
+            what, why, verdict = f"for information: {c.condition} text == {c.reference} text", "", ""
+        lines.append(f"{what:<86}{f'{c.same}/{c.total}':>9}  {'all' if verdict else '':<9} {verdict} {why}".rstrip())
     for name, workload, applied, total in edits_applied(tables):
         lines.append(f"{f'edits applied to the file, {workload}, {name}':<86}{f'{applied}/{total}':>9}")
     for r in (r for r in rows if r.get("kind") == "metrics"):  # issue 50: a scrape adds up to the replies
@@ -684,6 +705,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="the rows, one JSON object per line (default serve-<date-time>.jsonl)")
     parser.add_argument("--summarize", metavar="ROWS", help="print the summary of a rows file and exit")
     parser.add_argument(
+        "--classify",
+        action="store_true",
+        help="with --summarize: classify the replies that differ from uag:off's (near-tie or bug; loads the target "
+        "here, in the rows' dtype as stored) where the rows lack a verdict, and append the verdicts to the file",
+    )
+    parser.add_argument(
         "--retry",
         action="store_true",
         help="after the edit conversations, each one's turn 2 asked "
@@ -704,8 +731,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="with --concurrency: aggregate tokens/s against it, as PNG")
     args = parser.parse_args(argv)
     if args.summarize:
-        rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
-        if any(r.get("kind") == "request" for r in rows):  # rows of --concurrency
+        path = Path(args.summarize)
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        many = any(r.get("kind") == "request" for r in rows)  # rows of --concurrency
+        if args.classify:  # the verdicts the rows lack, appended to them
+            meta = next((r for r in rows if r.get("kind") == "meta"), {})
+            with path.open("a") as f:
+
+                def write(r: dict) -> None:
+                    rows.append(r)
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+                (serve_many.classified if many else classified)(rows, meta.get("target") or args.target, write)
+        if many:
             return serve_many.summarize(rows, args.plot)
         print(summary(rows))
         return 0
@@ -777,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
             order = conds[shift:] + conds[:shift]
             for group in [order] if args.together else [[c] for c in order]:
                 session(group, repeat, args, edit, ttft, chat, logs, write)
+        classified(rows, args.target, write)  # every server has stopped: the target fits here now
     say(f"rows in {out}, server logs in {logs}/")
     print(summary(rows))
     return 0

@@ -6,7 +6,9 @@ conversation's turn 3 after its own turn 2) and open chat (C prompts), in waves 
 `--chat-prompts` (items left over from the last full wave are not sent at that C). Conditions, servers and requests
 come from serving.py. The summary: per condition, workload and C, aggregate tokens/s (a wave's completion tokens ÷
 the time from its first request sent to its last reply done; edit: turns 2-3), p50/p95 time to first token and end
-to end; then the issue's targets and losslessness. Smoke run on the demo pair:
+to end; then the issue's targets and losslessness: each uag condition's texts against uag:off's, and uag:off's at each
+C against its own at the lowest (batched passes against one request's), every difference classified near-tie or
+bug after the servers stop (benchmarks/near_ties.py). Smoke run on the demo pair:
     python benchmarks/serve.py --concurrency 1 2 --conversations 2 --chat-prompts 1 --max-tokens 8 --plot c.png
 """
 
@@ -25,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
+import near_ties  # benchmarks/near_ties.py, beside this module: where a reply differs, near-tie or bug
 import openai
 from serving import (  # benchmarks/serving.py, beside this module (serve.py runs this one; its folder is on sys.path)
     REQUEST_S,
@@ -300,19 +303,58 @@ def targets(stats: dict[Level, Stats]) -> list[tuple[str, float | None, str, boo
 def lossless(rows: Iterable[dict]) -> list[tuple[str, int, int]]:
     """(condition, requests whose text equals uag:off's, requests compared) per uag speculative condition: the same
     request is the same repeat, concurrency, workload, item and turn."""
-    texts: dict[str, dict[tuple, str]] = defaultdict(dict)
-    for r in rows:
-        if r.get("kind") == "request":
-            texts[r["condition"]][(r["repeat"], r["concurrency"], r["workload"], r["item"], r["turn"])] = r["text"]
-    off = texts.get("uag:off")
+    return [(c.condition, c.same, c.total) for c in comparisons(rows) if c.condition != "uag:off"]
+
+
+def comparisons(rows: Iterable[dict]) -> list[near_ties.Comparison]:
+    """Each uag speculative condition's texts against uag:off's for the same request (repeat, concurrency, workload,
+    item, turn); then uag:off batched against itself at the lowest concurrency (a batch's passes against one
+    request's: `condition` "uag:off", one comparison per higher concurrency). Their `parted`: the requests that
+    differ, for benchmarks/near_ties.py."""
+    said = near_ties.replies(rows, by=("repeat", "concurrency"))
+    off = said.get("uag:off")
     if off is None:
         return []
     out = []
-    for name, mine in texts.items():
+    for name, runs in said.items():
         if name.startswith("uag:") and name != "uag:off":
-            both = mine.keys() & off.keys()
-            out.append((name, sum(mine[k] == off[k] for k in both), len(both)))
+            total = near_ties.Comparison(name, "uag:off")
+            for run in sorted(runs.keys() & off.keys()):
+                where = {"repeat": run[0], "concurrency": run[1]}
+                total.add(near_ties.compare(name, "uag:off", runs[run], off[run], where, where))
+            out.append(total)
+    lowest = min((c for _, c in off), default=None)
+    for level in sorted({c for _, c in off} - {lowest}):
+        total = near_ties.Comparison("uag:off", "uag:off", label=f"C={level} vs C={lowest}")
+        for repeat in sorted({r for r, c in off if c == level and (r, lowest) in off}):
+            where, alone = {"repeat": repeat, "concurrency": level}, {"repeat": repeat, "concurrency": lowest}
+            total.add(near_ties.compare("uag:off", "uag:off", off[repeat, level], off[repeat, lowest], where, alone))
+        out.append(total)
     return out
+
+
+def classified(rows: list[dict], target: str, write: Callable[[dict], None]) -> None:
+    """Where a request's text differs from its reference's, the verdict (near-tie or bug: benchmarks/near_ties.py),
+    each written as a "parted" row; the target is loaded in this process only where a text differs."""
+    known = near_ties.verdicts(rows)
+    parted = [p for c in comparisons(rows) for p in c.parted if p.key not in known]
+    if parted:
+        say(f"{len(parted)} replies differ from their reference's: classifying them with {target} loaded here")
+        for r in near_ties.classify(parted, target, say=lambda line: say(f"  {line}")):
+            write(r)
+
+
+def lossless_lines(rows: list[dict]) -> list[str]:
+    """The summary's lossless lines: per comparison, requests equal / compared, and the partings' verdicts."""
+    found, lines = near_ties.verdicts(rows), []
+    for c in comparisons(rows):
+        why, verdict = near_ties.note(c, found)
+        if c.condition == "uag:off":
+            what = f"lossless: uag:off text, {c.label}"
+        else:
+            what = f"lossless: {c.condition} text == uag:off text"
+        lines.append(f"{what:<72}{f'{c.same}/{c.total}':>9}  {'all':<9} {verdict} {why}".rstrip())
+    return lines
 
 
 COLUMNS = (
@@ -369,9 +411,7 @@ def summary(rows: list[dict]) -> str:
     for what, value, goal, met in targets(stats):
         verdict = "not measured" if met is None else "met" if met else "NOT met"
         lines.append(f"{what:<72}{fmt(value, '.2f') + 'x' if value is not None else '-':>9}  {goal:<9} {verdict}")
-    for name, same, total in lossless(rows):
-        verdict = "met" if same == total and total else "NOT met"
-        lines.append(f"{f'lossless: {name} text == uag:off text':<72}{f'{same}/{total}':>9}  {'all':<9} {verdict}")
+    lines += lossless_lines(rows)
     return "\n".join(lines)
 
 
@@ -511,5 +551,6 @@ def main(args: argparse.Namespace) -> int:
             for condition in conds[shift:] + conds[:shift]:
                 for concurrency in args.concurrency:
                     level(condition, concurrency, repeat, work, args, logs, write)
+        classified(rows, args.target, write)  # every server has stopped: the target fits here now
     say(f"rows in {out}, server logs in {logs}/")
     return summarize(rows, args.plot)

@@ -6,7 +6,8 @@ did: as a one-token step after reading the shared prefix (the baseline's computa
 verification pass of the speculative run's cycle that committed that position — same pending token, same
 proposal, same place in it — after reading what came before (found from the run's cycle records; a run whose
 cycles do not account for its tokens, such as a sharded one, gets one pass over the whole shared prefix).
-Two prefills and two passes of the target, only when outputs differ.
+Two prefills and two passes of the target, only when outputs differ. Replies known only as text (a benchmark's
+servers) are tokenized and weighed as a step after the prompt and their common prefix (`text_divergence`).
 
     divergence = compare_runs(target, baseline_run, speculative_run)   # None when not comparable
 """
@@ -31,16 +32,20 @@ def margin(logits: mx.array) -> float:
     return float(mx.max(top) - mx.min(top))
 
 
+def pass_logits(target, read: Sequence[int], pass_ids: Sequence[int], index: int) -> mx.array:
+    """The target's logits at `pass_ids[index]`'s output when it reads `read`, then `pass_ids` in one pass."""
+    cache = target.make_cache()
+    prefill(target.model, cache, list(read))
+    return target.model(mx.array(list(pass_ids))[None], cache=cache)[0, index]
+
+
 def pass_margin(target, read: Sequence[int], pass_ids: Sequence[int], index: int) -> float:
     """The target's margin at `pass_ids[index]`'s output when it reads `read`, then `pass_ids` in one pass.
 
     Example: pass_margin(t, prompt[:-1], [prompt[-1]], 0) is the margin of the first generated token as a
     one-token step; pass_margin(t, prompt[:-1], [prompt[-1], d1, d2], 1) as the second position of a k=2 pass.
     """
-    cache = target.make_cache()
-    prefill(target.model, cache, list(read))
-    logits = target.model(mx.array(list(pass_ids))[None], cache=cache)[0, index]
-    return margin(logits)
+    return margin(pass_logits(target, read, pass_ids, index))
 
 
 def step_margin(target, context: Sequence[int]) -> float:
@@ -94,3 +99,42 @@ def compare_runs(target, baseline: Run, speculative: Run) -> Divergence | None:
         committed = prompt + a[:start]
         spec = pass_margin(target, committed[:-1], [committed[-1], *proposal], index)
     return classify(a, b, dtype=target.dtype, step_margins={position: step}, pass_margins={position: spec})
+
+
+def completion_ids(target, text: str) -> list[int]:
+    """A reply's text as target tokens, as they follow a prompt (no BOS).
+
+    Example: completion_ids(t, " Warszawa.") -> the ids of " Warszawa." alone
+    """
+    return list(target.tokenizer.encode(text, add_special_tokens=False))
+
+
+def text_divergence(
+    target, prompt_ids: Sequence[int], reference: str, other: str, *, ended: tuple[bool, bool] = (False, False)
+) -> Divergence | None:
+    """The verdict on two greedy replies to the prompt `prompt_ids` known only as text (a benchmark's servers keep
+    no tokens): both tokenized (`completion_ids`), and where they part, the target's margin computed as a one-token
+    step after the prompt and their common prefix. `ended`: whether each reply was ended by the model (finish reason
+    "stop"): where one text is a prefix of the other, the one that ended wrote an end-of-text token there (the
+    target's likeliest), and one cut short wrote nothing to weigh. None where it cannot be told: one cut short, or
+    neither text's token at that position is the target's top choice there (their tokens are not the ones generated,
+    so the margin would weigh other tokens).
+
+    Example: " a b c" vs " a b d" where the target's top two after prompt + " a b" are 0.003 apart (float32)
+             -> kind "diverged_near_tie", position 2, step_margin 0.003
+    """
+    said = [completion_ids(target, reference), completion_ids(target, other)]
+    position = first_difference(*said)
+    if position is None:
+        return classify(*said, dtype=target.dtype)
+    context = [*prompt_ids, *said[0][:position]]
+    logits = pass_logits(target, context[:-1], context[-1:], 0)
+    for i, ids in enumerate(said):
+        if len(ids) == position:  # this reply ends where the other goes on
+            if not ended[i]:
+                return None
+            ends = getattr(target.tokenizer, "eos_token_ids", None) or [target.tokenizer.eos_token_id]
+            ids.append(max(ends, key=lambda token: float(logits[token])))
+    if int(mx.argmax(logits)) not in (said[0][position], said[1][position]):
+        return None
+    return classify(*said, dtype=target.dtype, step_margins={position: margin(logits)})
