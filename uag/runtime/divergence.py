@@ -31,7 +31,10 @@ KINDS = (IDENTICAL, NEAR_TIE, DIVERGED)
 # around, per dtype: twice the largest change of that gap measured between the two computations
 # (benchmarks/dtypes.py, demo target, k = 8; docs/results.md#the-dtypes-users-run-benchmarksdtypespy, on a GPU,
 # where it moves most). float16 is not measured: 8 units in the last place of a float16 logit of 16-32
-# (0.0156 each).
+# (0.0156 each). A server's batched pass (rows of other lengths and widths beside a request's, kept caches' masked
+# slots) moves the gap from one-token steps about as far as a k-token pass does: far under half of float32's bound
+# on a CPU (benchmarks/batch_passes.py --margins; docs/results.md, "Many requests at once", row be), so two
+# requests batched differently are covered by the same bound. A GPU's batched kernels are not measured yet.
 NEAR_TIE_MARGIN = {"float32": 0.04, "bfloat16": 0.75, "float16": 0.125, "q8": 0.625, "q4": 1.25}
 UNKNOWN_DTYPE_MARGIN = 1.25  # a dtype not measured (q3, q6, mixed…): as coarse as the coarsest measured
 
@@ -104,7 +107,8 @@ class Divergence:
         """What to tell the user, in plain words ('' when identical); the pieces are the two tokens' text.
 
         Example (near-tie): "token 26: the target's top two choices were 0.004 apart; a k-token pass in bfloat16
-        rounds differently from a one-token step, so either is the target's own choice — not a bug."
+        rounds differently from a one-token step, as a batched pass does from a request's own, so either is the
+        target's own choice — not a bug."
         """
         if self.kind == IDENTICAL:
             return ""
@@ -116,8 +120,9 @@ class Divergence:
         if self.kind == NEAR_TIE:
             return (
                 f"Outputs part at token {n}{what}: the target's top two choices there were {_num(self.margin)} apart; "
-                f"a k-token pass in {precision(self.dtype)} rounds differently from a one-token step (ties closer than "
-                f"{_num(self.threshold)} can turn), so either is the target's own choice — not a bug."
+                f"a k-token pass in {precision(self.dtype)} rounds differently from a one-token step, as a batched "
+                f"pass does from a request's own (ties closer than {_num(self.threshold)} can turn), so either is the "
+                "target's own choice — not a bug."
             )
         if self.baseline_token is None or self.speculative_token is None:
             why = "one run stopped where the other went on, with no token to tell them apart"

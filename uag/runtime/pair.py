@@ -226,7 +226,12 @@ def check_against_target(
     """`run` against the target alone on the prompt `ids`: the target alone for as many tokens as the run (read
     cold, as `uag generate --strategy baseline` would), unless the caller ran it already (`baseline`), and the
     verdict on the two greedy outputs (uag.runtime.margins.compare_runs): identical, a near-tie the dtype's
-    rounding may turn, or a mismatch (a bug). `stream`: the engine's (a sharded server's runs over its ranks)."""
+    rounding may turn, or a mismatch (a bug). `stream`: the engine's (a sharded server's runs over its ranks).
+
+    A server checks a request where it ran: in a batch, the baseline and the margins' passes are rows of whatever
+    batch runs then, not of the run's own batched passes, which no one can repeat. That is sound: every computation
+    of the target's gap sits within a batched pass's drift of one-token steps, so a flip between any two needs a
+    margin under twice that drift in each, and the dtype's bound covers twice it (uag.runtime.divergence)."""
     target = loaded.target if isinstance(loaded, Loaded) else loaded
     if run.generated == 0:
         return Checked(run, baseline, None, "the reply has no tokens")
