@@ -169,3 +169,14 @@ def test_reading_n_tokens_is_one_batched_pass_not_n_steps():
 )
 def test_a_profile_prices_each_recorded_cycle_as_the_run_spent_it(cycle, ms):
     assert MEASURED.price(cycle) == pytest.approx(ms)
+
+
+def test_a_width_between_the_tables_entries_is_priced_as_np_interp_prices_it():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        widths = np.unique(np.concatenate([[1], rng.integers(2, 70, size=rng.integers(1, 12))]))
+        times = np.cumsum(rng.uniform(0.1, 50.0, size=len(widths)))  # any positive times, rising or not below
+        times = rng.permutation(times) if rng.random() < 0.3 else times
+        profile = CostProfile(dict(zip(widths.tolist(), times.tolist())), drafter_ms=1.0)
+        for w in range(1, int(widths[-1])):
+            assert profile.target_at(w) == float(np.interp(w, widths, times)), (widths, times, w)

@@ -14,6 +14,7 @@ uag.core.speedup; the link term of a target sharded over ranks is at the end.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -249,15 +250,22 @@ def _curve(table: Any, name: str) -> dict[int, float]:
 
 
 def _at(table: dict[int, float], w: int) -> float:
-    """The table at width w: exact, interpolated, or past the widest entry at the slope of the last two."""
+    """The table at width w: exact, interpolated, or past the widest entry at the slope of the last two.
+
+    Plain Python, as `np.interp` computes it: auto prices every width it weighs, for every member of a batch, every
+    round (tens of thousands of calls a second on a GPU), where numpy's per-call overhead was most of the cost.
+    """
     w = int(w)
     if w < 1:
         raise ValueError(f"w must be >= 1 (got {w})")
-    if w in table:
-        return table[w]
+    ms = table.get(w)
+    if ms is not None:
+        return ms
     widths = list(table)
     if w < widths[-1]:
-        return float(np.interp(w, widths, list(table.values())))
+        i = bisect.bisect_left(widths, w)
+        lo, hi = widths[i - 1], widths[i]
+        return (table[hi] - table[lo]) / (hi - lo) * (w - lo) + table[lo]
     if len(widths) == 1:
         return table[widths[0]]
     w1, w2 = widths[-2], widths[-1]

@@ -296,11 +296,10 @@ class Prices:
         timed = self.evidence.verify_ms
         if w in timed:
             return timed[w]
-        if self.profile is not None:
-            anchors = [v for v in timed if self.profile.target_at(v) > 0] if self.learn else []
-            if not anchors:
+        if self.profile is not None:  # its times are positive (CostProfile checks them): any width timed anchors
+            if not (self.learn and timed):
                 return self.profile.target_at(w) * self.evidence.scale
-            near = min(anchors, key=lambda v: (abs(v - w), v))
+            near = min(timed, key=lambda v: (abs(v - w), v))
             return self.profile.target_at(w) * timed[near] / self.profile.target_at(near)
         if not timed:
             return None
