@@ -131,3 +131,16 @@ def test_a_profile_a_run_showed_stale_is_kept_and_judged_off(cache, scale, off):
     evidence.scale = scale
     assert (judge_profile(saved, evidence) is not None) is off
     assert find_calibration(pair) == saved
+
+
+@pytest.mark.parametrize(("scale", "context", "off"), [(2.3, 2800, False), (2.3, 400, True), (0.3, 2800, True)])
+def test_a_run_over_a_cache_far_longer_than_the_profiles_is_not_judged_slower(cache, scale, context, off):
+    """A coding agent's 2,800-token head makes every pass dearer than a profile timed over 256 tokens: that is not a
+    stale profile (measuring again at 256 would find the same times); slower at a like cache is, and faster is at any
+    cache."""
+    from uag.costs.pair import judge_profile
+
+    saved = Calibration(profile_key(fake_pair()), CostProfile({1: 610.0, 2: 700.0}, drafter_ms=0.0), "2026-12-02", 256)
+    evidence = Evidence()
+    evidence.scale = scale
+    assert (judge_profile(saved, evidence, context) is not None) is off
