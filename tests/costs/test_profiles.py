@@ -144,3 +144,15 @@ def test_a_run_over_a_cache_far_longer_than_the_profiles_is_not_judged_slower(ca
     evidence = Evidence()
     evidence.scale = scale
     assert (judge_profile(saved, evidence, context) is not None) is off
+
+
+@pytest.mark.parametrize(("generated", "off"), [(2, False), (15, False), (16, True), (None, True)])
+def test_a_run_of_a_few_tokens_does_not_call_a_profile_off(cache, generated, off):
+    """A client's 2-token probe times one short prompt pass: too little to tell the machine's speed (it read 0.45×
+    the profile's times and set off a measurement the next request had to stop); 16 tokens or more are judged."""
+    from uag.costs.pair import judge_profile
+
+    saved = Calibration(profile_key(fake_pair()), CostProfile({1: 610.0, 2: 700.0}, drafter_ms=0.0), "2026-12-02", 256)
+    evidence = Evidence()
+    evidence.scale = 0.45
+    assert (judge_profile(saved, evidence, 40, generated) is not None) is off

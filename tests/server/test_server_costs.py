@@ -99,6 +99,9 @@ def calibration(profile: CostProfile, load: MachineLoad | None, target=None) -> 
     return Calibration(target_key(target or fake_target()), profile, "2026-11-25T04:38:47+00:00", 256, load)
 
 
+REPLY = "Warszawa, stolica i największe miasto Polski, leży nad Wisłą."
+
+
 def request(prompt: str = "Stolica Polski to", **kw) -> Request:
     config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=4)
     return Request("completion", model="org/target", config=config, drafter="lookup", prompt=prompt, **kw)
@@ -116,7 +119,7 @@ class Stream:
         if evidence is not None and profile is not None:
             evidence.scale = self.scale
         run = Run("baseline", target.name, prompt_ids=list(ids), max_tokens=config.max_tokens)
-        return Scripted._events(run, "Warszawa.")
+        return Scripted._events(run, REPLY)  # 21 tokens: a run long enough to judge the profile by (JUDGED_TOKENS)
 
 
 class Measure:

@@ -23,6 +23,7 @@ from uag.core.evidence import Evidence
 from uag.costs import calibrate as measuring  # looked up at each call: tests replace its functions
 from uag.costs.profiles import (
     COPY_WIDTH,
+    JUDGED_TOKENS,
     LONGER,
     Calibration,
     find_calibration,
@@ -181,18 +182,25 @@ def say_short(key: dict, why: str) -> None:
     )
 
 
-def judge_profile(calibration: Calibration, evidence: Evidence, context: int | None = None) -> str | None:
+def judge_profile(
+    calibration: Calibration, evidence: Evidence, context: int | None = None, generated: int | None = None
+) -> str | None:
     """After an auto run on `calibration`'s profile: why its costs should be measured again, by the run's own
     target passes (`Evidence.scale`) and the machine's load now against the measurement's; None when they hold.
     A run whose passes read a cache of `context` tokens, over `LONGER` times the one the profile was timed at, is
     not taken for a sign of slower costs: its passes cost more for the cache alone, and measuring again at the
     profile's context would find the same times (a coding agent's 2,800-token head took 2.3× a 256-token profile's
-    times on this CPU, and every such request set off two minutes of measuring beside the next one).
+    times on this CPU, and every such request set off two minutes of measuring beside the next one). Nor is a run
+    that `generated` fewer than `JUDGED_TOKENS` tokens: a client's 2-token probe timed one short prompt pass, and
+    0.45× the profile's times there set off a measurement that the next request, an agent's 11.7k-token head, had
+    to stop first.
 
     Example: a profile calibrated while a test suite ran (target 495 ms a step) and a quiet run (147 ms):
     scale 0.3 -> "this run's target passes took 0.3× the saved times";  scale 2.3 at context 2,800 on a profile
     timed at 256 -> None
     """
+    if generated is not None and generated < JUDGED_TOKENS:
+        return None
     if context is not None and evidence.scale > 1 and context > LONGER * calibration.context:
         return None
     return why_measure_again(evidence.scale, calibration.load, machine_load)
@@ -207,7 +215,7 @@ class AutoInputs:
     evidence: Evidence | None
     # to call once the run has ended, with the cache its passes read at the end where known (`judge_profile`);
     # nothing to save where the evidence is the caller's
-    finish: Callable[..., None] = field(default=lambda context=None: None)
+    finish: Callable[..., None] = field(default=lambda context=None, generated=None: None)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine's keyword arguments (uag.core.engine.stream's `profile=` and `evidence=`)."""
@@ -262,9 +270,9 @@ def open_auto(
     if not keep:
         return AutoInputs(profile, evidence)
 
-    def finish(context: int | None = None) -> None:
+    def finish(context: int | None = None, generated: int | None = None) -> None:
         keep_evidence(key, evidence)
-        why = None if calibration is None else judge_profile(calibration, evidence, context)
+        why = None if calibration is None else judge_profile(calibration, evidence, context, generated)
         if why is None:
             return
         if schedule is not None:

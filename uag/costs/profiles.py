@@ -51,6 +51,7 @@ class _Pair(Protocol):
 
 
 STALE = 2.0  # a run whose target passes take under 1/STALE or over STALE times the profile's: it is off
+JUDGED_TOKENS = 16  # a run that wrote fewer timed too few passes to call a profile off (pair.judge_profile)
 LONGER = 2  # a run whose passes read a cache over this many times the profile's: slower for that (pair.judge_profile)
 BUSY = 0.75  # others' load per core above which a measurement is a busy machine's
 QUIETER = 0.25  # a moment this much quieter per core than the profile's measurement ...

@@ -299,7 +299,8 @@ class Host:
             if clean and remember and self.memory is not None and running.run is not None:
                 self.memory.add(owner, [*running.run.prompt_ids, *running.run.token_ids])
             if auto is not None:  # the pair's next run opens from its evidence; costs found off are measured again
-                auto.finish(context=len(ids) + (running.run.generated if running.run is not None else 0))
+                generated = running.run.generated if running.run is not None else 0
+                auto.finish(context=len(ids) + generated, generated=generated)
 
     def check(self, loaded: Loaded, ids: list[int], config: GenerationConfig, run: Run, *, cancel=None, baseline=None):
         """The run against the target alone on the same prompt (uag.runtime.pair.check_against_target), run the
