@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.tiny_models import build_tiny
+from tests.support.tiny_models import build_tiny, unshare
 from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.engine import Seams, generate, stream
 from uag.core.evidence import MODEL
 from uag.core.policy import AdaptiveK, AutoSettings
-from uag.runtime.batching import Batch, SharedModel, share, sharing_now
+from uag.runtime.batching import Batch, share, sharing_now
 from uag.runtime.worker import Job
 
 # 3 + n ms a pass over n tokens, every width in the table (pinned: no width is learned from the run's passes):
@@ -45,8 +45,7 @@ class HalfKept(AdaptiveK):
 def target(store):
     loaded = store.get(str(build_tiny("llama", "llama-3.2", seed=11, tie_embeddings=False)))
     yield loaded
-    if isinstance(loaded.model, SharedModel):  # the store's model as other modules get it
-        loaded.model = loaded.model.inner
+    unshare(loaded)
 
 
 def member(job, target, ids: list[int], max_tokens: int, out: dict, name: str):

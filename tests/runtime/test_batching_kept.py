@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import uag.runtime.batching
-from tests.support.tiny_models import build_tiny
+from tests.support.tiny_models import build_tiny, unshare
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice
 from uag.core.engine import generate
@@ -26,9 +26,7 @@ def pair(store):
     target = store.get(str(build_tiny("llama", "llama-3.2", seed=21, tie_embeddings=False)))
     other = store.get(str(build_tiny("llama", "llama-3.2", seed=22, tie_embeddings=False)))
     yield target, other
-    for loaded in (target, other):  # the store's models as other modules get them
-        if isinstance(loaded.model, SharedModel):
-            loaded.model = loaded.model.inner
+    unshare(target, other)
 
 
 def request(job, target, drafter, ids: list[int], config: GenerationConfig, out: dict, name: str):

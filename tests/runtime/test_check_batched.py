@@ -10,13 +10,13 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from tests.support.tiny_models import build_tiny
+from tests.support.tiny_models import build_tiny, unshare
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice
 from uag.core.engine import generate
 from uag.core.kept_caches import KeptCaches
 from uag.core.records import Run
-from uag.runtime.batching import Batch, SharedModel, handed_back, share
+from uag.runtime.batching import Batch, handed_back, share
 from uag.runtime.margins import pass_logits
 from uag.runtime.pair import check_against_target
 from uag.runtime.worker import Job
@@ -30,8 +30,7 @@ PARTS_AT = 6  # the generated token the reply is made to part at
 def target(store):
     loaded = store.get(str(build_tiny("llama", "llama-3.2", seed=33, tie_embeddings=False)))
     yield loaded
-    if isinstance(loaded.model, SharedModel):  # the store's model as other modules get it
-        loaded.model = loaded.model.inner
+    unshare(loaded)
 
 
 def parted(target, run: Run, position: int) -> Run:

@@ -137,12 +137,11 @@ def together(served, requests: list[Ask], *, call=ask) -> list:
 
 def unshare(service) -> None:
     """The session's models as they were before this server shared them (other modules use the same store)."""
-    from uag.runtime.batching import SharedModel
+    from tests.support.tiny_models import unshare as unshare_models
 
     pair = service.host.loaded("lookup+demo-drafter")
-    for loaded in [] if pair is None else [pair[0], pair[1].model]:
-        if isinstance(loaded.model, SharedModel):
-            loaded.model = loaded.model.inner
+    if pair is not None:
+        unshare_models(pair[0], pair[1].model)
 
 
 @pytest.fixture(scope="module")

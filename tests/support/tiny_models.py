@@ -136,3 +136,13 @@ def _rescale(weights: dict, hidden_size: int, tie: bool) -> None:
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def unshare(*models) -> None:
+    """The store's `LoadedModel`s as other test modules get them: the batch's `SharedModel` wrapper, which a batched
+    pass puts on a model it shares (uag.runtime.batching.share), taken off again (a module-scoped fixture's end)."""
+    from uag.runtime.batching import SharedModel
+
+    for loaded in models:
+        if isinstance(loaded.model, SharedModel):
+            loaded.model = loaded.model.inner
