@@ -214,12 +214,12 @@ class LookupDrafter:
 
     def offer(self, k_max: int) -> Offer:
         reach = max(k_max, LOOKUP_REACH)
-        match, recalled = recall(self.shared, self.index, reach, self.views)
+        written, mine, viewed = own_match(self.index, self.views, reach)
+        match, recalled = recall(self.shared, self.index, reach, mine)
         if recalled:  # the request's own continuation, where it has a match, may go beside it (lookup.proposal)
             return Offer({LOOKUP: len(recalled)}, match=match, branched=self.index.match is not None)
-        written, match, viewed = own_match(self.index, self.views, reach)
         if viewed:
-            return Offer({LOOKUP: len(written)}, match=match)
+            return Offer({LOOKUP: len(written)}, match=mine)
         return lookup_offer(self.index, k_max)
 
     def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:

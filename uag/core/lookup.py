@@ -347,14 +347,12 @@ def proposal(
     return main, match, [] if recalled or viewed else index.branches(k), recalled
 
 
-def recall(
-    shared: SharedIndex | None, index: NgramIndex, k: int, views: SharedIndex | None = None
-) -> tuple[int, list[int]]:
+def recall(shared: SharedIndex | None, index: NgramIndex, k: int, mine: int | None = None) -> tuple[int, list[int]]:
     """`shared`'s (match length, up to k tokens) for the end of `index`'s sequence where that match runs back further
-    than the request's own (`own_match`), else (0, []): a run drafts from earlier requests only where they hold the
-    longer copy.
+    than the request's own (`mine`, as `own_match` found it; None: `index`'s), else (0, []): a run drafts from earlier
+    requests only where they hold the longer copy.
 
     Example: shared holds [9, 1, 2, 3, 4], index [7, 2, 3, 9, 1, 2, 3], k 2 -> (4, [4])  (its own, "2 3": 2)
     """
     found = (0, []) if shared is None else shared.find(index.ids[-MATCH_CAP:], k)
-    return found if found[0] > own_match(index, views, k)[1] else (0, [])
+    return found if found[0] > (index.match_length() if mine is None else mine) else (0, [])
