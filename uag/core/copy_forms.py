@@ -7,9 +7,8 @@ a + b"`), and agents show files as numbered listings (`cat -n`, as Claude Code's
 leaves out. Token for token such a copy matches its source only between two line breaks, so lookup drafts a few tokens
 at a time where it could draft the whole copy. `copy_forms` gives the texts a reply may copy instead; lookup indexes
 them beside the prompt where a reply may write JSON (`LookupDrafter(copy_forms=True)`: a request with tools or a JSON
-grammar). Replayed token for token (every proposal of up to 16 tokens verified), a `Write` of a 16-line file that
-the agent read through `Read` takes lookup 31 target passes for its 232 tokens instead of 80, an `Edit` 36 for 318
-instead of 81 (tests/core/test_copy_forms.py).
+grammar). Replayed token for token, a `Write` or an `Edit` of a file the agent read through `Read` then takes lookup
+less than half the target passes (tests/core/test_copy_forms.py; the figures: docs/server.md, "Copying").
 
     copy_forms('     1\tdef add(a, b):\n     2\t    return a + b')
     -> ['def add(a, b):\n    return a + b',                     # the listing without its numbers

@@ -189,11 +189,9 @@ def judge_profile(
     target passes (`Evidence.scale`) and the machine's load now against the measurement's; None when they hold.
     A run whose passes read a cache of `context` tokens, over `LONGER` times the one the profile was timed at, is
     not taken for a sign of slower costs: its passes cost more for the cache alone, and measuring again at the
-    profile's context would find the same times (a coding agent's 2,800-token head took 2.3× a 256-token profile's
-    times on this CPU, and every such request set off two minutes of measuring beside the next one). Nor is a run
-    that `generated` fewer than `JUDGED_TOKENS` tokens: a client's 2-token probe timed one short prompt pass, and
-    0.45× the profile's times there set off a measurement that the next request, an agent's 11.7k-token head, had
-    to stop first.
+    profile's context would find the same times, and every long request would set off a measurement beside the next
+    one. Nor is a run that `generated` fewer than `JUDGED_TOKENS` tokens: a client's short probe times a pass or two,
+    too few to tell the machine's speed, and the measurement it set off would hold up the request after it.
 
     Example: a profile calibrated while a test suite ran (target 495 ms a step) and a quiet run (147 ms):
     scale 0.3 -> "this run's target passes took 0.3× the saved times";  scale 2.3 at context 2,800 on a profile
