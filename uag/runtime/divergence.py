@@ -31,11 +31,11 @@ KINDS = (IDENTICAL, NEAR_TIE, DIVERGED)
 # around, per dtype: twice the largest change of that gap measured between the two computations
 # (benchmarks/dtypes.py, demo target, k = 8; docs/results.md#the-dtypes-users-run-benchmarksdtypespy, on a GPU,
 # where it moves most). float16 is not measured: 8 units in the last place of a float16 logit of 16-32
-# (0.0156 each). A server's batched pass (rows of other lengths and widths beside a request's, kept caches' masked
-# slots) moves the gap from one-token steps about as far as a k-token pass does: far under half of float32's bound
-# on a CPU (benchmarks/batch_passes.py --margins; docs/results.md, "Many requests at once", row be), so two
-# requests batched differently are covered by the same bound. A GPU's batched kernels are not measured yet.
-NEAR_TIE_MARGIN = {"float32": 0.04, "bfloat16": 0.75, "float16": 0.125, "q8": 0.625, "q4": 1.25}
+# (0.0156 each). float32 is set by a server's batched passes on a GPU (benchmarks/batch_passes.py --margins;
+# docs/results.md, "Many requests at once", rows be and bg): rows of other lengths and widths beside a request's
+# move its gap from one-token steps further there than a k-token pass alone does, so that two requests batched
+# differently may part where the gap is under twice that; on a CPU the same drift is a thousandth of the bound.
+NEAR_TIE_MARGIN = {"float32": 0.08, "bfloat16": 0.75, "float16": 0.125, "q8": 0.625, "q4": 1.25}
 UNKNOWN_DTYPE_MARGIN = 1.25  # a dtype not measured (q3, q6, mixed…): as coarse as the coarsest measured
 
 Margins = Mapping[int, float] | Sequence[float | None] | None
@@ -45,7 +45,7 @@ def near_tie_margin(dtype: str) -> float:
     """The margin below which rounding in `dtype` (a uag.models.dtypes name or a `LoadedModel.dtype`) can flip
     the target's greedy choice between a k-token pass and a one-token step.
 
-    Example: near_tie_margin("float32") -> 0.04;  near_tie_margin("4-bit (bfloat16)") -> 1.25
+    Example: near_tie_margin("float32") -> 0.08;  near_tie_margin("4-bit (bfloat16)") -> 1.25
     """
     return NEAR_TIE_MARGIN.get(precision(dtype), UNKNOWN_DTYPE_MARGIN)
 
