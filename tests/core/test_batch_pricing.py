@@ -198,3 +198,4 @@ def test_beside_three_parked_members_a_model_draft_is_priced_by_the_batch_s_rows
     alone.begin(0, 96)
     source, k = alone.choose({"model": 16})
     assert source == "model" and k >= 1  # the same draft pays for a request alone
+
