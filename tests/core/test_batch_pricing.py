@@ -8,7 +8,7 @@ import pytest
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import Counts, Evidence
 from uag.core.policy import AdaptiveK, AutoSettings
-from uag.core.records import Cycle, Offer, PassFit, Sharing, groups
+from uag.core.records import Cycle, Offer, Sharing, groups
 
 CPU = CostProfile({1: 29.0, 128: 156.0}, drafter_ms=3.0, translate_ms=0.0)  # 28 + n ms; a drafter step 3 ms
 PINNED = AutoSettings(learn_costs=False)
@@ -173,29 +173,3 @@ def test_a_batch_whose_members_all_draft_parks_where_drafting_alike_does_not_pay
     alone = AdaptiveK(2, steep, evidence=lookup_evidence(0.5), settings=PINNED)
     alone.begin(0, 96)
     assert alone.choose({"lookup": 2})[0] == "lookup"
-
-
-# Coder-target-like costs on a 2-core CPU: a step 417 ms, a 17-token pass 930; its 0.5B drafter 150 ms a step. A
-# batched pass as the batch timed its own (docs/results.md, rows ba): four rows of one token 1.66 steps.
-CODER = CostProfile({1: 417.0, 17: 930.0}, drafter_ms=150.0, translate_ms=0.0)
-CODER_BATCH = PassFit(325.0, 92.0, 26.0)
-
-
-def test_beside_three_parked_members_a_model_draft_is_priced_by_the_batch_s_rows_and_parks():
-    """Once the batch has timed its passes, a round is priced by them, rows and tokens apart (`Sharing.pass_fit`),
-    not as one request's pass over as many tokens (four rows of one token: 1.66 steps, not about one): beside three
-    parked members a model draft parks; alone the same draft pays."""
-    members = batch_of(4)
-    for m in members:
-        m.pass_fit = CODER_BATCH
-    settings = AutoSettings(prior=0.5)  # costs learned: the batch's timings of its passes are used
-    batched = AdaptiveK(16, CODER, settings=settings, sharing=members[0])
-    batched.begin(0, 96)
-    assert batched.prices.verify_ms(1) == CODER_BATCH.ms(4, 1)
-    assert batched.prices.round_ms() == CODER_BATCH.ms(3, 1)
-    assert batched.choose({"model": 16}) == ("", 0)
-    alone = AdaptiveK(16, CODER, settings=settings)
-    alone.begin(0, 96)
-    source, k = alone.choose({"model": 16})
-    assert source == "model" and k >= 1  # the same draft pays for a request alone
-

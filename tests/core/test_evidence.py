@@ -102,11 +102,10 @@ def test_a_new_run_keeps_how_confidence_reads_but_only_a_few_drafts_of_how_sure_
     assert [c.to_dict() for c in evidence.confidence] == verdicts
 
 
-def test_in_a_batch_a_pass_is_priced_as_the_batch_s_round_and_not_learned_as_one_request_s():
+def test_in_a_batch_a_pass_is_priced_as_the_batch_s_round_and_learned_by_the_tokens_of_the_whole_pass():
     """Batched with others (uag.runtime.batching), auto prices a proposal of w as the batch's round with it: the
     others at what they propose, every sequence of a pass padded to its widest, the batch cut into passes as it
-    cuts them. The pass it ran in is not learned as one request's pass over as many tokens (four rows cost more
-    than one row of four tokens): the batch times its passes by rows and width (`Sharing.pass_fit`)."""
+    cuts them; and it learns the time of the pass it ran in (padded to the widest) by that pass's width."""
     from uag.core.evidence import Prices
     from uag.core.records import Cycle, Sharing
 
@@ -123,7 +122,7 @@ def test_in_a_batch_a_pass_is_priced_as_the_batch_s_round_and_not_learned_as_one
     assert plain == 130.0  # 4 × 1 tokens
     assert draft == 200.0 + 120.0  # 16 alone and 3 × 1: cheaper than 4 × 16 (500), as the batch cuts it
     assert drafting == 120.0 and batched.others_tokens() == 3.0  # a round it drafts in: the others' pass
-    assert prices.evidence.verify_ms == {} and prices.evidence.scale == 1.0  # neither learned nor judged by it
+    assert prices.evidence.verify_ms == {64: 480.0}  # the pass it ran in: 4 × 16 (the widest other), in 480 ms
     assert prices.target_ms(1) != 500.0  # the request's own prices, not passed the batch's sharing: alone again
 
 

@@ -294,6 +294,7 @@ def test_sharing_prices_a_pass_by_the_whole_batch():
     four.others[0].proposing(9, 4.0)
     assert four.pass_tokens(9) == [36] and four.others_tokens == 6.0
     four.shared(4, 9, 12.0)
+    assert (four.computed(1), four.computed(17)) == (36, 68)  # the pass it ran in: padded to the widest other
     four.shared(2, 0, None)
     assert (four.mean_size, four.largest, four.passes, four.size, four.pass_ms) == (3.0, 4, 2, 2, None)
 
@@ -314,12 +315,11 @@ def test_every_member_sees_the_others_and_the_batch_s_cost_of_a_pass(models, mon
     jobs = joined(batch, *plans, log=log, cache=MergeableCache)
     a, b, c = (member(batch, jobs[n]) for n in "abc")
     assert a.sharing.others == (b.sharing, c.sharing) and c.sharing.others == (a.sharing, b.sharing)
-    batch.costs.observe(4, 1, 850.0)
-    batch.costs.observe(4, 17, 2580.0)
+    batch.costs.observe(4, 850.0)
+    batch.costs.observe(68, 2580.0)
     batch.round()  # b ends
     assert a.sharing.others == (c.sharing,) and c.sharing.others == (a.sharing,)
     assert a.sharing.fixed_rows == c.sharing.fixed_rows == batch.costs.fixed_rows() != FIXED_ROWS
-    assert a.sharing.pass_fit == c.sharing.pass_fit == batch.costs.fit()
     drained(batch)
     assert a.sharing.others == () and not batch
 
@@ -523,34 +523,13 @@ def test_the_cost_of_a_pass_in_tokens_is_fitted_from_the_batch_s_own_passes():
     from uag.runtime.batching import FIXED_ROWS, PassCosts
 
     costs = PassCosts()
-    assert costs.fixed_rows() == FIXED_ROWS and costs.fit() is None  # nothing timed yet
-    costs.observe(4, 1, 850.0)
-    costs.observe(4, 1, 870.0)
+    assert costs.fixed_rows() == FIXED_ROWS  # nothing timed yet
+    costs.observe(4, 850.0)
+    costs.observe(4, 870.0)
     assert costs.fixed_rows() == FIXED_ROWS  # one width: no line through it
-    costs.observe(4, 17, 2580.0)
-    assert 20 < costs.fixed_rows() < 35 and costs.fit() is None  # one size: rows and tokens not told apart
+    costs.observe(68, 2580.0)
+    assert 20 < costs.fixed_rows() < 35
     flat = PassCosts()
     for rows in (4, 16, 64):
-        flat.observe(rows, 1, 5.0)  # a token costs nothing measurable
+        flat.observe(rows, 5.0)  # a token costs nothing measurable
     assert flat.fixed_rows() == 1000.0
-
-
-def test_rows_and_tokens_are_priced_apart_once_the_batch_has_timed_both():
-    """On a CPU a pass of four rows of one token costs 1.66 steps, one row of 17 tokens 2.23 (docs/results.md, rows
-    ba): a row costs beside its tokens, which one line through the padded tokens cannot say."""
-    from uag.core.records import PassFit
-    from uag.runtime.batching import PassCosts
-
-    costs = PassCosts()
-    truth = PassFit(325.0, 92.0, 26.0)
-    for rows, widest in [(4, 1), (4, 5), (2, 1), (2, 9), (3, 17), (4, 1)]:
-        costs.observe(rows, widest, truth.ms(rows, widest))
-    fit = costs.fit()
-    assert (fit.fixed, fit.per_row, fit.per_token) == pytest.approx((325.0, 92.0, 26.0), rel=1e-6)
-    assert costs.fixed_rows() == pytest.approx(325 / 26)
-    assert fit.ms(4, 1) > fit.ms(1, 4)  # four rows cost more than one row of as many tokens
-    noisy = PassCosts()  # on a GPU a row costs next to nothing; noise makes its slope negative: taken as zero
-    for rows, widest, ms in [(2, 1, 13.2), (4, 1, 13.0), (8, 1, 13.1), (4, 9, 15.0), (8, 9, 17.1)]:
-        noisy.observe(rows, widest, ms)
-    fit = noisy.fit()
-    assert fit.per_row == 0.0 and fit.per_token > 0 and fit.fixed > 12

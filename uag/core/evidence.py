@@ -290,7 +290,8 @@ class Prices:
 
         Example: profile 450 / 500 ms for 1 / 2 tokens, this run's 2-token passes 700 ms -> w = 1: 630 ms
 
-        Passes batched with other requests' are priced by the batch's own timings (`verify_ms`, `Sharing.pass_fit`).
+        Passes batched with other requests' are timed (`time_verify`) and priced (`verify_ms`) by the tokens the
+        whole pass computed.
         """
         timed = self.evidence.verify_ms
         if w in timed:
@@ -345,16 +346,10 @@ class Prices:
         no cost of its own; this keeps a batch whose members all draft from staying there where none of them
         would pay alone (`AdaptiveK.rates`). Alone: `target_ms(w)` and the drafting."""
         size = len(self.sharing.others) + 1 if self.batched else 1
-        fit = self.sharing.pass_fit if self.batched and self.learn else None
-        pass_ms = fit.ms(size, w) if fit is not None else self.target_ms(size * w)
+        pass_ms = self.target_ms(size * w)
         return None if pass_ms is None else drafting_ms + pass_ms
 
     def _round_ms(self, w: int | None) -> float | None:
-        """The batch's target passes in a round with this request at w (None: it makes none): by the batch's own
-        timings of its passes (`Sharing.pass_fit`, rows and width apart) once it has them, else by the tokens each
-        pass computes, as one request's pass over as many tokens costs (and so where costs are pinned: `learn`)."""
-        if self.learn and (fit := self.sharing.pass_fit) is not None:
-            return sum(fit.ms(rows, widest) for rows, widest in self.sharing.round_passes(w))
         costs = [self.target_ms(n) for n in self.sharing.pass_tokens(w)]
         return None if None in costs else sum(costs)
 
@@ -408,14 +403,10 @@ class Prices:
     # --- learning from the run's own timings ------------------------------------------------------------
     def time_verify(self, cycle: Cycle) -> None:
         """The run's own target timings, and how they compare with the profile's (`Evidence.scale`); a tree pass's
-        at the width it read (every branch's nodes), not the kept branch's. A pass batched with other requests' is
-        not one request's: the batch times those by rows and width (`Sharing.pass_fit`), and one request's pass
-        over as many tokens as a batched pass computed costs far less on a CPU (every row reads its own cache), so
-        learned under that width it would price the request's own passes (later ones, alone, too: the evidence
-        carries over) and judge the profile by them."""
-        if self.sharing is not None and self.sharing.size > 1:
-            return
+        at the width it read (every branch's nodes), not the kept branch's."""
         evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
+        if (shared := self.sharing) is not None and shared.size > 1 and shared.pass_ms is not None:
+            w, ms = shared.computed(w), shared.pass_ms  # the batch's pass, not the wait for the other requests
         if self.learn or not (self.profile and w in self.profile.target_ms):
             evidence.verify_ms[w] = ema(evidence.verify_ms.get(w), ms)
         if self.learn and self.profile is not None:

@@ -363,29 +363,6 @@ def groups(widths: list[int], fixed_rows: float) -> list[list[int]]:
     return sorted(out)
 
 
-@dataclass(frozen=True)
-class PassFit:
-    """What a batched target pass costs on this machine, fitted over a batch's recent passes (uag.runtime.batching):
-    ms = fixed + per_row · rows + per_token · rows · (widest − 1), every row padded to the widest. A row costs
-    beside its tokens (its own cache read in attention, its own rope and mask), so that a pass's rows and its
-    tokens are priced apart: on a CPU four rows of one token cost as much as one row of eight or so.
-
-    Example: PassFit(325, 92, 26).ms(4, 1) -> 693;  .ms(1, 5) -> 521;  .fixed_rows -> 12.5
-    """
-
-    fixed: float
-    per_row: float
-    per_token: float
-
-    def ms(self, rows: int, widest: int) -> float:
-        return self.fixed + self.per_row * rows + self.per_token * rows * (widest - 1)
-
-    @property
-    def fixed_rows(self) -> float:
-        """What a pass costs beside its rows and their tokens, in tokens (`groups`: where splitting a pass pays)."""
-        return min(max(self.fixed / self.per_token, 1.0), 1000.0) if self.per_token > 0 else 1000.0
-
-
 @dataclass(eq=False)
 class Sharing:
     """How one request's target passes are shared with other requests' (a server batching them), for `auto`
@@ -402,7 +379,6 @@ class Sharing:
     others: tuple[Sharing, ...] = field(default=(), repr=False)  # the batch's other members now (the batch sets
     #   them as members join and leave)
     fixed_rows: float = FIXED_ROWS  # what the batch's pass costs beside its tokens, in tokens (its `groups`)
-    pass_fit: PassFit | None = None  # what the batch's passes cost by rows and width, once it has timed enough
     width: int = 1  # the tokens this request puts in its next target pass (1: a plain step)
     tokens: float = 1.0  # the tokens it expects to commit per round of the batch, at that width
 
@@ -426,20 +402,17 @@ class Sharing:
         Example: alone -> w = 9: [9];  three others at 1, fixed_rows 16 -> w = 1: [4];  w = 2: [8];
                  w = 17: [3, 17];  None: [3]
         """
-        return [rows * widest for rows, widest in self.round_passes(w)]
-
-    def round_passes(self, w: int | None) -> list[tuple[int, int]]:
-        """(rows, widest) of each target pass of the batch's next round, as `pass_tokens` cuts them.
-
-        Example: three others at 1, fixed_rows 16 -> w = 2: [(4, 2)];  w = 17: [(1, 17), (3, 1)]
-        """
         widths = [o.width for o in self.others] + ([] if w is None else [w])
-        return [(len(g), max(widths[i] for i in g)) for g in groups(widths, self.fixed_rows)]
+        return [len(g) * max(widths[i] for i in g) for g in groups(widths, self.fixed_rows)]
 
     @property
     def others_tokens(self) -> float:
         """The tokens the other members expect to commit per round (0 alone)."""
         return sum(o.tokens for o in self.others)
+
+    def computed(self, w: int) -> int:
+        """Tokens the last pass computed where this request put w in it: every sequence padded to the widest."""
+        return w if self.size <= 1 else self.size * max(w, self.widest)
 
     @property
     def mean_size(self) -> float:

@@ -29,11 +29,10 @@ from typing import Any
 
 import greenlet
 import mlx.core as mx
-import numpy as np
 
 from uag.core.kept_caches import KeptCaches
 from uag.core.passes import batched_pass, mergeable
-from uag.core.records import FIXED_ROWS, PassFit, Sharing, groups
+from uag.core.records import FIXED_ROWS, Sharing, groups
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +162,7 @@ class Batch:
     def join(self, job: Any) -> None:
         """Start a job as a member: it runs up to its first shared pass (or to its end)."""
         member = Member(job, greenlet.getcurrent(), self)
-        member.sharing.fixed_rows, member.sharing.pass_fit = self.costs.fixed_rows(), self.costs.fit()
+        member.sharing.fixed_rows = self.costs.fixed_rows()
         self.members.append(member)
         self._met()
         self._resume(member, None)
@@ -251,10 +250,10 @@ class Batch:
                     out.append(err)
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 else None
         if merged and ms is not None and model.role == "target":
-            self.costs.observe(len(passes), max(p.width for p in passes), ms)
-            fixed_rows, fit = self.costs.fixed_rows(), self.costs.fit()
+            self.costs.observe(len(passes) * max(p.width for p in passes), ms)
+            fixed_rows = self.costs.fixed_rows()
             for m in self.members:
-                m.sharing.fixed_rows, m.sharing.pass_fit = fixed_rows, fit
+                m.sharing.fixed_rows = fixed_rows
         if model.role == "target":
             for m in members:
                 widest = max((p.width for other, p in zip(members, passes) if other is not m), default=0)
@@ -336,57 +335,26 @@ class Batch:
 
 
 class PassCosts:
-    """What a batched target pass costs here, from the batch's recent passes: fitted as ms = fixed + per_row · rows
-    + per_token · rows · (widest − 1) (`PassFit`), which `auto` prices every member's proposal by, and the ratio of
-    fixed to per-token cost, in tokens, is what running one more pass is worth (`groups`). On a CPU a row and a
-    token cost much (a few rows or tens of tokens pay for a pass); on a GPU next to nothing (hundreds)."""
+    """What a batched target pass costs here, fitted as ms = fixed + per_row · padded tokens over the batch's
+    recent passes: their ratio, in tokens, is what running one more pass is worth (`groups`). On a CPU a token
+    costs much (tens of tokens pay for a pass); on a GPU next to nothing (a pass is worth hundreds)."""
 
     def __init__(self, prior_rows: float = FIXED_ROWS, keep: int = 64):
         self.prior_rows, self.samples = prior_rows, deque(maxlen=keep)
 
-    def observe(self, rows: int, widest: int, ms: float) -> None:
-        self.samples.append((rows, widest, ms))
-
-    def fit(self) -> PassFit | None:
-        """Least squares over the samples; None until they tell rows from tokens (passes of two sizes or more,
-        some of them wider than one token). A slope that comes out negative (noise, on a machine where it costs
-        next to nothing) is taken as zero and the rest fitted again; a fixed cost that does not come out positive
-        gives None.
-
-        Example: samples (4, 1, 693), (4, 5, 1109), (2, 1, 509), (2, 9, 925) -> fixed 325, per_row 92, per_token 26
-        """
-        if len({rows for rows, _, _ in self.samples}) < 2 or all(w == 1 for _, w, _ in self.samples):
-            return None
-        x = np.array([[1.0, rows, rows * (w - 1)] for rows, w, _ in self.samples])
-        y = np.array([ms for _, _, ms in self.samples])
-        kept = [0, 1, 2]
-        while True:
-            coef, _, rank, _ = np.linalg.lstsq(x[:, kept], y, rcond=None)
-            if rank < len(kept):
-                return None
-            negative = [i for i, c in zip(kept[1:], coef[1:]) if c < 0]
-            if not negative:
-                break
-            kept.remove(negative[0])
-        full = dict(zip(kept, coef))
-        if full[0] <= 0:
-            return None
-        return PassFit(float(full[0]), float(full.get(1, 0.0)), float(full.get(2, 0.0)))
+    def observe(self, rows: int, ms: float) -> None:
+        self.samples.append((rows, ms))
 
     def fixed_rows(self) -> float:
-        """fixed / per_token from the fit, else from a line through the samples' padded tokens; the prior until
-        they span two widths.
+        """fixed / per_row from a least-squares line through the samples; the prior until they span two widths.
 
-        Example: samples (4, 1, 850), (4, 17, 2580) -> per padded token 27.0 ms, fixed 742 ms -> 27.5 tokens
+        Example: samples (4, 850), (68, 2580) -> per_row 27.0 ms, fixed 742 ms -> 27.5 tokens
         """
-        fit = self.fit()
-        if fit is not None:
-            return fit.fixed_rows
-        tokens = [rows * w for rows, w, _ in self.samples]
-        if len(set(tokens)) < 2:
+        rows = [r for r, _ in self.samples]
+        if len(set(rows)) < 2:
             return self.prior_rows
-        slope = statistics.linear_regression(tokens, [ms for _, _, ms in self.samples]).slope
-        fixed = statistics.fmean(ms for _, _, ms in self.samples) - slope * statistics.fmean(tokens)
+        slope = statistics.linear_regression(rows, [ms for _, ms in self.samples]).slope
+        fixed = statistics.fmean(ms for _, ms in self.samples) - slope * statistics.fmean(rows)
         if slope <= 0:
             return 1000.0  # tokens cost nothing measurable: never split
         return min(max(fixed / slope, 1.0), 1000.0)
