@@ -54,9 +54,8 @@ def test_two_texts_that_part_are_classified_from_the_target_s_margin_there(demo_
         greedy[position],
         runner_up,
     )
-    assert found["step_margin"] == pytest.approx(lead, abs=1e-4) and lead > uag.runtime.divergence.near_tie_margin(
-        "float32"
-    )
+    bound = uag.runtime.divergence.near_tie_margin("float32")
+    assert found["step_margin"] == pytest.approx(lead, abs=1e-4) and lead > bound
     assert found["kind"] == "diverged" and row["workload"] == "chat" and row["item"] == ITEM
 
     monkeypatch.setitem(uag.runtime.divergence.NEAR_TIE_MARGIN, "float32", lead + 1.0)
