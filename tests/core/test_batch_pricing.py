@@ -69,24 +69,29 @@ def test_a_copy_keeps_drafting_beside_others(others):
     assert rate(policy, (source, k)) > policy.rates()[0]
 
 
-@pytest.mark.parametrize("prior", [0.4, 0.95])
-def test_the_model_drafter_drafts_alone_and_parks_beside_others_whatever_its_acceptance(prior):
-    """Its drafter steps are rounds it spends out of the batch's pass while the others' go on: k of them buy at most
-    k tokens, which it would have had parked, so beside parked members its drafts never pay (alone they do)."""
+@pytest.mark.parametrize(("prior", "size", "drafts"), [(0.4, 2, True), (0.4, 4, False), (0.95, 2, True)])
+def test_the_model_drafter_drafts_beside_others_only_where_the_batch_gains_by_waiting_on_it(prior, size, drafts):
+    """Its drafter steps are rounds in which the batch holds every target pass, and its draft widens the pass all
+    of them wait on: beside three parked members a draft of α 0.4 does not earn what the four lose (it parks);
+    beside one it does, and so does α 0.95. Alone both draft."""
     settings = AutoSettings(learn_costs=False, prior=prior)
     assert make(None, settings=settings).choose({"model": 8})[0] == "model"
-    for size in (2, 4):
-        assert make(batch_of(size)[0], settings=settings).choose({"model": 8}) == ("", 0), size
+    policy = make(batch_of(size)[0], settings=settings)
+    decision = policy.choose({"model": 8})
+    assert (decision[0] == "model") == drafts, decision
+    if drafts:
+        assert policy.rates()[policy.next_k()] > policy.rates()[0]
 
 
 def test_a_draft_is_priced_by_what_it_adds_to_the_whole_round():
-    """The worked example of `AdaptiveK.rates`: drafter steps free, α 0.4, a pass of n tokens 28 + n ms."""
-    free = CostProfile({1: 29.0, 128: 156.0}, drafter_ms=0.0, translate_ms=0.0)
+    """The worked example of `AdaptiveK.rates`: drafter steps 2 ms, α 0.4, a pass of n tokens 28 + n ms. Batched,
+    the others commit only in the pass that verifies the draft: they wait through its drafter step."""
+    cheap = CostProfile({1: 29.0, 128: 156.0}, drafter_ms=2.0, translate_ms=0.0)
     settings = AutoSettings(learn_costs=False, prior=0.4)
-    alone = AdaptiveK(1, free, settings=settings)
-    assert alone.rates() == pytest.approx({0: 1 / 29, 1: 1.4 / 30})
-    batched = AdaptiveK(1, free, settings=settings, sharing=batch_of(4)[0])
-    assert batched.rates() == pytest.approx({0: 4 / 32, 1: (1.4 + 2 * 3) / (31 + 36)})
+    alone = AdaptiveK(1, cheap, settings=settings)
+    assert alone.rates() == pytest.approx({0: 1 / 29, 1: 1.4 / 32})
+    batched = AdaptiveK(1, cheap, settings=settings, sharing=batch_of(4)[0])
+    assert batched.rates() == pytest.approx({0: 4 / 32, 1: (1.4 + 3) / (2 + 36)})
 
 
 def test_the_others_proposals_raise_the_bar():
@@ -141,7 +146,7 @@ def test_parked_under_load_it_still_rehearses_now_and_then():
 
 
 def test_a_drafting_cycle_batched_with_others_teaches_no_drafter_step():
-    """Its drafter passes waited on the batch's rounds: what they took is the batch's, priced apart (`round_ms`)."""
+    """Its drafter passes waited on the batch's rounds: what they took is the batch's, not a drafter step's."""
     policy = make(batch_of(2)[0], settings=AutoSettings())
     slow = Cycle(0, 4, [1, 2, 3, 4], [1, 2, 3, 4], 2, 3, draft_ms=4000.0, verify_ms=40.0, drafter_passes=4)
     policy.observe(slow)

@@ -102,28 +102,31 @@ def test_a_new_run_keeps_how_confidence_reads_but_only_a_few_drafts_of_how_sure_
     assert [c.to_dict() for c in evidence.confidence] == verdicts
 
 
-def test_in_a_batch_a_pass_is_priced_as_the_batch_s_round_and_learned_by_the_tokens_of_the_whole_pass():
+def test_in_a_batch_a_pass_is_priced_as_the_batch_s_round_and_not_learned():
     """Batched with others (uag.runtime.batching), auto prices a proposal of w as the batch's round with it: the
     others at what they propose, every sequence of a pass padded to its widest, the batch cut into passes as it
-    cuts them; and it learns the time of the pass it ran in (padded to the widest) by that pass's width."""
+    cuts them. The pass it ran in is not learned: rows over caches of their own cost more than one row of their
+    tokens, and learning them as one (on a CPU, 4 rows of 1 token as a 4-token pass) made a plain step dearer than
+    a draft beside parked members; nor is its wait for the others' passes."""
     from uag.core.evidence import Prices
     from uag.core.records import Cycle, Sharing
 
     profile = CostProfile(target_ms={1: 100.0, 4: 130.0, 16: 200.0, 64: 500.0}, drafter_ms=10.0, translate_ms=0.0)
-    prices = Prices(profile, Evidence(), learn=False)
-    assert [prices.verify_ms(w) for w in (1, 16)] == [100.0, 200.0] and prices.round_ms() == 0.0  # alone
+    prices = Prices(profile, Evidence())
+    assert [prices.verify_ms(w) for w in (1, 16)] == [100.0, 200.0] and prices.others_tokens() == 0.0  # alone
     shared = Sharing(others=(Sharing(), Sharing(), Sharing()))  # three others, each proposing a plain step
     shared.shared(size=4, widest=16, ms=480.0)  # the last pass: the widest of the others was 16 tokens
 
-    batched = Prices(profile, prices.evidence, learn=False, sharing=shared)
-    plain, draft, drafting = batched.verify_ms(1), batched.verify_ms(16), batched.round_ms()
-    batched.learn = True
-    batched.time_verify(Cycle.plain(0, verify_ms=2000.0))  # the wait for the others: not the pass's cost
+    batched = Prices(profile, prices.evidence, sharing=shared)
+    plain, draft = batched.verify_ms(1), batched.verify_ms(16)
+    batched.time_verify(Cycle.plain(0, verify_ms=2000.0))
     assert plain == 130.0  # 4 × 1 tokens
     assert draft == 200.0 + 120.0  # 16 alone and 3 × 1: cheaper than 4 × 16 (500), as the batch cuts it
-    assert drafting == 120.0 and batched.others_tokens() == 3.0  # a round it drafts in: the others' pass
-    assert prices.evidence.verify_ms == {64: 480.0}  # the pass it ran in: 4 × 16 (the widest other), in 480 ms
-    assert prices.target_ms(1) != 500.0  # the request's own prices, not passed the batch's sharing: alone again
+    assert batched.others_tokens() == 3.0  # what the others commit in the pass that verifies its draft
+    assert prices.evidence.verify_ms == {} and prices.evidence.scale == 1.0  # nothing learned from the batch
+    shared.shared(size=1, widest=0, ms=None)  # alone again: its own passes are learned
+    prices.time_verify(Cycle.plain(0, verify_ms=110.0))
+    assert prices.evidence.verify_ms == {1: 110.0} and prices.evidence.scale == pytest.approx(1.1)
 
 
 def test_a_tree_pass_is_timed_at_the_rows_it_read():

@@ -290,8 +290,8 @@ class Prices:
 
         Example: profile 450 / 500 ms for 1 / 2 tokens, this run's 2-token passes 700 ms -> w = 1: 630 ms
 
-        Passes batched with other requests' are timed (`time_verify`) and priced (`verify_ms`) by the tokens the
-        whole pass computed.
+        Passes batched with other requests' are priced (`verify_ms`) by the tokens the whole pass computes, from
+        these costs; they are not learned into them (`time_verify`).
         """
         timed = self.evidence.verify_ms
         if w in timed:
@@ -328,15 +328,10 @@ class Prices:
             return self.target_ms(w)
         return self._round_ms(w)
 
-    def round_ms(self) -> float:
-        """A round of the batch in which this request makes no target pass (it drafts, or rehearses): the others'
-        passes, which it waits on (0 alone)."""
-        if not self.batched:
-            return 0.0
-        return self._round_ms(None) or 0.0
-
     def others_tokens(self) -> float:
-        """What the other members commit per round (0 alone): a round this request spends drafting is theirs."""
+        """What the other members commit in a round of target passes (0 alone). While a member drafts with a
+        model the batch holds the target's passes (uag.runtime.batching, `Batch.round`): the others commit
+        nothing in its drafter rounds, only in the pass that verifies its draft."""
         return self.sharing.others_tokens if self.batched else 0.0
 
     def common_ms(self, w: int, drafting_ms: float = 0.0) -> float | None:
@@ -349,7 +344,7 @@ class Prices:
         pass_ms = self.target_ms(size * w)
         return None if pass_ms is None else drafting_ms + pass_ms
 
-    def _round_ms(self, w: int | None) -> float | None:
+    def _round_ms(self, w: int) -> float | None:
         costs = [self.target_ms(n) for n in self.sharing.pass_tokens(w)]
         return None if None in costs else sum(costs)
 
@@ -359,12 +354,12 @@ class Prices:
 
     def cycle_ms(self, k: int) -> float | None:
         """A cycle of k model drafts: k drafter steps, translation and re-sync, the target's pass over them.
-        Batched, each drafter step is a round of the batch (the others' passes with it) and the pass is the
-        batch's (`verify_ms`)."""
+        Batched, the pass is the batch's (`verify_ms`) and the drafter steps are rounds in which the batch holds
+        every target pass: the others wait through them (`others_tokens`)."""
         verify = self.verify_ms(self.proposal_length(k) + 1)
         if verify is None or k == 0:
             return verify
-        return k * (self.drafter_step_ms(verify) + self.round_ms()) + self.cycle_overhead_ms() + verify
+        return k * self.drafter_step_ms(verify) + self.cycle_overhead_ms() + verify
 
     def drafter_step_ms(self, fallback: float) -> float:
         """One drafter pass: own timings first, then the profile, then r × a target step (or `fallback`)."""
@@ -405,8 +400,8 @@ class Prices:
         """The run's own target timings, and how they compare with the profile's (`Evidence.scale`); a tree pass's
         at the width it read (every branch's nodes), not the kept branch's."""
         evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
-        if (shared := self.sharing) is not None and shared.size > 1 and shared.pass_ms is not None:
-            w, ms = shared.computed(w), shared.pass_ms  # the batch's pass, not the wait for the other requests
+        if (shared := self.sharing) is not None and shared.size > 1:
+            return  # a batched pass: rows over caches of their own cost more than one row of their tokens
         if self.learn or not (self.profile and w in self.profile.target_ms):
             evidence.verify_ms[w] = ema(evidence.verify_ms.get(w), ms)
         if self.learn and self.profile is not None:

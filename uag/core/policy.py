@@ -215,14 +215,15 @@ class AdaptiveK:
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per millisecond for each k (empty until a cost is known). Batched with other requests,
-        the whole batch's: this request's tokens and the others' over the rounds its cycle spans (k drafter
-        rounds and the pass), over those rounds' time (`Prices.cycle_ms`), so that a draft pays only where it
-        earns more than the batch loses waiting on it; alone, the run's own. Where the drafter has a backlog to
-        read first, drafting's rate includes it, spread over the tokens left to write.
+        the whole batch's: this request's tokens and the others' over its cycle's time (`Prices.cycle_ms`). The
+        batch holds the target's passes while a member drafts with a model, so the others commit only in the
+        pass that verifies the draft: a draft pays only where it earns more than the batch loses waiting on its
+        drafter steps and its wider pass; alone, the run's own. Where the drafter has a backlog to read first,
+        drafting's rate includes it, spread over the tokens left to write.
 
-        Example: a pass over n tokens costs 28 + n ms, drafter steps nothing, α 0.4 -> alone: k = 1 1.4 / 30 >
-                 k = 0 1 / 29 (it drafts); beside three parked members: k = 1 (1.4 + 2 × 3) / (31 + 36) = 0.110 <
-                 k = 0 (1 + 3) / 32 = 0.125 (it parks: its draft widens the pass all four wait on)
+        Example: a pass over n tokens costs 28 + n ms, drafter steps 2 ms, α 0.4 -> alone: k = 1 1.4 / 32 >
+                 k = 0 1 / 29 (it drafts); beside three parked members: k = 1 (1.4 + 3) / (2 + 36) = 0.116 <
+                 k = 0 (1 + 3) / 32 = 0.125 (it parks: all four wait on its drafter step and its wider pass)
         """
         prices = self.prices
         acceptances = self.acceptances(prices.proposal_length(self.k_max))
@@ -233,7 +234,7 @@ class AdaptiveK:
             if ms:
                 own = expected_tokens(acceptances[: prices.proposal_length(k)])
                 spread = backlog * own / self.remaining if k and backlog else 0.0  # the backlog's share per cycle
-                out[k] = (own + (k + 1) * others) / (ms + spread)
+                out[k] = (own + others) / (ms + spread)
                 if k and 0 in out and prices.batched:
                     drafting = k * prices.drafter_step_ms(ms) + prices.cycle_overhead_ms()
                     out[k] = self.alike(out[k], out[0], own, prices.proposal_length(k) + 1, drafting)
@@ -367,8 +368,8 @@ class AdaptiveK:
         best = max(range(j + 1), key=lambda n: (now[n], -n))
         if j >= cap:
             return best
-        # one more drafter pass: batched, a round of the batch that the others' tokens partly pay for
-        step = pace * (prices.drafter_step_ms(prices.target_ms(1) or 0.0) + prices.round_ms()) - prices.others_tokens()
+        # one more drafter pass: batched, a round in which the whole batch waits (`pace` is the batch's)
+        step = pace * prices.drafter_step_ms(prices.target_ms(1) or 0.0)
         nxt = evidence.next_chances(bands) or [(1.0, self.acceptance(0))]
         total, sure = sum(w for w, _ in nxt), sum(kept)
         last = kept[-1] if kept else 1.0
@@ -390,13 +391,13 @@ class AdaptiveK:
         -> 65 + 3 × (40 + s − 1) <= 13.5 s from s = 18 on; a 400-token prompt -> s = 121
         """
         prices, settings = self.prices, self.settings
-        step, waits = prices.verify_ms(1), prices.round_ms()  # batched: a round, and the one its rehearsal waits
+        step = prices.verify_ms(1)  # batched: the batch's round
         if not settings.rehearsals:
             return math.inf
         if step is None or step <= 0:
             return self.rehearsal_gap
         budget, backlog = settings.rehearsal_budget * step, max(0, self.unread - self.parked_for)
-        over = lambda s: prices.drafter_step_ms(step) + waits + prices.reading_ms(backlog + s) - budget * s  # noqa: E731
+        over = lambda s: prices.drafter_step_ms(step) + prices.reading_ms(backlog + s) - budget * s  # noqa: E731
         lo, hi = self.rehearsal_gap, 64 * settings.stretch_max  # reading grows linearly past the measured widths
         if over(lo) <= 0:
             return lo
