@@ -185,6 +185,12 @@ FENCED = '```json\n{"name": "get_weather", "arguments": {"city": "%s"}}\n```'
             OSLO_PARIS,
         ),
         (f"{CALL}\nI asked for Oslo.", "I asked for Oslo.", OSLO_PARIS[:1]),
+        # a string written with its line break and tab unescaped, as a small model writes a file into a call
+        (
+            '{"name": "get_weather", "arguments": {"city": "Oslo\n\tNorway"}}',
+            None,
+            [("get_weather", {"city": "Oslo\n\tNorway"})],
+        ),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])

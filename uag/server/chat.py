@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 OPEN, CLOSE, FENCE = "<tool_call>", "</tool_call>", "```"
 FENCED_CALLS = ("", "json")  # the info strings of a code block that may hold calls
 HELD = "held"  # what a scan says of a reply's end that may still become a call
-_DECODER = json.JSONDecoder()
+# Small models write code into a call's JSON strings with the line breaks and tabs unescaped (a `Write` of a whole
+# file); JSON forbids them there, but what they mean is plain, so a call is read with them.
+_DECODER = json.JSONDecoder(strict=False)
 _SPACE = re.compile(r"\s*")
 
 
@@ -225,7 +227,7 @@ def _call(obj: Any, declared: dict[str, dict] | None = None) -> dict | None:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, strict=False)
         except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
