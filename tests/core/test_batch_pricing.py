@@ -142,7 +142,11 @@ def test_parked_under_load_it_still_rehearses_now_and_then():
     for policy in (alone, four):
         assert policy.choose({"model": 8}) == ("", 0)
         policy.observe(Cycle.plain(0, 30.0))
-    assert alone.rehearsal_wait() <= four.rehearsal_wait() < float("inf")
+    assert alone.rehearsal_wait() < four.rehearsal_wait() < float("inf")
+    eight = make(batch_of(8)[0], settings=AutoSettings(learn_costs=False, prior=0.05))
+    eight.choose({"model": 8})
+    eight.observe(Cycle.plain(0, 30.0))
+    assert four.rehearsal_wait() < eight.rehearsal_wait()  # its drafter pass delays seven rounds of others, not three
 
 
 def test_a_drafting_cycle_batched_with_others_teaches_no_drafter_step():

@@ -238,6 +238,44 @@ def test_parked_stretches_and_rehearsals_are_lossless_and_keep_the_caches_exact(
     assert_cache_holds(drafter, caches[1], translator.drafter_ids)
 
 
+def test_a_batch_is_told_while_the_drafter_rehearses(tiny):
+    """A server's batch does not hold the others' target passes for a rehearsal's drafter pass: the run's `Sharing`
+    says `rehearsing` while the drafter reads its parked stretch, and only then."""
+    from uag.core.records import Sharing
+
+    target, drafters = tiny
+    sharing, seen = Sharing(), []
+
+    class Watched:  # the drafter's model, noting at each pass whether the run says it rehearses
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, *args, **kwargs):
+            seen.append(sharing.rehearsing)
+            return self.model(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+    drafter = replace(drafters["llama"], model=Watched(drafters["llama"].model))
+    config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=30)
+    translator = make_translator("context", target.vocab, drafter.vocab, window=config.window, shared=False)
+    run = generate(
+        target,
+        drafter,
+        PROMPTS[2],
+        config,
+        sharing=sharing,
+        seams=Seams(policy=ParkedRehearsingEvery5(k_max=4), translator=translator),
+    )
+    assert len([c for c in run.cycles if c.drafter_read]) >= 5  # parked throughout: every drafter pass rehearses
+    assert seen and all(seen) and not sharing.rehearsing
+    seen.clear()
+    drafting = GenerationConfig(k_policy="fixed", k=4, max_tokens=30)
+    run = generate(target, drafter, PROMPTS[2], drafting, sharing=sharing, seams=Seams(translator=translator))
+    assert any(c.k for c in run.cycles) and seen and not any(seen)  # drafts: the batch may hold the target for them
+
+
 @pytest.mark.parametrize("strategy", ["context", "tli"])
 def test_a_rehearsal_checks_the_drafter_guess_at_every_generated_position(tiny, strategy):
     """The target rehearsing its own greedy output guesses every token; a random drafter few. Either way the

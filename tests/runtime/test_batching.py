@@ -138,6 +138,19 @@ def test_the_target_waits_for_drafting_members_at_most_hold_rounds(models):
     assert len(list(jobs["b"])) == HOLD_ROUNDS + 5
 
 
+def test_a_rehearsal_does_not_hold_the_target(models):
+    """A parked member's rehearsal is a drafter pass, but its next target pass verifies nothing: the others' target
+    passes go on in the same round (held, each rehearsal would cost every member a round)."""
+    target, drafter = models
+    batch, log = Batch(max_size=4), []
+    jobs = joined(batch, ("a", [(target, 1)]), ("b", [(drafter, 9), (target, 1)]), log=log)
+    member(batch, jobs["b"]).sharing.rehearsing = True
+    batch.round()
+    assert target.inner.calls == [(1, "a/target")] and drafter.inner.calls == [(9, "b/drafter")]
+    drained(batch)
+    assert [list(jobs[n]) for n in "ab"] == [[1], [9, 1]]
+
+
 def test_mergeable_caches_make_one_batched_pass(models, monkeypatch):
     import uag.runtime.batching
 

@@ -280,9 +280,12 @@ class Speculation:
         self.drafter.restore()
 
 
-def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int) -> Iterator[Step]:
+def speculative_steps(
+    spec: Speculation, policy: Policy, k_max: int, budget: int, sharing: Sharing | None = None
+) -> Iterator[Step]:
     """Cycles where the policy drafts, pipelined plain stretches where it parks; up to `budget` tokens, each
-    proposal offered up to `k_max` (the policy may ask for fewer)."""
+    proposal offered up to `k_max` (the policy may ask for fewer). `sharing`: the run's place in a server's
+    batch, told when the drafter rehearses."""
     generated = 0
     offer = lambda: spec.drafter.offer(k_max)  # noqa: E731
     forced = lambda: 0 if spec.grammar is None else len(spec.grammar.forced())  # noqa: E731
@@ -319,7 +322,7 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
                     policy.observe(cycle)
                     generated += 1
                     if generated < budget and token not in spec.eos and policy.wants_rehearsal():
-                        _rehearse(spec.drafter, policy, cycle)
+                        _rehearse(spec.drafter, policy, cycle, sharing)
                     yield Step([token], 0, cycle)
                     t0 = time.perf_counter()
                     if token in spec.eos:
@@ -337,10 +340,18 @@ def speculative_steps(spec: Speculation, policy: Policy, k_max: int, budget: int
         spec.restore()
 
 
-def _rehearse(drafter: Drafter, policy: Policy, cycle: Cycle) -> None:
+def _rehearse(drafter: Drafter, policy: Policy, cycle: Cycle, sharing: Sharing | None) -> None:
     """The drafter catches up on the parked stretch and the policy learns from its guesses there; the
-    plain step's record carries what that reading cost."""
-    if (rehearsal := drafter.rehearse()) is not None:
+    plain step's record carries what that reading cost. Batched, the batch knows its drafter passes for a
+    rehearsal: it does not hold the others' target passes for them (uag.runtime.batching, `Batch.round`)."""
+    if sharing is not None:
+        sharing.rehearsing = True
+    try:
+        rehearsal = drafter.rehearse()
+    finally:
+        if sharing is not None:
+            sharing.rehearsing = False
+    if rehearsal is not None:
         cycle.draft_ms, cycle.drafter_passes, cycle.drafter_read = rehearsal.ms, 1, rehearsal.read
         policy.rehearsed(rehearsal)
 
@@ -413,7 +424,7 @@ def stream(
             grammar=grammar,
             batched=sharing is not None,
         )
-        steps = speculative_steps(spec, policy, config.k, budget)
+        steps = speculative_steps(spec, policy, config.k, budget, sharing)
     return _drive(
         run, steps, Pieces(target.tokenizer, target.eos_ids), target.eos_ids, config.seed, cancel, caches, grammar
     )

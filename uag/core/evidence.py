@@ -328,6 +328,13 @@ class Prices:
             return self.target_ms(w)
         return self._round_ms(w)
 
+    def round_ms(self) -> float:
+        """A round of the batch in which this request makes no target pass (it rehearses): the others' passes,
+        which it waits on (0 alone)."""
+        if not self.batched:
+            return 0.0
+        return self._round_ms(None) or 0.0
+
     def others_tokens(self) -> float:
         """What the other members commit in a round of target passes (0 alone). While a member drafts with a
         model the batch holds the target's passes (uag.runtime.batching, `Batch.round`): the others commit
@@ -344,7 +351,7 @@ class Prices:
         pass_ms = self.target_ms(size * w)
         return None if pass_ms is None else drafting_ms + pass_ms
 
-    def _round_ms(self, w: int) -> float | None:
+    def _round_ms(self, w: int | None) -> float | None:
         costs = [self.target_ms(n) for n in self.sharing.pass_tokens(w)]
         return None if None in costs else sum(costs)
 

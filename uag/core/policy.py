@@ -386,18 +386,22 @@ class AdaptiveK:
         backed-off gap, and enough that its one drafter pass, over the backlog from before the stretch (the
         prompt, on the first) and one token per parked step, costs at most the settings' rehearsal budget of
         the stretch; math.inf when no stretch is long enough (a token read costs more than that share of a step).
+        Batched, the rehearsal waits a round of the others' passes, and each of their rounds waits on its drafter
+        pass: the budget is the batch's, shared by its members.
 
         Example: target step 450 ms, drafter step 65 ms, 3 ms a token read, a 40-token prompt unread
         -> 65 + 3 × (40 + s − 1) <= 13.5 s from s = 18 on; a 400-token prompt -> s = 121
         """
         prices, settings = self.prices, self.settings
-        step = prices.verify_ms(1)  # batched: the batch's round
+        step, waits = prices.verify_ms(1), prices.round_ms()  # batched: a round, and the one its rehearsal waits
         if not settings.rehearsals:
             return math.inf
         if step is None or step <= 0:
             return self.rehearsal_gap
         budget, backlog = settings.rehearsal_budget * step, max(0, self.unread - self.parked_for)
-        over = lambda s: prices.drafter_step_ms(step) + prices.reading_ms(backlog + s) - budget * s  # noqa: E731
+        if prices.batched:  # every member's round waits on its drafter pass: the batch's budget is shared
+            budget /= len(self.sharing.others) + 1
+        over = lambda s: prices.drafter_step_ms(step) + waits + prices.reading_ms(backlog + s) - budget * s  # noqa: E731
         lo, hi = self.rehearsal_gap, 64 * settings.stretch_max  # reading grows linearly past the measured widths
         if over(lo) <= 0:
             return lo

@@ -176,8 +176,9 @@ class Batch:
         makes k drafter passes before its next target pass, so a target pass served every round would hold only the
         members that happen to be between drafts (on an H200, a mean of 2 of 4 requests: docs/results.md, bd). The
         drafter's passes are the cheap ones; held until no member drafts, every member's verification shares one
-        target pass. Reads are never held, nor a target pass for more than HOLD_ROUNDS rounds in a row (a model one
-        pair drafts with may be another's target)."""
+        target pass. Reads are never held, nor a parked member's rehearsal (its next target pass verifies nothing),
+        nor a target pass for more than HOLD_ROUNDS rounds in a row (a model one pair drafts with may be another's
+        target)."""
         by_model: dict[int, list[Member]] = {}
         served: list[tuple[Member, Any, BaseException | None]] = []
         for member, waiting in self.waiting.items():
@@ -186,7 +187,7 @@ class Batch:
             else:
                 by_model.setdefault(id(waiting.model), []).append(member)
         drafting = self.held < HOLD_ROUNDS and any(
-            self.waiting[m].model.role != "target" and self.waiting[m].width <= READ
+            self.waiting[m].model.role != "target" and self.waiting[m].width <= READ and not m.sharing.rehearsing
             for members in by_model.values()
             for m in members
         )
