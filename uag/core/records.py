@@ -411,10 +411,6 @@ class Sharing:
         """The tokens the other members expect to commit per round (0 alone)."""
         return sum(o.tokens for o in self.others)
 
-    def computed(self, w: int) -> int:
-        """Tokens the last pass computed where this request put w in it: every sequence padded to the widest."""
-        return w if self.size <= 1 else self.size * max(w, self.widest)
-
     @property
     def mean_size(self) -> float:
         """The batch size this request ran at, averaged over its target passes (1 when it ran alone)."""
