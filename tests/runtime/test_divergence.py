@@ -58,7 +58,7 @@ def test_every_known_margin_must_be_close_for_a_near_tie():
 
 
 def test_the_threshold_fits_the_dtype():
-    # a gap of 0.1 can turn in bfloat16, not in float32 (where a batched pass moves it by 0.04 at most, on a GPU)
+    # a gap of 0.1 can turn in bfloat16, not in float32 (whose bound covers what a batched pass on a GPU moves a gap)
     kw = dict(step_margins={0: 0.1}, pass_margins={0: 0.09})
     assert classify([1], [2], dtype="bfloat16", **kw).kind == NEAR_TIE
     assert classify([1], [2], dtype="float32", **kw).kind == DIVERGED

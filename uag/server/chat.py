@@ -227,7 +227,7 @@ def _call(obj: Any, declared: dict[str, dict] | None = None) -> dict | None:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments, strict=False)
+            arguments = _DECODER.decode(arguments)
         except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
