@@ -238,7 +238,10 @@ def replay(args: argparse.Namespace) -> list[dict]:
         for session_path in args.sessions:
             turns = load(Path(session_path))
             with ExitStack() as stack:  # fresh servers per session and round: nothing cached at its first turn
-                servers = [stack.enter_context(serving.Server(c, logs / f"{c.name}-{round_}.log")) for c in conditions]
+                servers = [
+                    stack.enter_context(serving.Server(c, logs / f"{c.name}-{Path(session_path).stem}-{round_}.log"))
+                    for c in conditions
+                ]
                 client = stack.enter_context(httpx.Client())
                 for server in servers:  # loaded and warm: the first turn times the cold read, not the start
                     warm_up(client, server)

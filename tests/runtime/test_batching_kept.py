@@ -57,9 +57,9 @@ def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, 
     monkeypatch.setattr(uag.runtime.batching, "batched_pass", merged_afresh)
     passes, run = [], KeptCaches.run
 
-    def recorded(kept, model, rows, inputs):
+    def recorded(kept, model, rows, inputs, wait=True):
         passes.append(sorted(int(x.shape[-1]) for x in inputs))
-        return run(kept, model, rows, inputs)
+        return run(kept, model, rows, inputs, wait)
 
     monkeypatch.setattr(KeptCaches, "run", recorded)
     share(target, "target")
@@ -143,3 +143,80 @@ def test_a_failed_pass_on_kept_caches_fails_every_member_holding_a_row_and_no_ot
         list(jobs["a"])
     assert list(jobs["d"]) == [2, 1, 1] and not batch.kept and not batch.lost
     assert all(type(c) is KVCache and c.offset == 0 for c in caches["a", id(flaky)])
+
+
+class Device:
+    """mlx.core as uag.runtime.batching sees it, where waiting for a queued pass fails once (on a GPU: the device
+    ran out of memory computing it)."""
+
+    def __init__(self):
+        self.fail_next = False
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def eval(self, *arrays):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("[metal::malloc] Resource limit exceeded")
+        return mx.eval(*arrays)
+
+
+def test_one_token_passes_are_queued_and_one_that_fails_on_the_device_fails_its_members(pair, monkeypatch):
+    """a, b and c step one token at a time on the target: their pass is queued (as on a GPU), not waited for, and
+    each member runs on to its next pass meanwhile (`ahead`). The batch waits for it once the next one is queued
+    behind it; where that fails, every member holding a row of those kept caches fails (their caches come back
+    empty), and d, drafting with another model, runs to its end."""
+    import uag.runtime.batching
+
+    monkeypatch.setattr(uag.runtime.batching, "HOLD_ROUNDS", 0)
+    device = Device()
+    monkeypatch.setattr(uag.runtime.batching, "mx", device)
+    target, other = pair
+    shared, drafter = SharedModel(target.model, "target"), SharedModel(other.model, "drafter")
+    plans = {name: [(shared, target, 1)] * 3 for name in "abc"}
+    plans["d"] = [(drafter, other, 1)] * 3
+    caches: dict = {}
+    batch = Batch(max_size=4)
+    batch.queued = lambda: True
+    batch.pipelined = True  # as on a GPU
+    jobs = {name: Job(steps, (plan, caches, name), name, shared=True) for name, plan in plans.items()}
+    for job in jobs.values():
+        batch.join(job)
+    batch.round()
+    kept = batch.kept[id(shared)]
+    assert batch.ahead is not None and batch.ahead[0] is kept and len(batch.waiting) == 4
+    device.fail_next = True
+    while batch:
+        batch.round()
+    for name in "abc":
+        with pytest.raises(RuntimeError, match="lost with a batched pass that failed"):
+            list(jobs[name])
+        assert all(type(c) is KVCache and c.offset == 0 for c in caches[name, id(shared)])
+    assert list(jobs["d"]) == [1, 1, 1] and kept.broken and not batch.kept and not batch.lost
+
+
+def test_queued_passes_give_the_tokens_waited_for_passes_give(pair):
+    """Four requests decoding plainly in one batch, its one-token passes queued and waited for: the same tokens,
+    the target alone's."""
+    target, _ = pair
+    prompts = [[3, 5, 7, 9], [11, 13] * 5, [17] * 9, [19, 23, 29]]
+    alone = [generate(target, None, ids, GenerationConfig("baseline", max_tokens=12)).token_ids for ids in prompts]
+    share(target, "target")
+    for pipelined in (True, False):
+        out: dict = {}
+        batch = Batch(max_size=4)
+        batch.pipelined = pipelined
+        batch.queued = lambda: True
+        config = GenerationConfig("baseline", max_tokens=12)
+        jobs = [Job(request, (target, None, ids, config, out, i), str(i), shared=True) for i, ids in enumerate(prompts)]
+        for job in jobs:
+            batch.join(job)
+        queued = 0
+        while batch:
+            batch.round()
+            queued += batch.ahead is not None
+        for job in jobs:
+            list(job)
+        assert [out[i].token_ids for i in range(4)] == alone
+        assert (queued > 0) == pipelined

@@ -141,10 +141,11 @@ class KeptCaches:
         return any(owner is not None for owner in self.owners)
 
     # --- a pass ---------------------------------------------------------------------------------------------
-    def run(self, model, rows: Sequence[int], inputs: Sequence[mx.array]) -> list[mx.array]:
+    def run(self, model, rows: Sequence[int], inputs: Sequence[mx.array], wait: bool = True) -> list[mx.array]:
         """One pass of `model` over the given rows' new tokens (ragged widths, right padded: a row's padding comes
         after its tokens, which the causal mask keeps from them); each row's logits, evaluated, and each row
-        longer by its own tokens.
+        longer by its own tokens. With `wait` False the pass is only queued (`mx.async_eval`): the caller goes on
+        while the device runs it, and learns whether it failed when it next waits for the logits or `storage()`.
 
         Example: rows [0, 2] holding 30 and 12 tokens, inputs of widths [1, 4] -> one pass over 2 × 4 tokens at
                  positions 30… and 12…, written at slots end … end + 3; logits (1, 1, V) and (1, 4, V)
@@ -152,7 +153,7 @@ class KeptCaches:
         assert rows and len(rows) == len(inputs) and not self.broken
         if list(rows) != sorted(rows):  # in row order, so that rows next to each other are a view, not a gather
             order = sorted(range(len(rows)), key=rows.__getitem__)
-            logits = self.run(model, [rows[i] for i in order], [inputs[i] for i in order])
+            logits = self.run(model, [rows[i] for i in order], [inputs[i] for i in order], wait)
             return [logits[order.index(i)] for i in range(len(rows))]
         caches = [self.owners[r] for r in rows]
         assert all(c is not None and self.holds(c) and self.keepable(c) for c in caches), "rows not adopted here"
@@ -179,7 +180,7 @@ class KeptCaches:
         )
         try:
             logits = model(tokens, cache=layers)
-            mx.eval(logits, self.positions, [a for a in (*self.keys, *self.values) if a is not None])
+            (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
         except BaseException:
             self.broken = True
             raise
@@ -190,6 +191,10 @@ class KeptCaches:
         return [logits[i : i + 1, :w] for i, w in enumerate(widths)]
 
     # --- storage ----------------------------------------------------------------------------------------------
+    def storage(self) -> list[mx.array]:
+        """Every layer's keys and values written so far."""
+        return [a for a in (*self.keys, *self.values) if a is not None]
+
     @property
     def capacity(self) -> int:
         return 0 if self.positions is None else int(self.positions.shape[1])

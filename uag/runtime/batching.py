@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): it runs alone, in chunks
 READ_CHUNK = 128  # tokens of a read per round while other members decode
+LOST = "its cache was lost with a batched pass that failed"
 HOLD_ROUNDS = 16  # rounds the target's passes wait at most while members draft with a model (Batch.round)
 
 
@@ -143,6 +144,10 @@ class Batch:
         self.held = 0  # rounds in a row the target's passes waited for members drafting with a model
         self.kept: dict[int, KeptCaches] = {}  # per model: its members' plain KV caches, kept merged
         self.lost: list[KeptCaches] = []  # kept caches a failed pass left unknown, until their rows are handed back
+        self.ahead: tuple[KeptCaches, list] | None = None  # the last pass queued, not yet waited for; its logits
+        # queue passes of one token a row rather than wait for them (round): on a GPU; on a CPU the device is the
+        # cores the members' Python runs on, and a pass queued beside it ran no faster (benchmarks/batch_rounds.py)
+        self.pipelined = mx.default_device() == mx.gpu
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
         self.queued: Callable[[], bool] = lambda: False  # whether a job waits to start (the worker's queue)
 
@@ -178,12 +183,19 @@ class Batch:
         drafter's passes are the cheap ones; held until no member drafts, every member's verification shares one
         target pass. Reads are never held, nor a parked member's rehearsal (its next target pass verifies nothing),
         nor a target pass for more than HOLD_ROUNDS rounds in a row (a model one pair drafts with may be another's
-        target)."""
+        target).
+
+        On a GPU, a pass of one token a row on the kept caches (members decoding plainly, a drafter's steps) is
+        queued rather than waited for, as mlx-lm's generate_step and BatchGenerator queue their next step: each member
+        reads the token it sampled a round ago, streams it and asks for its next pass while the device computes
+        this one, and the next pass is queued behind it before the batch waits for it (`_settle`). Waited for at
+        once, the device idled through every member's Python between passes. Such passes are not timed (their
+        time is spent in the members)."""
         by_model: dict[int, list[Member]] = {}
         served: list[tuple[Member, Any, BaseException | None]] = []
         for member, waiting in self.waiting.items():
             if any(kept.holds(waiting.cache) for kept in self.lost):
-                served.append((member, None, RuntimeError("its cache was lost with a batched pass that failed")))
+                served.append((member, None, RuntimeError(LOST)))
             else:
                 by_model.setdefault(id(waiting.model), []).append(member)
         drafting = self.held < HOLD_ROUNDS and any(
@@ -218,6 +230,7 @@ class Batch:
         rows = kept is not None and any(kept.holds(p.cache) for p in passes)
         keep = (len(passes) > 1 or rows) and all(KeptCaches.keepable(p.cache) for p in passes)
         merged = keep or (len(passes) > 1 and all(mergeable(p.cache) for p in passes))
+        steps = self.pipelined and all(p.width == 1 for p in passes)  # queued, not waited for (see round)
         if keep:
             kept = self.kept.setdefault(id(model), KeptCaches())
             try:
@@ -225,6 +238,7 @@ class Batch:
                     model.inner,
                     [self._adopted(kept, m, p.cache) for m, p in zip(members, passes)],
                     [p.inputs for p in passes],
+                    wait=not steps,
                 )
             except Exception as err:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
@@ -233,6 +247,10 @@ class Batch:
                 if kept.broken:
                     self.lost.append(kept)
                 return [(m, None, err) for m in members]
+            if self._settle() is kept:  # the pass queued before this one failed, and this one read what it wrote
+                return [(m, None, RuntimeError(LOST)) for m in members]
+            if steps:
+                self.ahead = (kept, out)
         elif merged:
             try:
                 out = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
@@ -249,7 +267,7 @@ class Batch:
                         _evaluated(out[-1:], [p])
                 except Exception as err:
                     out.append(err)
-        ms = (self.clock() - tic) * 1000 if len(passes) > 1 else None
+        ms = (self.clock() - tic) * 1000 if len(passes) > 1 and not (keep and steps) else None
         if merged and ms is not None and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
             fixed_rows = self.costs.fixed_rows()
@@ -288,14 +306,34 @@ class Batch:
                     member.throw(err)
                 except Exception:  # it raised out of its job (a bug of its own): nothing more to end
                     log.debug("a member raised while it was ended", exc_info=True)
+        self._settle()
         for kept in [*self.kept.values(), *self.lost]:
             for cache in [owner for owner in kept.owners if owner is not None]:
                 kept.hand_back(cache)
-        self.members, self.waiting, self.kept, self.lost = [], {}, {}, []
+        self.members, self.waiting, self.kept, self.lost, self.ahead = [], {}, {}, [], None
+
+    def _settle(self) -> KeptCaches | None:
+        """Wait for the pass queued last (`ahead`), if any; where computing it failed, its kept caches are lost
+        (`lost`: every member holding a row of them fails at its next pass, as after a pass that raised), and
+        returned."""
+        if self.ahead is None:
+            return None
+        kept, logits = self.ahead
+        self.ahead = None
+        try:
+            mx.eval(logits, kept.positions, kept.storage())
+        except Exception:
+            log.warning("a batched pass over %d requests failed on the device", len(logits), exc_info=True)
+            kept.broken = True
+            self.kept = {key: k for key, k in self.kept.items() if k is not kept}
+            self.lost += [] if kept in self.lost else [kept]
+            return kept
+        return None
 
     def hand_back(self, cache: list) -> None:
         """A member's cache made plain KV caches again where it is a row of the kept caches (a no-op where not);
         a model's kept caches holding no row are dropped."""
+        self._settle()
         for kept in [*self.kept.values(), *self.lost]:
             if kept.holds(cache):
                 kept.hand_back(cache)

@@ -1,0 +1,151 @@
+"""B requests decoding plainly at once, in one process: uag's `Batch` against mlx-lm's `BatchGenerator`.
+
+What `uag serve --drafter off` does with concurrent requests, without HTTP, tokenizers or streams: each request is a
+job running uag's engine (the target alone, mlx-lm's `generate_step`) in one `uag.runtime.batching.Batch`, whose
+rounds run one pass for all members on the caches it keeps merged; against it, mlx-lm's `BatchGenerator` (what
+`mlx_lm.server` batches with) on the same model, prompts and lengths. Both read their prompts first (the Batch one
+chunk a round beside the others' decoding, BatchGenerator in one batched prefill); neither stops at an EOS, so both
+generate exactly `--max-tokens` per request. Conditions run interleaved, `--repeats` times; medians and spreads.
+
+- `uag`: a pass of one token a row queued (`mx.async_eval`), each member streaming its previous token while the
+  device computes it (`Batch.pipelined`, the default on a GPU);
+- `uag-wait`: every pass waited for before any member runs on (the default on a CPU; on a GPU before 2026-12-03);
+- `mlx_lm`: `BatchGenerator.insert` all prompts, `next()` until every request is done.
+
+On a GPU (or a Mac) a pass over a few rows takes milliseconds, so what each member does in Python between passes is
+a large share of a round: this is where it shows. On a CPU the pass runs on the cores the Python runs on: queued
+passes ran no faster there (a tiny test model, 2 cores: 0.90-0.99x waited-for ones).
+
+    python benchmarks/batch_rounds.py --target demo-target --batch 4 8 --max-tokens 64 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import random
+import statistics
+import time
+from datetime import datetime
+
+import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
+
+# isort: split
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from uag.core.config import GenerationConfig
+from uag.core.engine import generate
+from uag.models.store import LoadedModel, ModelStore
+from uag.runtime.batching import Batch, share
+from uag.runtime.worker import Job
+
+
+@dataclasses.dataclass
+class Endless(LoadedModel):
+    """The loaded model, never stopping at an EOS: every request generates exactly its max tokens."""
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset()
+
+
+def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(batch)]
+
+
+def run_uag(target: LoadedModel, ids: list[list[int]], max_tokens: int, pipelined: bool) -> tuple[float, list]:
+    """Seconds for every request's tokens, run as a `uag serve` worker runs shared jobs; and the tokens."""
+    out: dict[int, list[int]] = {}
+
+    def request(job, i):
+        out[i] = generate(target, None, ids[i], GenerationConfig("baseline", max_tokens=max_tokens)).token_ids
+        yield i
+
+    batch = Batch(max_size=len(ids))
+    batch.pipelined = pipelined
+    batch.queued = lambda: True  # as under load: every member waits for its rounds
+    jobs = [Job(request, (i,), str(i), shared=True) for i in range(len(ids))]
+    tic = time.perf_counter()
+    for job in jobs:
+        batch.join(job)
+    while batch:
+        batch.round()
+    seconds = time.perf_counter() - tic
+    for job in jobs:
+        list(job)  # raises what the job raised
+    return seconds, [out[i] for i in range(len(ids))]
+
+
+def run_mlx_lm(target: LoadedModel, ids: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    """Seconds for every request's tokens through mlx-lm's BatchGenerator; and the tokens."""
+    generator = BatchGenerator(target.model, max_tokens=max_tokens, stop_tokens=[], prefill_batch_size=len(ids))
+    tokens: dict[int, list[int]] = {}
+    tic = time.perf_counter()
+    uids = generator.insert(ids, [max_tokens] * len(ids))
+    done = 0
+    while done < len(ids):
+        for response in generator.next_generated():
+            tokens.setdefault(response.uid, []).append(response.token)
+            done += response.finish_reason is not None
+    seconds = time.perf_counter() - tic
+    generator.close()
+    return seconds, [tokens[u] for u in uids]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="demo-target", help="an offline name, a folder or a hub id")
+    parser.add_argument("--batch", type=int, nargs="+", default=[4, 8], help="requests at once (each a condition)")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="one JSON line per measurement as well")
+    args = parser.parse_args(argv)
+
+    loaded = ModelStore().get(args.target)
+    share(loaded, "target")
+    target = Endless(**{f.name: getattr(loaded, f.name) for f in dataclasses.fields(loaded)})
+    vocab = int(target.model.args.vocab_size) if hasattr(target.model, "args") else 32000
+    runs = {
+        "uag": lambda ids: run_uag(target, ids, args.max_tokens, pipelined=True),
+        "uag-wait": lambda ids: run_uag(target, ids, args.max_tokens, pipelined=False),
+        "mlx_lm": lambda ids: run_mlx_lm(target, ids, args.max_tokens),
+    }
+    print(
+        f"# {args.target} ({target.dtype}), {mx.default_device()}, {platform.machine()}, "
+        f"prompts {args.prompt} tokens, {args.max_tokens} generated each, {args.repeats} repeats, "
+        f"{datetime.now().isoformat(timespec='minutes')}"
+    )
+    for b in args.batch:
+        ids = prompts(vocab, b, args.prompt, seed=b)
+        for run in runs.values():  # warm-up: compiled kernels, allocations
+            run(ids)
+        tps: dict[str, list[float]] = {name: [] for name in runs}
+        texts: dict[str, list] = {}
+        for repeat in range(args.repeats):
+            order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]
+            for name in order:
+                seconds, tokens = runs[name](ids)
+                tps[name].append(b * args.max_tokens / seconds)
+                texts.setdefault(name, tokens)
+                if args.json:
+                    print(json.dumps({"batch": b, "condition": name, "repeat": repeat, "seconds": seconds}))
+        medians = {name: statistics.median(v) for name, v in tps.items()}
+        for name, values in tps.items():
+            print(
+                f"B = {b}  {name:<9} {medians[name]:8.1f} tok/s  (runs {min(values):.1f}-{max(values):.1f}; "
+                f"{medians[name] / medians['mlx_lm']:.2f}x mlx_lm)"
+            )
+        same = sum(a == c for a, c in zip(texts["uag"], texts["mlx_lm"]))
+        print(
+            f"B = {b}  uag / uag-wait {medians['uag'] / medians['uag-wait']:.2f}x; tokens equal to mlx_lm's: {same}/{b}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
