@@ -16,7 +16,7 @@ On a GPU (or a Mac) a pass over a few rows takes milliseconds, so what each memb
 a large share of a round: this is where it shows. On a CPU the pass runs on the cores the Python runs on: queued
 passes ran no faster there (a tiny test model, 2 cores: 0.90-0.99x waited-for ones).
 
-    python benchmarks/batch_rounds.py --target demo-target --batch 4 8 --max-tokens 64 --repeats 5
+    python benchmarks/batch_rounds.py --target demo-target --batch 4 8 --max-tokens 64 --repeats 5 [--breakdown]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import platform
 import random
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
 from datetime import datetime
 
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
@@ -38,6 +39,7 @@ from mlx_lm.generate import BatchGenerator
 
 from uag.core.config import GenerationConfig
 from uag.core.engine import generate
+from uag.core.kept_caches import KeptCaches
 from uag.models.store import LoadedModel, ModelStore
 from uag.runtime.batching import Batch, share
 from uag.runtime.worker import Job
@@ -57,7 +59,47 @@ def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(batch)]
 
 
-def run_uag(target: LoadedModel, ids: list[list[int]], max_tokens: int, pipelined: bool) -> tuple[float, list]:
+class Breakdown:
+    """Where a batch's rounds spend their time: wall milliseconds per round in the batch's own calls, timed by
+    wrapping them (`KeptCaches.run`: building a pass and queueing it, or waiting for it; `Batch._settle`: waiting
+    for a queued pass; `Batch._resume`: a member's own work up to its next pass, its waits for the device inside)."""
+
+    PARTS = (("pass", KeptCaches, "run"), ("settle", Batch, "_settle"), ("members", Batch, "_resume"))
+
+    def __init__(self):
+        self.ms = {name: 0.0 for name, _, _ in self.PARTS}
+        self.rounds = 0
+
+    @contextmanager
+    def timing(self):
+        saved = [(cls, attr, getattr(cls, attr)) for _, cls, attr in self.PARTS]
+        for (name, cls, attr), (_, _, original) in zip(self.PARTS, saved):
+            setattr(cls, attr, self._timed(name, original))
+        try:
+            yield self
+        finally:
+            for cls, attr, original in saved:
+                setattr(cls, attr, original)
+
+    def _timed(self, name: str, original):
+        def timed(*args, **kwargs):
+            tic = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.ms[name] += (time.perf_counter() - tic) * 1000
+
+        return timed
+
+    def line(self, seconds: float) -> str:
+        per = {name: ms / self.rounds for name, ms in self.ms.items()}
+        rest = seconds * 1000 / self.rounds - sum(per.values())
+        return ", ".join(f"{name} {ms:.2f}" for name, ms in [*per.items(), ("rest", rest)]) + " ms a round"
+
+
+def run_uag(
+    target: LoadedModel, ids: list[list[int]], max_tokens: int, pipelined: bool, breakdown: Breakdown | None = None
+) -> tuple[float, list]:
     """Seconds for every request's tokens, run as a `uag serve` worker runs shared jobs; and the tokens."""
     out: dict[int, list[int]] = {}
 
@@ -69,12 +111,15 @@ def run_uag(target: LoadedModel, ids: list[list[int]], max_tokens: int, pipeline
     batch.pipelined = pipelined
     batch.queued = lambda: True  # as under load: every member waits for its rounds
     jobs = [Job(request, (i,), str(i), shared=True) for i in range(len(ids))]
-    tic = time.perf_counter()
-    for job in jobs:
-        batch.join(job)
-    while batch:
-        batch.round()
-    seconds = time.perf_counter() - tic
+    with breakdown.timing() if breakdown else nullcontext():
+        tic = time.perf_counter()
+        for job in jobs:
+            batch.join(job)
+        while batch:
+            batch.round()
+            if breakdown:
+                breakdown.rounds += 1
+        seconds = time.perf_counter() - tic
     for job in jobs:
         list(job)  # raises what the job raised
     return seconds, [out[i] for i in range(len(ids))]
@@ -104,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON line per measurement as well")
+    parser.add_argument("--breakdown", action="store_true", help="also where uag's rounds spend their time")
     args = parser.parse_args(argv)
 
     loaded = ModelStore().get(args.target)
@@ -140,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"B = {b}  {name:<9} {medians[name]:8.1f} tok/s  (runs {min(values):.1f}-{max(values):.1f}; "
                 f"{medians[name] / medians['mlx_lm']:.2f}x mlx_lm)"
             )
+        if args.breakdown:
+            for name, pipelined in (("uag", True), ("uag-wait", False)):
+                breakdown = Breakdown()
+                seconds, _ = run_uag(target, ids, args.max_tokens, pipelined, breakdown)
+                print(f"B = {b}  {name:<9} {breakdown.line(seconds)} ({breakdown.rounds} rounds)")
         same = sum(a == c for a, c in zip(texts["uag"], texts["mlx_lm"]))
         print(
             f"B = {b}  uag / uag-wait {medians['uag'] / medians['uag-wait']:.2f}x; tokens equal to mlx_lm's: {same}/{b}"

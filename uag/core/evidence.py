@@ -317,6 +317,11 @@ class Prices:
         """Whether the request runs beside others now (its target passes and its drafting are the batch's)."""
         return self.sharing is not None and bool(self.sharing.others)
 
+    @property
+    def size(self) -> int:
+        """The requests in the batch now, this one included (1 alone)."""
+        return len(self.sharing.others) + 1 if self.batched else 1
+
     def verify_ms(self, w: int) -> float | None:
         """The target pass that verifies a proposal of w − 1 tokens: alone, `target_ms(w)`; batched, the batch's
         whole round of target passes with this request at w and the others at what they propose
@@ -347,8 +352,7 @@ class Prices:
         the others' proposals were known). Beside members that propose wide, a draft rides in their padding at
         no cost of its own; this keeps a batch whose members all draft from staying there where none of them
         would pay alone (`AdaptiveK.rates`). Alone: `target_ms(w)` and the drafting."""
-        size = len(self.sharing.others) + 1 if self.batched else 1
-        pass_ms = self.target_ms(size * w)
+        pass_ms = self.target_ms(self.size * w)
         return None if pass_ms is None else drafting_ms + pass_ms
 
     def _round_ms(self, w: int | None) -> float | None:

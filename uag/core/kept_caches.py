@@ -145,7 +145,7 @@ class KeptCaches:
         """One pass of `model` over the given rows' new tokens (ragged widths, right padded: a row's padding comes
         after its tokens, which the causal mask keeps from them); each row's logits, evaluated, and each row
         longer by its own tokens. With `wait` False the pass is only queued (`mx.async_eval`): the caller goes on
-        while the device runs it, and learns whether it failed when it next waits for the logits or `storage()`.
+        while the device runs it, and learns whether it failed when it next waits for the logits (or for later passes).
 
         Example: rows [0, 2] holding 30 and 12 tokens, inputs of widths [1, 4] -> one pass over 2 × 4 tokens at
                  positions 30… and 12…, written at slots end … end + 3; logits (1, 1, V) and (1, 4, V)

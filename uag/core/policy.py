@@ -399,8 +399,7 @@ class AdaptiveK:
         if step is None or step <= 0:
             return self.rehearsal_gap
         budget, backlog = settings.rehearsal_budget * step, max(0, self.unread - self.parked_for)
-        if prices.batched:  # every member's round waits on its drafter pass: the batch's budget is shared
-            budget /= len(self.sharing.others) + 1
+        budget /= prices.size  # batched, every member's round waits on its drafter pass: the budget is shared
         over = lambda s: prices.drafter_step_ms(step) + waits + prices.reading_ms(backlog + s) - budget * s  # noqa: E731
         lo, hi = self.rehearsal_gap, 64 * settings.stretch_max  # reading grows linearly past the measured widths
         if over(lo) <= 0:

@@ -320,8 +320,8 @@ class Batch:
             return None
         kept, logits = self.ahead
         self.ahead = None
-        try:
-            mx.eval(logits, kept.positions, kept.storage())
+        try:  # its logits, not the storage: the storage's arrays are the next pass's now (it wrote into them)
+            mx.eval(logits)
         except Exception:
             log.warning("a batched pass over %d requests failed on the device", len(logits), exc_info=True)
             kept.broken = True
