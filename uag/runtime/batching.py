@@ -189,7 +189,7 @@ class Batch:
         queued rather than waited for, as mlx-lm's generate_step and BatchGenerator queue their next step: each member
         reads the token it sampled a round ago, streams it and asks for its next pass while the device computes
         this one, and the next pass is queued behind it before the batch waits for it (`_settle`). Waited for at
-        once, the device idled through every member's Python between passes. Such passes are not timed (their
+        once, the device would idle through every member's Python between passes. Such passes are not timed (their
         time is spent in the members)."""
         by_model: dict[int, list[Member]] = {}
         served: list[tuple[Member, Any, BaseException | None]] = []
@@ -230,7 +230,7 @@ class Batch:
         rows = kept is not None and any(kept.holds(p.cache) for p in passes)
         keep = (len(passes) > 1 or rows) and all(KeptCaches.keepable(p.cache) for p in passes)
         merged = keep or (len(passes) > 1 and all(mergeable(p.cache) for p in passes))
-        steps = self.pipelined and all(p.width == 1 for p in passes)  # queued, not waited for (see round)
+        queued = keep and self.pipelined and all(p.width == 1 for p in passes)  # not waited for (see round)
         if keep:
             kept = self.kept.setdefault(id(model), KeptCaches())
             try:
@@ -238,18 +238,18 @@ class Batch:
                     model.inner,
                     [self._adopted(kept, m, p.cache) for m, p in zip(members, passes)],
                     [p.inputs for p in passes],
-                    wait=not steps,
+                    wait=not queued,
                 )
             except Exception as err:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
-                if kept.broken or not kept:
-                    del self.kept[id(model)]
                 if kept.broken:
-                    self.lost.append(kept)
+                    self._lose(kept)
+                elif not kept:
+                    del self.kept[id(model)]
                 return [(m, None, err) for m in members]
             if self._settle() is kept:  # the pass queued before this one failed, and this one read what it wrote
                 return [(m, None, RuntimeError(LOST)) for m in members]
-            if steps:
+            if queued:
                 self.ahead = (kept, out)
         elif merged:
             try:
@@ -267,7 +267,7 @@ class Batch:
                         _evaluated(out[-1:], [p])
                 except Exception as err:
                     out.append(err)
-        ms = (self.clock() - tic) * 1000 if len(passes) > 1 and not (keep and steps) else None
+        ms = (self.clock() - tic) * 1000 if len(passes) > 1 and not queued else None
         if merged and ms is not None and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
             fixed_rows = self.costs.fixed_rows()
@@ -325,10 +325,14 @@ class Batch:
         except Exception:
             log.warning("a batched pass over %d requests failed on the device", len(logits), exc_info=True)
             kept.broken = True
-            self.kept = {key: k for key, k in self.kept.items() if k is not kept}
-            self.lost += [] if kept in self.lost else [kept]
+            self._lose(kept)
             return kept
         return None
+
+    def _lose(self, kept: KeptCaches) -> None:
+        """Kept caches a failed pass left unknown: out of `kept`, into `lost` until their rows are handed back."""
+        self.kept = {key: k for key, k in self.kept.items() if k is not kept}
+        self.lost += [] if kept in self.lost else [kept]
 
     def hand_back(self, cache: list) -> None:
         """A member's cache made plain KV caches again where it is a row of the kept caches (a no-op where not);
