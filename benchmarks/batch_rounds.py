@@ -4,27 +4,37 @@ What `uag serve --drafter off` does with concurrent requests, without HTTP, toke
 job running uag's engine (the target alone, mlx-lm's `generate_step`) in one `uag.runtime.batching.Batch`, whose
 rounds run one pass for all members on the caches it keeps merged; against it, mlx-lm's `BatchGenerator` (what
 `mlx_lm.server` batches with) on the same model, prompts and lengths. Both read their prompts first (the Batch one
-chunk a round beside the others' decoding, BatchGenerator in one batched prefill); neither stops at an EOS, so both
+prompts arriving together in passes they share, BatchGenerator in one batched prefill); neither stops at an EOS, so both
 generate exactly `--max-tokens` per request. Conditions run interleaved, `--repeats` times; medians and spreads.
 
 - `uag`: a pass of one token a row queued (`mx.async_eval`), each member streaming its previous token while the
   device computes it (`Batch.pipelined`, the default on a GPU);
 - `uag-wait`: every pass waited for before any member runs on (the default on a CPU; on a GPU before 2026-12-03);
-- `mlx_lm`: `BatchGenerator.insert` all prompts, `next()` until every request is done.
+- `mlx_lm`: `BatchGenerator.insert` all prompts, `next()` until every request is done;
+- `uag-auto` (with `--auto [DRAFTER]`): each request runs `auto` over prompt lookup (and a drafter model), from the
+  costs `uag serve` measures at start; on random prompts lookup finds little, so this is what parked speculation
+  costs a batch against plain decoding (`uag`).
+
+`--breakdown` says where uag's rounds spend their milliseconds; `--profile N` prints the N functions each condition
+spends most time in (cProfile).
 
 On a GPU (or a Mac) a pass over a few rows takes milliseconds, so what each member does in Python between passes is
 a large share of a round: this is where it shows. On a CPU the pass runs on the cores the Python runs on: queued
 passes ran no faster there (a tiny test model, 2 cores: 0.90-0.99x waited-for ones).
 
     python benchmarks/batch_rounds.py --target demo-target --batch 4 8 --max-tokens 64 --repeats 5 [--breakdown]
+        [--auto demo-drafter] [--profile 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
 import platform
+import pstats
 import random
 import statistics
 import time
@@ -38,10 +48,13 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from uag.core.config import GenerationConfig
+from uag.core.costmodel import CostProfile
+from uag.core.drafters import DrafterChoice
 from uag.core.engine import generate
 from uag.core.kept_caches import KeptCaches
+from uag.costs.pair import measure_costs
 from uag.models.store import LoadedModel, ModelStore
-from uag.runtime.batching import Batch, share
+from uag.runtime.batching import Batch, share, sharing_now
 from uag.runtime.worker import Job
 
 
@@ -98,13 +111,24 @@ class Breakdown:
 
 
 def run_uag(
-    target: LoadedModel, ids: list[list[int]], max_tokens: int, pipelined: bool, breakdown: Breakdown | None = None
+    target: LoadedModel,
+    ids: list[list[int]],
+    max_tokens: int,
+    pipelined: bool,
+    breakdown: Breakdown | None = None,
+    drafter: DrafterChoice | None = None,
+    profile: CostProfile | None = None,
 ) -> tuple[float, list]:
-    """Seconds for every request's tokens, run as a `uag serve` worker runs shared jobs; and the tokens."""
+    """Seconds for every request's tokens, run as a `uag serve` worker runs shared jobs; and the tokens. With a
+    `drafter`, each request runs `auto` over it from the pair's measured costs (`profile`), as `uag serve` runs a
+    request (its `Sharing` passed on)."""
     out: dict[int, list[int]] = {}
+    config = GenerationConfig("baseline", max_tokens=max_tokens)
+    if drafter is not None:
+        config = GenerationConfig("context", k=16, k_policy="adaptive", max_tokens=max_tokens)
 
     def request(job, i):
-        out[i] = generate(target, None, ids[i], GenerationConfig("baseline", max_tokens=max_tokens)).token_ids
+        out[i] = generate(target, drafter, ids[i], config, profile=profile, sharing=sharing_now()).token_ids
         yield i
 
     batch = Batch(max_size=len(ids))
@@ -141,6 +165,16 @@ def run_mlx_lm(target: LoadedModel, ids: list[list[int]], max_tokens: int) -> tu
     return seconds, [tokens[u] for u in uids]
 
 
+def profiled(run, ids: list[list[int]], top: int) -> str:
+    """The `top` functions a run spent most time in, by their own time (cProfile's tottime; under greenlets a
+    member's time is its own functions', so cumulative times mislead)."""
+    profile = cProfile.Profile()
+    profile.runcall(run, ids)
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip() and "Ordered by" not in line)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="demo-target", help="an offline name, a folder or a hub id")
@@ -149,18 +183,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON line per measurement as well")
+    parser.add_argument(
+        "--auto",
+        nargs="?",
+        const="lookup",
+        metavar="DRAFTER",
+        help="also uag-auto: each request running auto over prompt lookup (and this drafter model, if named), as "
+        "uag serve runs it; the prompts are random tokens, so lookup finds little and auto mostly parks",
+    )
     parser.add_argument("--breakdown", action="store_true", help="also where uag's rounds spend their time")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="also the N functions each condition spends most time in"
+    )
     args = parser.parse_args(argv)
 
     loaded = ModelStore().get(args.target)
     share(loaded, "target")
     target = Endless(**{f.name: getattr(loaded, f.name) for f in dataclasses.fields(loaded)})
     vocab = int(target.model.args.vocab_size) if hasattr(target.model, "args") else 32000
+    choice = None
+    if args.auto:
+        model = None
+        if args.auto != "lookup":
+            model = ModelStore().get(args.auto)
+            share(model, "drafter")
+        choice = DrafterChoice(lookup=True, model=model)
+        profile = measure_costs(target, choice).profile  # what uag serve measures at start (its quick calibration)
     runs = {
         "uag": lambda ids: run_uag(target, ids, args.max_tokens, pipelined=True),
         "uag-wait": lambda ids: run_uag(target, ids, args.max_tokens, pipelined=False),
         "mlx_lm": lambda ids: run_mlx_lm(target, ids, args.max_tokens),
     }
+    if choice is not None:
+        runs["uag-auto"] = lambda ids: run_uag(target, ids, args.max_tokens, True, drafter=choice, profile=profile)
     print(
         f"# {args.target} ({target.dtype}), {mx.default_device()}, {platform.machine()}, "
         f"prompts {args.prompt} tokens, {args.max_tokens} generated each, {args.repeats} repeats, "
@@ -191,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                 breakdown = Breakdown()
                 seconds, _ = run_uag(target, ids, args.max_tokens, pipelined, breakdown)
                 print(f"B = {b}  {name:<9} {breakdown.line(seconds)} ({breakdown.rounds} rounds)")
+        for name, run in runs.items() if args.profile else ():
+            print(f"B = {b}  {name}: the {args.profile} functions it spent most time in (cProfile, tottime)")
+            print(profiled(run, ids, args.profile))
         same = sum(a == c for a, c in zip(texts["uag"], texts["mlx_lm"]))
         print(
             f"B = {b}  uag / uag-wait {medians['uag'] / medians['uag-wait']:.2f}x; tokens equal to mlx_lm's: {same}/{b}"

@@ -169,6 +169,36 @@ def test_mergeable_caches_make_one_batched_pass(models, monkeypatch):
     assert [list(jobs[n]) for n in "ab"] == [[1, 2], [5]]
 
 
+def test_reads_share_a_pass_where_one_pass_costs_less_than_one_each(models, monkeypatch):
+    """Reads waiting together read a chunk each in one pass where `groups` prices it cheaper (a pass's fixed cost,
+    FIXED_ROWS tokens, against the padding): two chunks of 40 share one, but chunks of 40 and 20 do not, nor a
+    100-token read whole beside a 34-token one (nobody decodes then: each reads whole); the oldest read goes first,
+    the other waits a round."""
+    import uag.runtime.batching
+
+    target, _ = models
+    shared = []
+
+    def recorded(model, inputs, caches):
+        shared.append(([int(x.shape[-1]) for x in inputs], [c.name for c in caches]))
+        return [model(x, cache=c) for x, c in zip(inputs, caches)]
+
+    monkeypatch.setattr(uag.runtime.batching, "batched_pass", recorded)
+    batch, log = Batch(max_size=4, read_chunk=40), []
+    plans = [("d", [(target, 1)] * 2), ("a", [(target, 80)]), ("b", [(target, 60)])]
+    jobs = joined(batch, *plans, log=log, cache=MergeableCache)
+    drained(batch)
+    assert shared == [([40, 40], ["a/target", "b/target"])]  # then 40 and 20 left: apart costs less (92 < 96)
+    assert [c for c in target.inner.calls if c[1] != "d/target"][-2:] == [(40, "a/target"), (20, "b/target")]
+    assert [list(jobs[n]) for n in "dab"] == [[1, 1], [80], [60]]  # each read's chunks' logits, joined
+
+    target.inner.calls.clear()
+    batch, shared[:] = Batch(max_size=4, read_chunk=40), []
+    jobs = joined(batch, ("long", [(target, 100)]), ("short", [(target, 34)]), log=log, cache=MergeableCache)
+    drained(batch)
+    assert shared == [] and target.inner.calls == [(100, "long/target"), (34, "short/target")]
+
+
 def test_each_member_reads_its_own_sharing(models):
     target, _ = models
     seen = {}

@@ -17,7 +17,7 @@ from uag.core.drafters import DrafterChoice
 from uag.core.engine import generate
 from uag.core.kept_caches import KeptCaches
 from uag.core.passes import PromptCaches
-from uag.runtime.batching import Batch, SharedModel, handed_back, share
+from uag.runtime.batching import Batch, PassCosts, SharedModel, handed_back, share
 from uag.runtime.worker import Job
 
 
@@ -220,3 +220,53 @@ def test_queued_passes_give_the_tokens_waited_for_passes_give(pair):
             list(job)
         assert [out[i].token_ids for i in range(4)] == alone
         assert (queued > 0) == pipelined
+
+
+@pytest.mark.parametrize("beside, first", [(True, [35, 48, 48]), (False, [35, 69, 159])])
+def test_prompts_arriving_together_share_their_reads_and_give_the_target_alones_tokens(
+    pair, monkeypatch, beside, first
+):
+    """Three prompts longer than a read (READ tokens), of different lengths, join at once: their reads share a
+    pass (`batched_pass`), a chunk each beside a member decoding, whole where nobody decodes (as mlx-lm prefills a
+    wave of prompts); each member's greedy tokens, plain or speculating, equal the target alone's. The batch prices
+    a pass as a GPU does (its fixed cost worth hundreds of tokens), so that padding the narrower reads pays."""
+    target, other = pair
+    prompts = {"short": [3, 5, 7] * 12, "long": [11, 13, 17, 19] * 40, "mid": [23, 29] * 35}
+    drafters = {"short": None, "long": DrafterChoice(model=other), "mid": DrafterChoice(lookup=True), "beside": None}
+    if beside:
+        prompts["beside"] = [31, 37]
+    alone = {
+        name: generate(target, None, ids, GenerationConfig("baseline", max_tokens=10)).token_ids
+        for name, ids in prompts.items()
+    }
+    reads, shared_pass = [], uag.runtime.batching.batched_pass
+
+    def recorded(model, inputs, caches):
+        reads.append(sorted(int(x.shape[-1]) for x in inputs))
+        return shared_pass(model, inputs, caches)
+
+    monkeypatch.setattr(uag.runtime.batching, "batched_pass", recorded)
+    share(target, "target")
+    share(other, "drafter")
+    out: dict = {}
+    batch = Batch(max_size=4, read_chunk=48)
+    batch.queued, batch.costs = (lambda: True), PassCosts(prior_rows=500)
+    jobs = {}
+    for name, ids in prompts.items():
+        config = GenerationConfig("baseline" if drafters[name] is None else "context", 3, max_tokens=10)
+        jobs[name] = Job(request, (target, drafters[name], ids, config, out, name), name, shared=True)
+    if beside:
+        batch.join(jobs["beside"])
+        batch.round()  # it reads its prompt alone, then decodes while the others read
+    for name in ("short", "long", "mid"):
+        batch.join(jobs[name])
+    while batch:
+        batch.round()
+    for job in jobs.values():
+        list(job)
+    assert {name: out[name].token_ids for name in prompts} == alone
+    assert reads[0] == first  # each prompt but its last token (the first step's input), read in one pass
+    for name in prompts:
+        caches = out[name, "caches"]
+        assert all(type(c) is KVCache for c in caches.target_cache)
+        assert caches.target_cache[0].offset == len(caches.target_ids)

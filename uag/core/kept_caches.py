@@ -40,6 +40,7 @@ class RowCache:
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
         self.offset -= n
+        self.kept.stale = self.kept.stale or n > 0
         return n
 
     @property
@@ -70,6 +71,9 @@ class KeptCaches:
         self.end = 0  # slots written so far: the next pass writes at end
         self.copies = 0  # times every row was copied (growth, compaction): a pass itself copies none
         self.broken = False  # a pass failed part way: what the storage holds is unknown
+        # some row's slots at or past its length are not marked UNSET yet (a trim, a pass's padding, a row freed):
+        # the next pass marks them first (`_tidy`); plain decoding leaves none, and costs no marking
+        self.stale = False
         # slots a pass attends to, in whole steps of: on a GPU, STEP (past its tokens they are masked out), so that
         # its attention kernels see a few key lengths rather than a new one each pass; on a CPU every masked slot
         # costs its share of the pass, and a new length nothing
@@ -135,6 +139,7 @@ class KeptCaches:
             mx.eval([c.state for c in plain])
         cache[:] = plain
         self.owners[row] = None
+        self.stale = True
 
     def __bool__(self) -> bool:
         """Whether any row is held."""
@@ -175,8 +180,12 @@ class KeptCaches:
         masks: dict = {}
         for layer in layers:
             layer.masks, layer.queries = masks, queries
+        # one row of token ids each (what a member sampled: uint32, or its int32 ids), padded only where narrower
         tokens = mx.concatenate(
-            [mx.pad(x.reshape(1, -1).astype(mx.int32), [(0, 0), (0, width - w)]) for x, w in zip(inputs, widths)]
+            [
+                x.reshape(1, -1) if w == width else mx.pad(x.reshape(1, -1), [(0, 0), (0, width - w)])
+                for x, w in zip(inputs, widths)
+            ]
         )
         try:
             logits = model(tokens, cache=layers)
@@ -185,6 +194,7 @@ class KeptCaches:
             self.broken = True
             raise
         self.end = at + width
+        self.stale = self.stale or min(widths) < width  # the narrower rows' padding: past their lengths
         for cache, w in zip(caches, widths):
             for layer in cache:
                 layer.offset += w
@@ -209,7 +219,8 @@ class KeptCaches:
 
     def _tidy(self, width: int) -> None:
         """Before a pass of `width`: holes marked, compacted when they cost more than a copy, room for the pass."""
-        self.positions = self._live()
+        if self.stale:
+            self.positions, self.stale = self._live(), False
         longest = max(owner[0].offset for owner in self.owners if owner is not None)
         holes = self.end - longest
         if holes >= max(MIN_HOLES, HOLES_SHARE * longest):

@@ -20,6 +20,7 @@ outside a batch, on its own plain cache.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -31,7 +32,7 @@ import greenlet
 import mlx.core as mx
 
 from uag.core.kept_caches import KeptCaches
-from uag.core.passes import batched_pass, mergeable
+from uag.core.passes import PREFILL_STEP, batched_pass, mergeable
 from uag.core.records import FIXED_ROWS, Sharing, groups
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ class Batch:
             for group in groups([self.waiting[m].width for m in decoding], self.costs.fixed_rows()):
                 served += self._decode([decoding[i] for i in group])
             if reading:
-                served += self._read(reading[0], alone=not decoding and len(by_model) == 1)
+                served += self._read(reading, alone=not decoding and len(by_model) == 1)
         for member, logits, error in served:
             self._resume(member, logits, error)
         if served:
@@ -279,24 +280,45 @@ class Batch:
                 m.sharing.shared(len(passes), widest, ms)
         return [(m, None, x) if isinstance(x, Exception) else (m, x, None) for m, x in zip(members, out)]
 
-    def _read(self, member: Member, alone: bool) -> list[tuple[Member, Any, BaseException | None]]:
-        """One chunk of a member's read (all of it when nobody else waits); its logits once it is read."""
-        waiting = self.waiting[member]
-        self.hand_back(waiting.cache)  # read on its own plain cache: a long read's slots would be every row's holes
-        end = waiting.width if alone else min(waiting.width, waiting.read + self.read_chunk)
+    def _read(self, members: list[Member], alone: bool) -> list[tuple[Member, Any, BaseException | None]]:
+        """One chunk of the reads of the members waiting on one (all of a lone read when nobody else waits); each
+        member's logits once its read is done. Several reads share one pass (`batched_pass`: their plain caches
+        merged for it) where `groups` finds one pass cheaper than one each, as mlx-lm prefills a wave of prompts
+        together; the others wait for later rounds. Beside members decoding, each reads `read_chunk` tokens a
+        round; with nobody decoding, the pass reads up to PREFILL_STEP tokens over all of them."""
+        for member in members:  # read on its own plain cache: a long read's slots would be every row's holes
+            self.hand_back(self.waiting[member].cache)
+        if len(members) == 1 or not all(mergeable(self.waiting[m].cache) for m in members):
+            members, chunk = members[:1], (math.inf if alone else self.read_chunk)
+        else:
+            chunk = max(self.read_chunk, PREFILL_STEP // len(members)) if alone else self.read_chunk
+            widths = [min(self.waiting[m].width - self.waiting[m].read, chunk) for m in members]
+            members = [members[i] for i in next(g for g in groups(widths, self.costs.fixed_rows()) if 0 in g)]
+        reads = [self.waiting[m] for m in members]
+        ends = [min(p.width, p.read + chunk) for p in reads]
+        chunks = [p.inputs[:, p.read : end] for p, end in zip(reads, ends)]
         try:
-            chunk = waiting.inputs[:, waiting.read : end]
-            waiting.logits.append(waiting.model.inner(chunk, cache=waiting.cache))
-            mx.eval([c.state for c in waiting.cache])
+            if len(reads) == 1:
+                logits = [reads[0].model.inner(chunks[0], cache=reads[0].cache)]
+            else:
+                logits = batched_pass(reads[0].model.inner, chunks, [p.cache for p in reads])
+            mx.eval([c.state for p in reads for c in p.cache])
         except Exception as err:
-            return [(member, None, err)]
-        waiting.read = end
-        if end < waiting.width:
-            return []
-        logits = waiting.logits[0] if len(waiting.logits) == 1 else mx.concatenate(waiting.logits, axis=1)
-        if waiting.model.role == "target":
-            member.sharing.shared(1, 0, None)
-        return [(member, logits, None)]
+            if len(reads) > 1:
+                log.warning("a batched read over %d requests failed", len(reads), exc_info=True)
+            return [(m, None, err) for m in members]
+        widths, served = [end - p.read for p, end in zip(reads, ends)], []
+        for member, waiting, end, out in zip(members, reads, ends, logits):
+            waiting.logits.append(out)
+            waiting.read = end
+            if end < waiting.width:
+                continue
+            done = waiting.logits[0] if len(waiting.logits) == 1 else mx.concatenate(waiting.logits, axis=1)
+            if waiting.model.role == "target":
+                widest = max((w for p, w in zip(reads, widths) if p is not waiting), default=0)
+                member.sharing.shared(len(reads), widest, None)
+            served.append((member, done, None))
+        return served
 
     def fail(self, err: BaseException) -> None:
         """End every member with `err` (batching itself failed): each engine's `finally` runs, and its job ends."""

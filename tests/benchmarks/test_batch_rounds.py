@@ -1,0 +1,34 @@
+"""benchmarks/batch_rounds.py on a tiny float32 target and drafter: every condition generates exactly its tokens,
+uag's batch (queued, waited for, speculating with auto) the same greedy tokens as mlx-lm's BatchGenerator, and the
+breakdown and profile lines appear."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import batch_rounds as br  # noqa: E402  (benchmarks/batch_rounds.py)
+
+from tests.support.tiny_models import build_tiny, unshare  # noqa: E402
+
+
+def test_every_condition_runs_and_uags_batch_gives_mlx_lms_tokens(store, capsys):
+    target = str(build_tiny("llama", "llama-3.2", seed=31, tie_embeddings=False))
+    drafter = str(build_tiny("llama", "llama-3.2", seed=32, tie_embeddings=False))
+    args = ["--target", target, "--batch", "3", "--prompt", "40", "--max-tokens", "6", "--repeats", "1"]
+    try:
+        assert br.main([*args, "--breakdown", "--auto", drafter, "--profile", "3"]) == 0
+    finally:
+        unshare(store.get(target), store.get(drafter))
+    out = capsys.readouterr().out
+    for name in ("uag", "uag-wait", "mlx_lm", "uag-auto"):
+        assert f"B = 3  {name} " in out and f"B = 3  {name}: the 3 functions" in out
+    assert "B = 3  uag       pass " in out and "ms a round" in out
+    assert "tokens equal to mlx_lm's: 3/3" in out
+
+
+def test_the_endless_model_never_stops_at_an_eos(store):
+    loaded = store.get(str(build_tiny("llama", "llama-3.2", seed=31, tie_embeddings=False)))
+    endless = br.Endless(**{f.name: getattr(loaded, f.name) for f in dataclasses.fields(loaded)})
+    assert loaded.eos_ids and endless.eos_ids == frozenset()
