@@ -201,7 +201,7 @@ class ParkedRehearsingEvery5(AdaptiveK):
     """Parks always and rehearses every 5 parked steps, whatever the costs: exercises the engine's
     parked stretches and the drafter's catch-ups on them."""
 
-    def best_k(self):
+    def best_k(self, rates=None):
         return 0
 
     def rehearsal_wait(self):

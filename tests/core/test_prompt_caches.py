@@ -190,7 +190,7 @@ def test_a_stopped_run_leaves_exact_caches_that_the_next_turn_reuses(tiny, strat
 class ParkedRehearsingEvery3(AdaptiveK):
     """Parks always and rehearses every 3 parked steps: the drafter reads its backlog only in rehearsals."""
 
-    def best_k(self):
+    def best_k(self, rates=None):
         return 0
 
     def rehearsal_wait(self):

@@ -177,6 +177,8 @@ class AdaptiveK:
     remaining: int | None = field(default=None, init=False)  # tokens the run has yet to write (None: unknown)
     declined_lookup: int | None = field(default=None, init=False)  # the decision in flight passed a lookup match
     #   over (the band of its match; -1 unknown): `observe` ages lookup's evidence for it
+    decided: dict[int, float] | None = field(default=None, init=False)  # the rates the last `choose` decided by,
+    #   until a parked stretch starts from them (`plain_steps`)
     opening: bool = field(default=False, init=False)  # the prompt pass is next: a model drafter with a backlog
     #   does not draft in it, so that its reading of the prompt never delays the first token (it reads the prompt
     #   at its first draft, or in a rehearsal)
@@ -228,6 +230,7 @@ class AdaptiveK:
         prices = self.prices
         acceptances = self.acceptances(prices.proposal_length(self.k_max))
         others, backlog = prices.others_tokens(), self.backlog_ms() if self.remaining else 0.0
+        plain_alike = prices.common_ms(1) if prices.batched else None
         out = {}
         for k in range(self.k_max + 1):
             ms = prices.cycle_ms(k)
@@ -237,19 +240,22 @@ class AdaptiveK:
                 out[k] = (own + others) / (ms + spread)
                 if k and 0 in out and prices.batched:
                     drafting = k * prices.drafter_step_ms(ms) + prices.cycle_overhead_ms()
-                    out[k] = self.alike(out[k], out[0], own, prices.proposal_length(k) + 1, drafting)
+                    out[k] = self.alike(out[k], out[0], own, prices.proposal_length(k) + 1, drafting, plain_alike)
         return out
 
-    def alike(self, rate: float, plain: float, own: float, w: int, drafting_ms: float = 0.0) -> float:
+    def alike(
+        self, rate: float, plain: float, own: float, w: int, drafting_ms: float = 0.0, plain_alike: float | None = None
+    ) -> float:
         """A batched draft's rate, at most what it would gain over a plain step were every member to propose
         alike (`Prices.common_ms`): priced only against the others' proposals, a draft that rides in their
         padding looks free to each member of a batch that drafts, and none of them would park first.
 
         Example: a pass over n tokens costs 3 + n, α 0.5, four members each drafting 2: beside the others, one
         more draft of 2 pays (7 / 15 > 6.25 / 15); alike, 1.75 / 15 < 1 / 7: the four park (4 tokens in 7 ms
-        against 7 in 15)
+        against 7 in 15). `plain_alike`: `Prices.common_ms(1)` where the caller has it (it prices many k at once).
         """
-        plain_alike, ms = self.prices.common_ms(1), self.prices.common_ms(w, drafting_ms)
+        plain_alike = self.prices.common_ms(1) if plain_alike is None else plain_alike
+        ms = self.prices.common_ms(w, drafting_ms)
         return rate if not (plain_alike and ms) else min(rate, plain * own * plain_alike / ms)
 
     def lookup_rates(self, k_max: int, match: int | None = None, branched: bool = False) -> dict[int, float]:
@@ -260,6 +266,7 @@ class AdaptiveK:
         acceptances = self.acceptances(k_max, LOOKUP, match)
         others = self.prices.others_tokens()  # batched: the others' tokens in the round it widens (`rates`)
         plain = (1 + others) / (self.prices.verify_ms(1) or math.inf) if self.prices.batched else 0.0
+        plain_alike = self.prices.common_ms(1) if plain else None
         out, expected, survive = {}, 1.0, 1.0  # expected_tokens(acceptances[:k]), grown one position at a time
         for k in range(1, k_max + 1):
             survive *= acceptances[k - 1]
@@ -269,7 +276,7 @@ class AdaptiveK:
             if verify:
                 out[k] = (expected + others) / (self.evidence.lookup_ms + verify)
                 if plain:
-                    out[k] = self.alike(out[k], plain, expected, w, self.evidence.lookup_ms)
+                    out[k] = self.alike(out[k], plain, expected, w, self.evidence.lookup_ms, plain_alike)
         return out
 
     def copy_reach(self, offered: int, match: int | None) -> int:
@@ -286,27 +293,28 @@ class AdaptiveK:
         return min(offered, max(self.k_max, COPY_GROWTH * (match or 0)))
 
     # --- the decision ------------------------------------------------------------------------------------
-    def best_k(self) -> int | None:
-        """The k with the highest expected rate (ties to the shorter draft); None before any timing."""
-        rates = self.rates()
+    def best_k(self, rates: dict[int, float] | None = None) -> int | None:
+        """The k with the highest expected rate (ties to the shorter draft); None before any timing. `rates`: the
+        ones just computed (`rates()` prices every k against the batch: a member decides often)."""
+        rates = self.rates() if rates is None else rates
         if 0 not in rates:
             return None
         return max(rates, key=lambda k: (rates[k], -k))
 
-    def next_k(self) -> int:
+    def next_k(self, rates: dict[int, float] | None = None) -> int:
         """The model's next draft length: 0 parks (also before any timing: a plain step is timed first)."""
-        return self.best_k() or 0
+        return self.best_k(rates) or 0
 
     def choose(self, offer: Mapping[str, int], left: int | None = None) -> tuple[str, int]:
         """The source and draft length with the best expected rate among what `offer` holds
         (source -> the most it can propose; an `Offer` also says how far lookup's match runs back);
         ("", 0) for a plain target step. Where drafting with the model pays, with the stop rule it may draft
         up to what the offer holds: its drafter stops where `enough` says."""
-        rates = self.rates()
+        rates = self.decided = self.rates()
         if 0 not in rates:
             return "", 0  # time one plain target step first: every decision is relative to it
         deferred = self.opening and self.unread > 0  # the prompt pass: the drafter's reading would delay it
-        model_k = self.next_k() if MODEL in offer and not deferred else 0  # the draft length it pays best for
+        model_k = self.next_k(rates) if MODEL in offer and not deferred else 0  # the draft length it pays best for
         reach = (offer[MODEL] if self.settings.stop_rule else model_k) if model_k else 0
         cap = within((MODEL, reach), left)[1]
         self.declined_lookup = None
@@ -416,7 +424,8 @@ class AdaptiveK:
         settings' stretch_max: the decision is revisited as the run's own timings come in)."""
         opening, self.opening = self.opening and self.unread > 0, False
         self.parked_beside = len(self.sharing.others) if self.sharing is not None else 0
-        if self.best_k() is None or opening:  # after a deferred opening the model may draft from the next token
+        decided, self.decided = self.decided, None
+        if self.best_k(decided) is None or opening:  # after a deferred opening the model may draft from the next token
             return 1
         return max(1, min(self.settings.stretch_max, self.rehearsal_wait() - self.parked_for))
 

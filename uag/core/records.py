@@ -23,6 +23,7 @@ the same numbers. Definitions (also in docs/how-it-works.md#metrics):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -349,6 +350,13 @@ def groups(widths: list[int], fixed_rows: float) -> list[list[int]]:
     Example: [17, 1, 1, 1], 16 -> [[0], [1, 2, 3]] (16 + 17 + 16 + 3 = 52 < 16 + 68 = 84)
              [9, 8, 9, 1], 16 -> [[0, 1, 2, 3]]   (16 + 36 = 52 < 16 + 27 + 16 + 1 = 60)
     """
+    return [list(g) for g in _groups(tuple(widths), fixed_rows)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _groups(widths: tuple[int, ...], fixed_rows: float) -> tuple[tuple[int, ...], ...]:
+    """`groups`, remembered: every member of a batch prices each draft length it might propose against the same
+    few shapes of the others' proposals (`Sharing.pass_tokens`), for every decision."""
     order = sorted(range(len(widths)), key=lambda i: -widths[i])
     best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
     for end in range(1, len(order) + 1):
@@ -358,9 +366,14 @@ def groups(widths: list[int], fixed_rows: float) -> list[list[int]]:
                 best[end], cut[end] = cost, start
     out, end = [], len(order)
     while end > 0:
-        out.append(sorted(order[cut[end] : end]))  # in the order they came
+        out.append(tuple(sorted(order[cut[end] : end])))  # in the order they came
         end = cut[end]
-    return sorted(out)
+    return tuple(sorted(out))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pass_tokens(widths: tuple[int, ...], fixed_rows: float) -> tuple[int, ...]:
+    return tuple(len(g) * max(widths[i] for i in g) for g in _groups(widths, fixed_rows))
 
 
 @dataclass(eq=False)
@@ -403,8 +416,8 @@ class Sharing:
         Example: alone -> w = 9: [9];  three others at 1, fixed_rows 16 -> w = 1: [4];  w = 2: [8];
                  w = 17: [3, 17];  None: [3]
         """
-        widths = [o.width for o in self.others] + ([] if w is None else [w])
-        return [len(g) * max(widths[i] for i in g) for g in groups(widths, self.fixed_rows)]
+        widths = tuple(o.width for o in self.others) + (() if w is None else (w,))
+        return list(_pass_tokens(widths, self.fixed_rows))
 
     @property
     def others_tokens(self) -> float:
