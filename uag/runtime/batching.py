@@ -8,8 +8,9 @@ detokenising: what each does on its own), then runs one pass per model for all o
 rows. Plain KV caches are kept merged between passes (`uag.core.kept_caches`: a member's cache becomes a row of
 the batch's storage at its first batched pass and plain again when it reads, runs alone or its run ends); other
 caches are merged afresh for each pass (`uag.core.passes.batched_pass`). A pass over more than `READ` tokens (a
-prompt being read) runs alone, in chunks of `read_chunk` tokens while others decode, one chunk per round, so that
-a long prompt does not freeze the other streams. A member that runs alone makes exactly the calls it would make
+prompt being read) runs on plain caches, in chunks of `read_chunk` tokens while others decode, one chunk per round,
+so that a long prompt does not freeze the other streams; reads waiting together share a pass where that costs less
+than one each (`_read`). A member that runs alone makes exactly the calls it would make
 outside a batch, on its own plain cache.
 
     batch = Batch(max_size=4)
@@ -37,7 +38,7 @@ from uag.core.records import FIXED_ROWS, Sharing, groups
 
 log = logging.getLogger(__name__)
 
-READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): it runs alone, in chunks
+READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): on plain caches, in chunks
 READ_CHUNK = 128  # tokens of a read per round while other members decode
 LOST = "its cache was lost with a batched pass that failed"
 HOLD_ROUNDS = 16  # rounds the target's passes wait at most while members draft with a model (Batch.round)
@@ -175,8 +176,8 @@ class Batch:
         self._noted()
 
     def round(self) -> None:
-        """One pass per shared model for the members waiting on it (reads: one chunk of one), then every member
-        served runs on to its next pass.
+        """One pass per shared model for the members waiting on it (reads: a chunk of each read the pass serves), then
+        every member served runs on to its next pass.
 
         While some members draft with a model, the target's narrow passes wait for them: a member drafting k tokens
         makes k drafter passes before its next target pass, so a target pass served every round would hold only the
