@@ -208,6 +208,34 @@ class ParkedRehearsingEvery5(AdaptiveK):
         return 5
 
 
+class PassingLookupOver(AdaptiveK):
+    """Parks always and passes over every lookup match (its proposals never pay here), counting its decisions."""
+
+    decisions = 0
+
+    def best_k(self, rates=None):
+        return 0
+
+    def lookup_rates(self, k_max, match=None, branched=False):
+        return {}
+
+    def choose(self, offer, left=None):
+        self.decisions += 1
+        return super().choose(offer, left)
+
+
+def test_a_parked_stretch_goes_on_past_the_matches_its_decision_passed_over(store):
+    """A tied target echoes its last token, so lookup matches at every step: a policy that passes every match over
+    decides again only where the match reaches a longer band (or the stretch ends), not at every token."""
+    target = store.get(str(build_tiny("llama", "mistral-v1", seed=5)))  # tied: greedy decoding repeats
+    policy = PassingLookupOver(k_max=4, profile=CostProfile({1: 10.0, 2: 11.0}, drafter_ms=1.0))
+    config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=60)
+    run = generate(target, DrafterChoice(lookup=True), [5, 6, 7, 8] * 3, config, seams=Seams(policy=policy))
+    assert run.token_ids == baseline_ids(target, [5, 6, 7, 8] * 3, 60)
+    assert run.cycles and all(c.k == 0 for c in run.cycles)
+    assert policy.decisions <= 8  # one a band a match passes through (2-3, 4-7, ... 64+) and the first; not 60
+
+
 @pytest.mark.parametrize("stop_after", [None, 9])
 def test_parked_stretches_and_rehearsals_are_lossless_and_keep_the_caches_exact(tiny, stop_after):
     target, drafters = tiny

@@ -252,6 +252,23 @@ def test_a_lookup_match_that_runs_far_back_drafts_long_and_a_short_one_does_not(
     assert bands[1].accepted == bands[1].rejected == [] and bands[0].accepted == [0.0]
 
 
+def test_a_stretch_goes_on_past_matches_like_the_one_its_decision_passed_over():
+    """Parked past a lookup match, the stretch is not ended by the next match in that band or a shorter one (a copy's
+    match grows a token a step: deciding at every step costs a batch a decision per member per token), but by one in
+    a longer band; a decision that passed over no match heeds any."""
+    policy = AdaptiveK(k_max=8, profile=replace(CODER_CPU, drafter_ms=0.0), settings=PINNED)
+    policy.observe(cycle(0, 0, 0, verify_ms=1000.0))
+    for _ in range(6):
+        policy.observe(replace(cycle(8, 8, 0, verify_ms=1000.0, draft_ms=0.0), source="lookup", match=5))
+    assert policy.heeds(Offer({"lookup": 8}, match=5))  # no decision yet
+    assert policy.choose(Offer({"lookup": 8}, match=5)) == ("", 0) and policy.passed == 1
+    assert not policy.heeds(Offer({"lookup": 8}, match=7)) and not policy.heeds(Offer({"lookup": 8}, match=2))
+    assert policy.heeds(Offer({"lookup": 8}, match=9))  # band 2: decided again
+    policy.choose(Offer({"model": 8}))  # no match offered: nothing passed over
+    assert policy.passed is None and policy.heeds(Offer({"lookup": 8}, match=2))
+    assert FixedK(4).heeds(Offer({"lookup": 8}, match=5))
+
+
 def test_a_lookup_band_with_no_verdicts_of_its_own_leans_on_the_shorter_one_s_or_its_floor():
     """The 2-3 band leans on all of lookup's first position; each longer band on the one below it (a longer copy
     breaks no more often), or on its floor where that is higher: from 8 tokens on, a match is a copy."""

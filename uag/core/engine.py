@@ -289,8 +289,12 @@ def speculative_steps(
     generated = 0
     offer = lambda: spec.drafter.offer(k_max)  # noqa: E731
     forced = lambda: 0 if spec.grammar is None else len(spec.grammar.forced())  # noqa: E731
-    # a draft turned up, or the batch the stretch was decided in changed: stop the stretch
-    lookup_pending = lambda: policy.reconsider() or LOOKUP in offer() or forced() > 0  # noqa: E731
+
+    def lookup_pending() -> bool:  # the batch the stretch was decided in changed, or a draft turned up: stop it
+        if policy.reconsider() or forced() > 0:
+            return True
+        offered = offer()
+        return LOOKUP in offered and policy.heeds(offered)  # not where its decision passed a match like it over
 
     def choose(left: int) -> tuple[str, int]:  # what the grammar forces is proposed free, before the policy asks
         n = forced()

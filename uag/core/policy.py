@@ -83,6 +83,9 @@ class Policy(Protocol):
     def reconsider(self) -> bool:
         """End the parked stretch now: what it was decided under changed (the batch it runs in)."""
 
+    def heeds(self, offer: Mapping[str, int]) -> bool:
+        """Whether the lookup match `offer` holds ends a parked stretch, to decide again."""
+
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         """Learn from a rehearsal's guesses and what its reading cost."""
 
@@ -153,6 +156,9 @@ class FixedK:
     def reconsider(self) -> bool:
         return False
 
+    def heeds(self, offer: Mapping[str, int]) -> bool:
+        return True
+
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         pass
 
@@ -177,6 +183,10 @@ class AdaptiveK:
     remaining: int | None = field(default=None, init=False)  # tokens the run has yet to write (None: unknown)
     declined_lookup: int | None = field(default=None, init=False)  # the decision in flight passed a lookup match
     #   over (the band of its match; -1 unknown): `observe` ages lookup's evidence for it
+    rehearses: bool = field(default=True, init=False)  # the last decision was offered a model drafter: only a
+    #   model catches up on a parked stretch (lookup's index reads every token as it comes)
+    passed: int | None = field(default=None, init=False)  # the band of the lookup match the last decision passed
+    #   over (-1: unknown), which the stretch it opened goes on past (`heeds`)
     decided: dict[int, float] | None = field(default=None, init=False)  # the rates the last `choose` decided by,
     #   until a parked stretch starts from them (`plain_steps`)
     opening: bool = field(default=False, init=False)  # the prompt pass is next: a model drafter with a backlog
@@ -310,6 +320,7 @@ class AdaptiveK:
         (source -> the most it can propose; an `Offer` also says how far lookup's match runs back);
         ("", 0) for a plain target step. Where drafting with the model pays, with the stop rule it may draft
         up to what the offer holds: its drafter stops where `enough` says."""
+        self.passed, self.rehearses = None, MODEL in offer
         rates = self.decided = self.rates()
         if 0 not in rates:
             return "", 0  # time one plain target step first: every decision is relative to it
@@ -327,7 +338,7 @@ class AdaptiveK:
                 decision = within((LOOKUP, k), left)
                 self._proposing(decision[1] + 1, expected_tokens(self.acceptances(decision[1], LOOKUP, match)))
                 return decision
-            self.declined_lookup = -1 if match is None else match_band(match)
+            self.declined_lookup = self.passed = -1 if match is None else match_band(match)
         if not cap:
             self._proposing(1, 1.0)
             return "", 0
@@ -427,15 +438,28 @@ class AdaptiveK:
         decided, self.decided = self.decided, None
         if self.best_k(decided) is None or opening:  # after a deferred opening the model may draft from the next token
             return 1
+        if not self.rehearses:
+            return self.settings.stretch_max
         return max(1, min(self.settings.stretch_max, self.rehearsal_wait() - self.parked_for))
 
     def wants_rehearsal(self) -> bool:
-        return self.parked_for > 0 and self.parked_for >= self.rehearsal_wait()
+        return self.rehearses and self.parked_for > 0 and self.parked_for >= self.rehearsal_wait()
 
     def reconsider(self) -> bool:
         """Batched: a member joined or left since the stretch began, so it ends and the policy decides again (a
         request parked under load drafts again once the batch shrinks)."""
         return self.sharing is not None and len(self.sharing.others) != self.parked_beside
+
+    def heeds(self, offer: Mapping[str, int]) -> bool:
+        """A lookup match ends a parked stretch, unless the decision that opened it passed over a match in the same
+        band or a longer one: a copy's match grows a token a step, and deciding again at every step costs a member
+        a decision a token (batched on an H200, members deciding so ran at half the speed of speculation off). A
+        match of a longer band, the batch changing (`reconsider`), a rehearsal or the stretch's end decide again.
+
+        Example: passed over a 5-token match (band 1) -> heeds a 6-token match: False; a 9-token one (band 2): True
+        """
+        match = offer.match if isinstance(offer, Offer) and offer.match else None
+        return self.passed is None or (-1 if match is None else match_band(match)) > self.passed
 
     # --- learning ------------------------------------------------------------------------------------------
     def begin(self, unread: int, budget: int | None = None) -> None:
@@ -447,6 +471,7 @@ class AdaptiveK:
             self.evidence.forget()
         self.unread, self.remaining, self.parked_for = unread, budget, 0
         self.rehearsal_gap, self.declined_lookup, self.opening = self.settings.rehearse_every, None, True
+        self.passed = None
 
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         """Learn from a rehearsal: what reading cost, and how sure the drafter was of its guesses."""

@@ -174,6 +174,9 @@ class RankPolicy:
     def reconsider(self) -> bool:
         return False  # a sharded target serves one request at a time: no batch to change
 
+    def heeds(self, offer) -> bool:
+        return True  # every rank ends its stretch where a match turns up: only rank 0 decides, from its offer
+
     def choose(self, offer, left: int | None = None) -> tuple[str, int]:
         message = self._decide(offer, left) if self.link.rank == 0 else None
         tic = time.perf_counter()
