@@ -592,3 +592,18 @@ def test_a_copy_grows_with_how_far_its_match_runs_back():
     assert on.copy_reach(64, 4) == 16 and on.copy_reach(64, 20) == 40 and on.copy_reach(64, 40) == 64
     assert on.choose(Offer({"lookup": 64}, match=4))[1] <= 16 and on.choose(Offer({"lookup": 64}, match=40))[1] > 32
     assert off.choose(Offer({"lookup": 64}, match=4))[1] > 32
+
+
+def test_a_batched_policy_tells_its_batch_what_its_calibration_says_a_pass_costs_beside_its_tokens():
+    """`CostProfile.fixed_tokens`: one token's pass over what each token more adds, in tokens (a GPU running a small
+    model: hundreds; a CPU: tens); a batched policy hands it to its batch (`Sharing.prior_rows`), which cuts passes by
+    it until it has timed passes of its own."""
+    from uag.core.records import Sharing
+
+    assert CostProfile({1: 10.0, 9: 14.0}, drafter_ms=1.0).fixed_tokens() == 20.0
+    assert CostProfile({1: 10.0, 9: 10.0}, drafter_ms=1.0).fixed_tokens() == 1000.0  # flat: tokens cost nothing
+    assert CostProfile({1: 10.0, 2: 60.0}, drafter_ms=1.0).fixed_tokens() == 1.0  # at least a token
+    sharing, alone = Sharing(), Sharing()
+    AdaptiveK(k_max=4, profile=CostProfile({1: 10.0, 9: 14.0}, drafter_ms=1.0), sharing=sharing)
+    AdaptiveK(k_max=4, sharing=alone)
+    assert sharing.prior_rows == 20.0 and alone.prior_rows is None

@@ -366,6 +366,32 @@ def test_every_member_sees_the_others_and_the_batch_s_cost_of_a_pass(models, mon
     assert a.sharing.others == () and not batch
 
 
+def test_until_it_has_timed_passes_a_batch_cuts_them_as_its_members_calibrations_say(models, monkeypatch):
+    """With no timed passes of two widths (on a GPU the one-token passes are queued, never timed), a round is cut into
+    passes by the members' calibrated `prior_rows` (their median), not the CPU-like FIXED_ROWS: a GPU's prior of
+    hundreds of tokens puts a 17-token proposal in the others' pass, where FIXED_ROWS gives it a pass of its own."""
+    import uag.runtime.batching
+
+    target, _ = models
+    shared = []
+
+    def recorded(model, inputs, caches):
+        shared.append(sorted(int(x.shape[-1]) for x in inputs))
+        return [model(x, cache=c) for x, c in zip(inputs, caches)]
+
+    monkeypatch.setattr(uag.runtime.batching, "batched_pass", recorded)
+    for priors, passes in [((None, None, None), [[1, 1]]), ((400.0, 600.0, None), [[1, 1, 17]])]:
+        batch, log, shared[:] = Batch(max_size=4), [], []
+        plans = ("a", [(target, 1)]), ("b", [(target, 1)]), ("c", [(target, 17)])
+        jobs = joined(batch, *plans, log=log, cache=MergeableCache)
+        for name, prior in zip("abc", priors):
+            member(batch, jobs[name]).sharing.prior_rows = prior
+        fixed_rows, c = FIXED_ROWS if priors[0] is None else 500.0, member(batch, jobs["c"])
+        assert batch.fixed_rows() == fixed_rows
+        batch.round()  # every member ends
+        assert shared == passes and c.sharing.fixed_rows == fixed_rows and not batch
+
+
 # --- the worker: shared jobs together, up to max_batch; the rest in turn ----------------------------------------------
 def until(condition, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s  # a bound on the wait, not a claim about speed

@@ -132,6 +132,21 @@ class CostProfile:
         """
         return _at(self.target_ms, w)
 
+    def fixed_tokens(self) -> float:
+        """What a target pass costs beside its tokens, in tokens' worth: one token's pass over what each token more
+        adds (the curve's widest entry against one token), between 1 and 1000 (a flat curve: a token costs nothing
+        measurable). A batch cuts its members' proposals into passes by it (uag.core.records.groups) until it has
+        timed passes of its own: a GPU running a small model has room for hundreds of tokens in a pass, a CPU for
+        tens, a large model on either for a few.
+
+        Example: {1: 10, 9: 14} -> 10 / 0.5 = 20 tokens
+        >>> CostProfile({1: 10.0, 9: 14.0}, drafter_ms=1.0).fixed_tokens()
+        20.0
+        """
+        wide = max(self.target_ms)
+        per_token = (self.target_at(wide) - self.target_at(1)) / (wide - 1) if wide > 1 else 0.0
+        return 1000.0 if per_token <= 0 else min(max(self.target_at(1) / per_token, 1.0), 1000.0)
+
     def drafter_pass(self, n: int) -> float:
         """One drafter pass over n new tokens: the measured reading curve, or without one a step plus, per
         extra token, what the target's wide passes cost per extra token scaled by drafter step / target step.

@@ -199,6 +199,8 @@ class AdaptiveK:
         self.evidence = Evidence() if self.evidence is None else self.evidence
         self.prices = Prices(self.profile, self.evidence, self.r, self.settings.learn_costs, self.sharing)
         self.rehearsal_gap = self.settings.rehearse_every
+        if self.sharing is not None and self.profile is not None:  # the batch's passes, cut as this machine runs them
+            self.sharing.prior_rows = self.profile.fixed_tokens()
 
     # --- what a proposal earns and costs -----------------------------------------------------------------
     def acceptances(self, n: int, source: str = MODEL, match: int | None = None) -> list[float]:

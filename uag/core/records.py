@@ -392,6 +392,8 @@ class Sharing:
     others: tuple[Sharing, ...] = field(default=(), repr=False)  # the batch's other members now (the batch sets
     #   them as members join and leave)
     fixed_rows: float = FIXED_ROWS  # what the batch's pass costs beside its tokens, in tokens (its `groups`)
+    prior_rows: float | None = None  # the same from this request's pair's calibration (CostProfile.fixed_tokens):
+    #   what the batch cuts passes by until it has timed passes of its own
     width: int = 1  # the tokens this request puts in its next target pass (1: a plain step)
     tokens: float = 1.0  # the tokens it expects to commit per round of the batch, at that width
     rehearsing: bool = False  # its drafter is reading a parked stretch: it drafts nothing the batch could wait for

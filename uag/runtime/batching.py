@@ -161,6 +161,14 @@ class Batch:
     def full(self) -> bool:
         return len(self.members) >= self.max_size
 
+    def fixed_rows(self) -> float:
+        """What a target pass costs beside its tokens, in tokens (how `groups` cuts a round into passes): fitted to
+        the batch's timed passes (`PassCosts`); until they span two widths, what its members' calibrations say
+        (`Sharing.prior_rows`, their median), else FIXED_ROWS. On a GPU the one-token passes are queued, not timed,
+        so a batch parked throughout has only its calibrations to go by."""
+        priors = [m.sharing.prior_rows for m in self.members if m.sharing.prior_rows is not None]
+        return self.costs.fixed_rows(statistics.median(priors) if priors else None)
+
     def solo(self) -> bool:
         """One member and no job waiting to start: its passes need not wait for a round (nothing to batch them
         with): a request alone runs as it would without batching, and yields at its next pass once one arrives."""
@@ -169,7 +177,7 @@ class Batch:
     def join(self, job: Any) -> None:
         """Start a job as a member: it runs up to its first shared pass (or to its end)."""
         member = Member(job, greenlet.getcurrent(), self)
-        member.sharing.fixed_rows = self.costs.fixed_rows()
+        member.sharing.fixed_rows = self.fixed_rows()
         self.members.append(member)
         self._met()
         self._resume(member, None)
@@ -193,6 +201,9 @@ class Batch:
         this one, and the next pass is queued behind it before the batch waits for it (`_settle`). Waited for at
         once, the device would idle through every member's Python between passes. Such passes are not timed (their
         time is spent in the members)."""
+        fixed_rows = self.fixed_rows()
+        for member in self.members:  # what each member's auto prices its proposals by, as this round cuts passes
+            member.sharing.fixed_rows = fixed_rows
         by_model: dict[int, list[Member]] = {}
         served: list[tuple[Member, Any, BaseException | None]] = []
         for member, waiting in self.waiting.items():
@@ -210,7 +221,7 @@ class Batch:
             held = drafting and self.waiting[members[0]].model.role == "target"
             decoding = [] if held else [m for m in members if self.waiting[m].width <= READ]
             reading = [m for m in members if self.waiting[m].width > READ]
-            for group in groups([self.waiting[m].width for m in decoding], self.costs.fixed_rows()):
+            for group in groups([self.waiting[m].width for m in decoding], fixed_rows):
                 served += self._decode([decoding[i] for i in group])
             if reading:
                 served += self._read(reading, alone=not decoding and len(by_model) == 1)
@@ -272,7 +283,7 @@ class Batch:
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 and not queued else None
         if merged and ms is not None and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
-            fixed_rows = self.costs.fixed_rows()
+            fixed_rows = self.fixed_rows()
             for m in self.members:
                 m.sharing.fixed_rows = fixed_rows
         if model.role == "target":
@@ -294,7 +305,7 @@ class Batch:
         else:
             chunk = max(self.read_chunk, PREFILL_STEP // len(members)) if alone else self.read_chunk
             widths = [min(self.waiting[m].width - self.waiting[m].read, chunk) for m in members]
-            members = [members[i] for i in next(g for g in groups(widths, self.costs.fixed_rows()) if 0 in g)]
+            members = [members[i] for i in next(g for g in groups(widths, self.fixed_rows()) if 0 in g)]
         reads = [self.waiting[m] for m in members]
         ends = [min(p.width, p.read + chunk) for p in reads]
         chunks = [p.inputs[:, p.read : end] for p, end in zip(reads, ends)]
@@ -411,14 +422,15 @@ class PassCosts:
     def observe(self, rows: int, ms: float) -> None:
         self.samples.append((rows, ms))
 
-    def fixed_rows(self) -> float:
-        """fixed / per_row from a least-squares line through the samples; the prior until they span two widths.
+    def fixed_rows(self, prior: float | None = None) -> float:
+        """fixed / per_row from a least-squares line through the samples; until they span two widths, `prior`
+        (None: the one it was made with).
 
         Example: samples (4, 850), (68, 2580) -> per_row 27.0 ms, fixed 742 ms -> 27.5 tokens
         """
         rows = [r for r, _ in self.samples]
         if len(set(rows)) < 2:
-            return self.prior_rows
+            return self.prior_rows if prior is None else prior
         slope = statistics.linear_regression(rows, [ms for _, ms in self.samples]).slope
         fixed = statistics.fmean(ms for _, ms in self.samples) - slope * statistics.fmean(rows)
         if slope <= 0:
