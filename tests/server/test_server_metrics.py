@@ -330,3 +330,16 @@ def test_metrics_need_the_key(served):
     response = httpx.get(served + "/metrics")
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert "uag:" not in response.text
+
+
+def test_the_report_counts_the_drafter_s_passes_wherever_they_went():
+    """A draft that proposed nothing is a plain step in `sources`, and a rehearsal proposes nothing: the report's
+    `drafter_passes` and `rehearsals` say what the drafter model spent beside them."""
+    run = make_run(spec("p", "d", "auto", 4), tps=10.0, accepted=2, proposed=4)
+    run.cycles += [
+        Cycle(1, 0, [5], [], 0, 1, verify_ms=1.0, drafter_passes=1),  # drafted one, proposed none
+        Cycle(2, 0, [], [], 0, 1, verify_ms=1.0, drafter_passes=1, drafter_read=9),  # a rehearsal
+        Cycle(3, 0, [], [], 0, 1, verify_ms=1.0),  # a plain step
+    ]
+    done = report(run, completion_tokens=run.generated, cached_tokens=0, drafter="d", step=None)["speculative"]
+    assert (done["drafter_passes"], done["rehearsals"], done["cycles"]) == (6, 1, 1)

@@ -150,6 +150,10 @@ def report(
             "mean_accepted_length": run.accepted / len(drafting) if drafting else None,
             "sources": run.sources() if drafter is not None else {},
             "shared_lookup_cycles": sum(1 for c in drafting if c.shared_index),  # drafted from earlier requests
+            # the drafter model's passes, wherever they went: drafts (also those that proposed nothing, counted as
+            # plain steps in `sources`) and rehearsals, the catch-ups of a parked run
+            "drafter_passes": run.drafter_passes,
+            "rehearsals": sum(1 for c in run.cycles if not c.k and c.drafter_read),
             "lookup": lookup_summary(drafting),
             "estimated_speedup": speedup,
             "speedup_basis": None
