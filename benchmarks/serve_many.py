@@ -1,6 +1,7 @@
 """Concurrent requests to `uag serve` and `mlx_lm.server` (issue 37): `benchmarks/serve.py --concurrency 1 2 4 8`.
 
-At each concurrency C, each condition's server is started afresh and one client's threads send C requests at once:
+At each concurrency C, each condition's server is started afresh, warmed up (one request, then C at once: a
+backend that compiles kernels at first use does so there) and one client's threads send C requests at once:
 `edit` (C conversations: their turn 1s together, then, once all are answered, their turns 2-3 together, each
 conversation's turn 3 after its own turn 2) and open chat (C prompts), in waves over the first `--conversations` and
 `--chat-prompts` (items left over from the last full wave are not sent at that C). Conditions, servers and requests
@@ -51,6 +52,7 @@ from uag.study.datasets import Conversation, load_conversations
 
 T = TypeVar("T")
 AT = 4  # the concurrency the issue's targets are set at
+WARM_UP_BATCH_TOKENS = 32  # each of the C warm-up requests sent at once
 GOALS = {"edit_peer": 3.0, "edit_serial": 2.0, "chat_peer": 1.0, "off_peer": 0.95, "alone": 0.97, "ttft": 0.5}
 EDIT, CHAT = "edit t2-3", "chat"  # the summary's workloads: edit's turns 2-3, open chat
 
@@ -168,13 +170,17 @@ def level(
     logs: Path,
     write: Callable[[dict], None],
 ) -> None:
-    """One concurrency on a freshly started server: a warm-up, then every wave of edit and of chat."""
+    """One concurrency on a freshly started server: a warm-up (one request, then C at once), then every wave of edit
+    and of chat."""
     log = logs / f"{condition.name.replace(':', '-')}-c{concurrency}-r{repeat + 1}.log"
     edit, chat = work
     with Server(condition, log) as server:
         client = Client(condition, server.url, args.max_tokens)
         ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
         warm = ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)
+        if concurrency > 1:  # C at once: a backend that compiles its kernels at first use (MLX's CUDA backend, on
+            # a fresh machine) compiles the batched passes' here, not in the first wave (bp: turn 1 at C = 8 took 34 s)
+            at_once([lambda: ask(client.openai, condition, WARM_UP, WARM_UP_BATCH_TOKENS)] * concurrency)
         write(
             {
                 "kind": "warmup",

@@ -236,6 +236,26 @@ def test_a_parked_stretch_goes_on_past_the_matches_its_decision_passed_over(stor
     assert policy.decisions <= 8  # one a band a match passes through (2-3, 4-7, ... 64+) and the first; not 60
 
 
+class PricingLookupBelowPlain(PassingLookupOver):
+    """Parks always; prices every lookup proposal of one token, at next to nothing (so it passes each over)."""
+
+    def lookup_rates(self, k_max, match=None, branched=False):
+        return {1: 1e-9}
+
+
+def test_the_first_step_of_each_stretch_says_the_lookup_proposal_its_decision_passed_over(store):
+    """Each decision that parked past a lookup match is said by the next step's record (`Cycle.passed`), once: what
+    a server's reply sums up as `passed_lookup`."""
+    target = store.get(str(build_tiny("llama", "mistral-v1", seed=5)))  # tied: lookup matches at every step
+    policy = PricingLookupBelowPlain(k_max=4, profile=CostProfile({1: 10.0, 2: 11.0}, drafter_ms=1.0))
+    config = GenerationConfig(k_policy="adaptive", k=4, max_tokens=40)
+    run = generate(target, DrafterChoice(lookup=True), [5, 6, 7, 8] * 3, config, seams=Seams(policy=policy))
+    assert run.token_ids == baseline_ids(target, [5, 6, 7, 8] * 3, 40)
+    passed = [c.passed for c in run.cycles if c.passed is not None]
+    assert passed and len(passed) <= policy.decisions
+    assert all(p.k == 1 and p.match >= 2 and p.gain < 1 and p.batch == 1 for p in passed)
+
+
 @pytest.mark.parametrize("stop_after", [None, 9])
 def test_parked_stretches_and_rehearsals_are_lossless_and_keep_the_caches_exact(tiny, stop_after):
     target, drafters = tiny

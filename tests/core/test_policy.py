@@ -252,6 +252,26 @@ def test_a_lookup_match_that_runs_far_back_drafts_long_and_a_short_one_does_not(
     assert bands[1].accepted == bands[1].rejected == [] and bands[0].accepted == [0.0]
 
 
+def test_a_lookup_proposal_passed_over_is_kept_as_it_was_priced():
+    """Where auto parks at a lookup match, `passed_over` says the proposal as it priced it (its match, the k that priced
+    best, the tokens it expected, its rate against parking's, below 1) until the next decision; where it drafts the
+    copy, nothing was passed over."""
+    policy = AdaptiveK(k_max=8, profile=replace(CODER_CPU, drafter_ms=0.0), settings=PINNED)
+    looked_up = lambda match, kept: replace(  # noqa: E731
+        cycle(8, 8, kept, verify_ms=1000.0, draft_ms=0.0), source="lookup", match=match, drafter_passes=0
+    )
+    for _ in range(6):
+        policy.observe(looked_up(2, 0))
+        policy.observe(looked_up(30, 8))
+    assert policy.choose(Offer({"lookup": 8}, match=2)) == ("", 0)
+    passed = policy.passed_over()
+    assert passed is not None and passed.match == 2 and 1 <= passed.k <= 8 and passed.batch == 1
+    assert 0 < passed.gain < 1 and 1 <= passed.expected < 2  # its 2-3 band keeps almost nothing
+    assert policy.choose(Offer({"lookup": 8}, match=30)) == ("lookup", 8) and policy.passed_over() is None
+    assert policy.choose(Offer({"model": 8})) is not None and policy.passed_over() is None
+    assert FixedK(4).passed_over() is None
+
+
 def test_a_stretch_goes_on_past_matches_like_the_one_its_decision_passed_over():
     """Parked past a lookup match, the stretch is not ended by the next match in that band or a shorter one (a copy's
     match grows a token a step: deciding at every step costs a batch a decision per member per token), but by one in

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.synthetic_runs import make_run, spec
-from uag.core.records import Cycle, Run, Token
+from uag.core.records import Cycle, Passed, Run, Token
 from uag.server.metrics import Metrics, per_position, per_source
 from uag.server.responses import report
 
@@ -343,3 +343,15 @@ def test_the_report_counts_the_drafter_s_passes_wherever_they_went():
     ]
     done = report(run, completion_tokens=run.generated, cached_tokens=0, drafter="d", step=None)["speculative"]
     assert (done["drafter_passes"], done["rehearsals"], done["cycles"]) == (6, 1, 1)
+
+
+def test_the_report_says_the_lookup_proposals_auto_passed_over():
+    """`passed_lookup`: how many decisions passed a lookup proposal over, and the last as it was priced."""
+    run = make_run(spec("p", "d", "auto", 4), tps=10.0, accepted=2, proposed=4)
+    quiet = report(run, completion_tokens=run.generated, cached_tokens=0, drafter="d", step=None)["speculative"]
+    assert quiet["passed_lookup"] == {"decisions": 0, "last": None}
+    run.cycles += [Cycle(1, 0, [], [], 0, 1, verify_ms=1.0, passed=Passed(5, 8, 2.5, 0.9, 8)) for _ in range(2)]
+    run.cycles[-1].passed = Passed(12, 16, 6.25, 0.8125, 4)
+    done = report(run, completion_tokens=run.generated, cached_tokens=0, drafter="d", step=None)["speculative"]
+    last = {"match": 12, "k": 16, "expected_tokens": 6.25, "gain": 0.812, "batch": 4}
+    assert done["passed_lookup"] == {"decisions": 2, "last": last}

@@ -296,9 +296,14 @@ def speculative_steps(
         offered = offer()
         return LOOKUP in offered and policy.heeds(offered)  # not where its decision passed a match like it over
 
+    passed = None  # the lookup proposal the last decision passed over: the next cycle's record carries it
+
     def choose(left: int) -> tuple[str, int]:  # what the grammar forces is proposed free, before the policy asks
+        nonlocal passed
         n = forced()
-        return within((GRAMMAR, min(n, k_max)), left) if n else policy.choose(offer(), left)
+        decision = within((GRAMMAR, min(n, k_max)), left) if n else policy.choose(offer(), left)
+        passed = None if n else policy.passed_over()
+        return decision
 
     stretch = None
     try:
@@ -323,6 +328,7 @@ def speculative_steps(
                 for token in stretch:
                     now = time.perf_counter()
                     cycle = Cycle.plain(0, (now - t0) * 1000)
+                    cycle.passed, passed = passed, None
                     policy.observe(cycle)
                     generated += 1
                     if generated < budget and token not in spec.eos and policy.wants_rehearsal():
@@ -335,6 +341,7 @@ def speculative_steps(
                 stretch = None
                 continue
             step = spec.cycle(source, k, budget - generated, policy.stop_rule(source, k))
+            step.cycle.passed, passed = passed, None
             policy.observe(step.cycle)
             generated += len(step.ids)
             yield step

@@ -19,7 +19,7 @@ from uag.core.config import GRAMMAR, LOOKUP
 from uag.core.costmodel import CostProfile
 from uag.core.evidence import MODEL, Evidence, Prices, ema, expected_tokens
 from uag.core.lookup import BAND_FLOORS, COPY_GROWTH, branch_room, match_band
-from uag.core.records import Cycle, Offer, Rehearsal, Sharing
+from uag.core.records import Cycle, Offer, Passed, Rehearsal, Sharing
 
 if TYPE_CHECKING:
     from uag.core.config import GenerationConfig
@@ -85,6 +85,9 @@ class Policy(Protocol):
 
     def heeds(self, offer: Mapping[str, int]) -> bool:
         """Whether the lookup match `offer` holds ends a parked stretch, to decide again."""
+
+    def passed_over(self) -> Passed | None:
+        """The lookup proposal the last `choose` passed over, where it parked or drafted otherwise; else None."""
 
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         """Learn from a rehearsal's guesses and what its reading cost."""
@@ -159,6 +162,9 @@ class FixedK:
     def heeds(self, offer: Mapping[str, int]) -> bool:
         return True
 
+    def passed_over(self) -> Passed | None:
+        return None  # lookup is taken wherever it matches
+
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         pass
 
@@ -187,6 +193,7 @@ class AdaptiveK:
     #   model catches up on a parked stretch (lookup's index reads every token as it comes)
     passed: int | None = field(default=None, init=False)  # the band of the lookup match the last decision passed
     #   over (-1: unknown), which the stretch it opened goes on past (`heeds`)
+    last_passed: Passed | None = field(default=None, init=False)  # the lookup proposal the last `choose` passed over
     decided: dict[int, float] | None = field(default=None, init=False)  # the rates the last `choose` decided by,
     #   until a parked stretch starts from them (`plain_steps`)
     opening: bool = field(default=False, init=False)  # the prompt pass is next: a model drafter with a backlog
@@ -322,7 +329,7 @@ class AdaptiveK:
         (source -> the most it can propose; an `Offer` also says how far lookup's match runs back);
         ("", 0) for a plain target step. Where drafting with the model pays, with the stop rule it may draft
         up to what the offer holds: its drafter stops where `enough` says."""
-        self.passed, self.rehearses = None, MODEL in offer
+        self.passed, self.last_passed, self.rehearses = None, None, MODEL in offer
         rates = self.decided = self.rates()
         if 0 not in rates:
             return "", 0  # time one plain target step first: every decision is relative to it
@@ -336,11 +343,16 @@ class AdaptiveK:
             branched = isinstance(offer, Offer) and offer.branched
             lookup = self.lookup_rates(self.copy_reach(offer[LOOKUP], match), match, branched)
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
-            if k and lookup[k] > rates[model_k if cap else 0]:
+            chosen = rates[model_k if cap else 0]
+            if k and lookup[k] > chosen:
                 decision = within((LOOKUP, k), left)
                 self._proposing(decision[1] + 1, expected_tokens(self.acceptances(decision[1], LOOKUP, match)))
                 return decision
             self.declined_lookup = self.passed = -1 if match is None else match_band(match)
+            if k:
+                expected = expected_tokens(self.acceptances(k, LOOKUP, match))
+                gain = lookup[k] / chosen if chosen > 0 else math.inf
+                self.last_passed = Passed(match or 0, k, expected, gain, self.prices.size)
         if not cap:
             self._proposing(1, 1.0)
             return "", 0
@@ -463,6 +475,9 @@ class AdaptiveK:
         """
         match = offer.match if isinstance(offer, Offer) and offer.match else None
         return self.passed is None or (-1 if match is None else match_band(match)) > self.passed
+
+    def passed_over(self) -> Passed | None:
+        return self.last_passed
 
     # --- learning ------------------------------------------------------------------------------------------
     def begin(self, unread: int, budget: int | None = None) -> None:

@@ -73,6 +73,7 @@ class Cycle:
     nodes: int = 0  # a tree pass: the tokens of all its proposals it read (shared prefixes once); 0: proposed_ids
     confidence: list[float] = field(default_factory=list)  # auto's model drafts: the drafter's probability of
     #   each draft it made, those it dropped after draft_ids included (k counts them all); [] where unmeasured
+    passed: Passed | None = None  # the first plain step of a stretch whose decision passed a lookup proposal over
 
     @classmethod
     def plain(cls, index: int, verify_ms: float) -> Cycle:
@@ -100,6 +101,22 @@ class Offer(dict[str, int]):
     def __init__(self, sources: dict[str, int] | None = None, match: int = 0, branched: bool = False):
         super().__init__(sources or {})
         self.match, self.branched = match, branched
+
+
+@dataclass(frozen=True, slots=True)
+class Passed:
+    """A lookup proposal a decision passed over to park, as auto priced it: the match it came from, the k that
+    priced best, the tokens it expected of it and its rate against parking's (both in tokens per ms: batched, the
+    whole batch's), in a batch of `batch` members (1 alone). A server's reply says the last one (docs/server.md).
+
+    Example: Passed(match=12, k=16, expected=6.2, gain=0.81, batch=8): the copy was worth 0.81x a plain round
+    """
+
+    match: int  # tokens its match ran back (0: unknown)
+    k: int
+    expected: float  # tokens the proposal was expected to commit (its own, not the others')
+    gain: float  # its rate ÷ the rate of what was chosen instead
+    batch: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,6 +177,9 @@ class RankPolicy:
     def heeds(self, offer) -> bool:
         return True  # every rank ends its stretch where a match turns up: only rank 0 decides, from its offer
 
+    def passed_over(self):
+        return self.inner.passed_over() if self.inner is not None else None  # rank 0's, which decided
+
     def choose(self, offer, left: int | None = None) -> tuple[str, int]:
         message = self._decide(offer, left) if self.link.rank == 0 else None
         tic = time.perf_counter()

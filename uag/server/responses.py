@@ -123,6 +123,25 @@ def lookup_summary(cycles: list) -> dict[str, Any]:
     }
 
 
+def passed_summary(cycles: list) -> dict[str, Any]:
+    """The lookup proposals auto passed over (`uag.core.records.Passed`): how many decisions did, and the last one as
+    it was priced (its match, k, the tokens it expected, its rate ÷ the rate of what was chosen, the batch's size)."""
+    passed = [c.passed for c in cycles if c.passed is not None]
+    last = passed[-1] if passed else None
+    return {
+        "decisions": len(passed),
+        "last": None
+        if last is None
+        else {
+            "match": last.match,
+            "k": last.k,
+            "expected_tokens": round(last.expected, 2),
+            "gain": round(last.gain, 3),
+            "batch": last.batch,
+        },
+    }
+
+
 def report(
     run: Any, *, completion_tokens: int, cached_tokens: int, drafter: str | None, step: StepTime | None
 ) -> dict[str, Any]:
@@ -155,6 +174,7 @@ def report(
             "drafter_passes": run.drafter_passes,
             "rehearsals": sum(1 for c in run.cycles if not c.k and c.drafter_read),
             "lookup": lookup_summary(drafting),
+            "passed_lookup": passed_summary(run.cycles),
             "estimated_speedup": speedup,
             "speedup_basis": None
             if speedup is None
