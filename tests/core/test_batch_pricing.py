@@ -157,7 +157,7 @@ def test_a_drafting_cycle_batched_with_others_teaches_no_drafter_step():
     assert policy.evidence.drafter_ms is None
     alone = make(None, settings=AutoSettings())
     alone.observe(slow)
-    assert alone.evidence.drafter_ms == 1000.0
+    assert alone.evidence.drafter_ms > alone.profile.drafter_ms  # learned alone (at most OUTLIER× the profile's)
 
 
 @pytest.mark.parametrize(

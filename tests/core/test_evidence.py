@@ -151,3 +151,26 @@ def test_a_tree_pass_is_timed_at_the_rows_it_read():
     prices.time_verify(tree)
     prices.time_verify(replace(tree, branches=1, nodes=0, verify_ms=1000.0))
     assert prices.evidence.verify_ms == {23: 1900.0, 16: 1000.0}
+
+
+def test_a_pass_that_compiled_its_kernels_is_not_learned_whole():
+    """MLX's CUDA backend compiles a kernel at its first use: a pass of a width not run before can take seconds once.
+    Learned whole, it priced that width (and, anchored there, its neighbours) at many times a plain step for the rest
+    of a server's life, and auto never drafted there again. A timing counts at most OUTLIER times what was expected
+    of it; a machine that really slowed is still learned within a few passes, and a faster one at once."""
+    from uag.core.evidence import OUTLIER, Prices
+    from uag.core.records import Cycle
+
+    profile = CostProfile(target_ms={1: 8.0, 2: 8.2, 17: 9.0, 64: 12.0}, drafter_ms=3.0, translate_ms=0.0)
+    prices = Prices(profile, Evidence())
+    for _ in range(5):
+        prices.time_verify(Cycle.plain(0, 8.0))
+    prices.time_verify(Cycle(0, 1, [5], [5], 1, 2, verify_ms=900.0))  # width 2, the first time: compiling
+    assert prices.target_ms(2) <= (1 - 0.2 + 0.2 * OUTLIER) * 8.2 + 1e-9
+    assert prices.target_ms(17) < 2 * 9.0 and prices.evidence.scale < 1.5
+    for _ in range(8):
+        prices.time_verify(Cycle.plain(0, 80.0))  # slower for good: ten times the profile's step
+    assert prices.target_ms(1) > 60.0
+    quick = Prices(profile, Evidence())
+    quick.time_verify(Cycle.plain(0, 2.0))  # a profile measured on a busier machine gives way at once
+    assert quick.target_ms(1) == 2.0

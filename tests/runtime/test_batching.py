@@ -601,3 +601,24 @@ def test_the_cost_of_a_pass_in_tokens_is_fitted_from_the_batch_s_own_passes():
     for rows in (4, 16, 64):
         flat.observe(rows, 5.0)  # a token costs nothing measurable
     assert flat.fixed_rows() == 1000.0
+
+
+def test_a_pass_that_compiled_its_kernels_does_not_tilt_the_batch_s_fit():
+    """A pass timed while its kernels compiled (seconds, once) is over OUTLIER times what the fit expects: it counts
+    only once a second like it comes (learned whole, it made a token look dear enough that the batch cut every
+    proposal into a pass of its own); passes that really are that slow are learned from the second on."""
+    from uag.runtime.batching import PassCosts
+
+    costs = PassCosts()
+    for rows in (8, 16, 8, 16):
+        costs.observe(rows, 10.0 + 0.01 * rows)  # a GPU: a token next to nothing beside a pass
+    costs.observe(136, 30_000.0)  # the first pass this wide: its kernels compiled
+    assert costs.fixed_rows() > 500 and len(costs.samples) == 4
+    costs.observe(136, 11.5)  # the next one as wide, as the line expects
+    assert costs.fixed_rows() > 500 and (136, 30_000.0) not in costs.samples
+    slow = PassCosts()
+    for rows in (8, 16, 8, 16):
+        slow.observe(rows, 10.0 + 0.01 * rows)
+    slow.observe(136, 300.0)
+    slow.observe(136, 310.0)  # a second like it: both count
+    assert [ms for rows, ms in slow.samples if rows == 136] == [300.0, 310.0] and slow.fixed_rows() < 10

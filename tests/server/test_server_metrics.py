@@ -351,7 +351,8 @@ def test_the_report_says_the_lookup_proposals_auto_passed_over():
     quiet = report(run, completion_tokens=run.generated, cached_tokens=0, drafter="d", step=None)["speculative"]
     assert quiet["passed_lookup"] == {"decisions": 0, "last": None}
     run.cycles += [Cycle(1, 0, [], [], 0, 1, verify_ms=1.0, passed=Passed(5, 8, 2.5, 0.9, 8)) for _ in range(2)]
-    run.cycles[-1].passed = Passed(12, 16, 6.25, 0.8125, 4)
+    run.cycles[-1].passed = Passed(12, 16, 6.25, 0.8125, 4, cycle_ms=31.0, plain_ms=12.0, others=3.0, alike=True)
     done = report(run, completion_tokens=run.generated, cached_tokens=0, drafter="d", step=None)["speculative"]
     last = {"match": 12, "k": 16, "expected_tokens": 6.25, "gain": 0.812, "batch": 4}
+    last |= {"cycle_ms": 31.0, "plain_ms": 12.0, "others": 3.0, "alike": True}
     assert done["passed_lookup"] == {"decisions": 2, "last": last}

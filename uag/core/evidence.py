@@ -25,6 +25,12 @@ from uag.core.records import Cycle, Rehearsal, Sharing
 MODEL = "model"
 
 EMA = 0.2  # weight of a new timing in the running cost estimates
+# a timing counts at most OUTLIER times what was expected of it (`learned`): a pass that compiled its kernels at
+# first use (MLX's CUDA backend on a fresh machine: 14-34 s for a wave's first turn on an H200) or waited on a page-in
+# is a one-off, and learned whole it priced wider passes at up to 10x for the rest of a server's life, so that auto
+# never drafted there again (docs/results.md, bs); a machine that really slowed moves the estimate by up to 1.6x a
+# timing
+OUTLIER = 4.0
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
 BAND_WEIGHT = 1.0  # pseudo-observations pulling a lookup match band's estimate toward the shorter band's
@@ -409,12 +415,15 @@ class Prices:
     # --- learning from the run's own timings ------------------------------------------------------------
     def time_verify(self, cycle: Cycle) -> None:
         """The run's own target timings, and how they compare with the profile's (`Evidence.scale`); a tree pass's
-        at the width it read (every branch's nodes), not the kept branch's."""
+        at the width it read (every branch's nodes), not the kept branch's. A timing counts at most OUTLIER times
+        what was expected of it: the width's estimate, or for its first what the profile (anchored at the run's
+        other widths) expects (`learned`)."""
         evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
         if (shared := self.sharing) is not None and shared.size > 1:
             return  # a batched pass: rows over caches of their own cost more than one row of their tokens
         if self.learn or not (self.profile and w in self.profile.target_ms):
-            evidence.verify_ms[w] = ema(evidence.verify_ms.get(w), ms)
+            expected = self.target_ms(w) if self.profile is not None else None
+            evidence.verify_ms[w] = learned(evidence.verify_ms.get(w), ms, expected)
         if self.learn and self.profile is not None:
             evidence.scale = statistics.median(ms / self.profile.target_at(v) for v, ms in evidence.verify_ms.items())
 
@@ -430,12 +439,13 @@ class Prices:
             return
         passes = cycle.drafter_passes if self.learn else 0
         if passes and cycle.drafter_read <= 2 * passes + 1:
-            evidence.drafter_ms = ema(evidence.drafter_ms, cycle.draft_ms / passes)
+            expected = self.profile.drafter_ms * evidence.scale if self.profile is not None else None
+            evidence.drafter_ms = learned(evidence.drafter_ms, cycle.draft_ms / passes, expected)
         elif passes:
             caught_up = cycle.draft_ms - passes * self.drafter_step_ms(cycle.draft_ms / passes)
-            evidence.read_ms = ema(evidence.read_ms, max(0.0, caught_up) / (cycle.drafter_read - passes))
+            evidence.read_ms = learned(evidence.read_ms, max(0.0, caught_up) / (cycle.drafter_read - passes))
         if self.learn:
-            evidence.overhead_ms = ema(evidence.overhead_ms, cycle.translate_ms + cycle.resync_ms)
+            evidence.overhead_ms = learned(evidence.overhead_ms, cycle.translate_ms + cycle.resync_ms)
 
     def time_rehearsal(self, rehearsal: Rehearsal) -> None:
         """A rehearsal is one drafter pass: a step, and what each token it read added."""
@@ -443,6 +453,22 @@ class Prices:
             step = self.drafter_step_ms(self.target_ms(1) or 0.0)
             per_token = max(0.0, rehearsal.ms - step) / (rehearsal.read - 1)
             self.evidence.read_ms = ema(self.evidence.read_ms, per_token)
+
+
+def learned(old: float | None, new: float, expected: float | None = None) -> float:
+    """A running cost estimate after the timing `new`: its EMA with the estimate so far (`old`), the timing counted
+    at most OUTLIER times that. A first timing is taken as it is (a profile measured on a busier machine gives way
+    to the run's own speed at once), unless it is over OUTLIER times what was `expected` of it (the profile's):
+    then it is a one-off, and counts as OUTLIER times that in an EMA starting from it.
+
+    Example: learned(10.0, 500.0) -> 16.0 (0.8 × 10 + 0.2 × 40);  learned(None, 500.0, 10.0) -> 16.0;
+             learned(None, 12.0, 100.0) -> 12.0;  learned(None, 500.0) -> 500.0
+    """
+    if old is not None and math.isfinite(old) and old > 0:
+        return ema(old, min(new, OUTLIER * old))
+    if old is None and expected is not None and math.isfinite(expected) and 0 < OUTLIER * expected < new:
+        return ema(expected, OUTLIER * expected)
+    return ema(old, new)
 
 
 def ema(old: float | None, new: float) -> float:

@@ -350,15 +350,24 @@ class AdaptiveK:
                 return decision
             self.declined_lookup = self.passed = -1 if match is None else match_band(match)
             if k:
-                expected = expected_tokens(self.acceptances(k, LOOKUP, match))
-                gain = lookup[k] / chosen if chosen > 0 else math.inf
-                self.last_passed = Passed(match or 0, k, expected, gain, self.prices.size)
+                self.last_passed = self._passed(lookup[k], chosen, k, match, branched)
         if not cap:
             self._proposing(1, 1.0)
             return "", 0
         n = self.prices.proposal_length(min(model_k, cap))  # the stop rule's drafts: about what k pays for
         self._proposing(n + 1, expected_tokens(self.acceptances(n)) / (min(model_k, cap) + 1))
         return MODEL, cap
+
+    def _passed(self, rate: float, chosen: float, k: int, match: int | None, branched: bool) -> Passed:
+        """The lookup proposal of k tokens `choose` passed over (its `rate` below the `chosen` one), as it priced it."""
+        prices, expected = self.prices, expected_tokens(self.acceptances(k, LOOKUP, match))
+        cycle_ms = self.evidence.lookup_ms + (prices.verify_ms(k + 1 + (branch_room(k) if branched else 0)) or 0.0)
+        others = prices.others_tokens()
+        uncapped = (expected + others) / cycle_ms if cycle_ms > 0 else math.inf
+        gain = rate / chosen if chosen > 0 else math.inf
+        plain_ms = prices.verify_ms(1) or 0.0
+        capped = rate < uncapped * (1 - 1e-9)
+        return Passed(match or 0, k, expected, gain, prices.size, cycle_ms, plain_ms, others, capped)
 
     def _proposing(self, width: int, tokens: float) -> None:
         """Batched: tell the batch what this request's next target pass reads, and its tokens per round."""

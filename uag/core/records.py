@@ -105,11 +105,15 @@ class Offer(dict[str, int]):
 
 @dataclass(frozen=True, slots=True)
 class Passed:
-    """A lookup proposal a decision passed over to park, as auto priced it: the match it came from, the k that
-    priced best, the tokens it expected of it and its rate against parking's (both in tokens per ms: batched, the
-    whole batch's), in a batch of `batch` members (1 alone). A server's reply says the last one (docs/server.md).
+    """A lookup proposal a decision passed over, as auto priced it: the match it came from, the k that priced best,
+    the tokens it expected of it and its rate against the rate of what was chosen (tokens per ms: batched, the whole
+    batch's), in a batch of `batch` members (1 alone); what its cycle was to cost (the lookup and the pass, batched
+    the batch's round of passes with it) against a plain step (`plain_ms`), and the tokens the others commit in a
+    round. `alike`: the rate was capped at what it would gain were every member to propose alike
+    (`AdaptiveK.alike`). A server's reply says the last one (docs/server.md).
 
-    Example: Passed(match=12, k=16, expected=6.2, gain=0.81, batch=8): the copy was worth 0.81x a plain round
+    Example: Passed(match=12, k=16, expected=6.2, gain=0.81, batch=8, cycle_ms=31.0, plain_ms=12.0, others=7.0,
+             alike=True): the copy was worth 0.81x a plain round, by what it would cost were every member to copy
     """
 
     match: int  # tokens its match ran back (0: unknown)
@@ -117,6 +121,10 @@ class Passed:
     expected: float  # tokens the proposal was expected to commit (its own, not the others')
     gain: float  # its rate ÷ the rate of what was chosen instead
     batch: int
+    cycle_ms: float = 0.0
+    plain_ms: float = 0.0
+    others: float = 0.0
+    alike: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from typing import Any
 import greenlet
 import mlx.core as mx
 
+from uag.core.evidence import OUTLIER
 from uag.core.kept_caches import KeptCaches
 from uag.core.passes import PREFILL_STEP, batched_pass, mergeable
 from uag.core.records import FIXED_ROWS, Sharing, groups
@@ -418,9 +419,30 @@ class PassCosts:
 
     def __init__(self, prior_rows: float = FIXED_ROWS, keep: int = 64):
         self.prior_rows, self.samples = prior_rows, deque(maxlen=keep)
+        self.doubted: tuple[int, float] | None = None  # an outlier waiting for a second like it (`observe`)
 
     def observe(self, rows: int, ms: float) -> None:
+        """A timed pass over `rows` padded tokens. One over OUTLIER times what the fit so far expects of it waits for
+        a second like it before either counts: a pass that compiled its kernels at first use (seconds, once:
+        uag.core.evidence.learned) tilted the line for the next 64 passes, so that the batch cut every proposal
+        into a pass of its own; a machine that really slowed times such passes again and again."""
+        fit = self._fit()
+        expected = None if fit is None else fit[0] + fit[1] * rows
+        if expected is not None and expected > 0 and ms > OUTLIER * expected:
+            if self.doubted is None:
+                self.doubted = (rows, ms)
+                return
+            self.samples.append(self.doubted)
+        self.doubted = None
         self.samples.append((rows, ms))
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(fixed, per_row) of the least-squares line through the samples; None until they span two widths."""
+        rows = [r for r, _ in self.samples]
+        if len(set(rows)) < 2:
+            return None
+        slope = statistics.linear_regression(rows, [ms for _, ms in self.samples]).slope
+        return statistics.fmean(ms for _, ms in self.samples) - slope * statistics.fmean(rows), slope
 
     def fixed_rows(self, prior: float | None = None) -> float:
         """fixed / per_row from a least-squares line through the samples; until they span two widths, `prior`
@@ -428,11 +450,10 @@ class PassCosts:
 
         Example: samples (4, 850), (68, 2580) -> per_row 27.0 ms, fixed 742 ms -> 27.5 tokens
         """
-        rows = [r for r, _ in self.samples]
-        if len(set(rows)) < 2:
+        fit = self._fit()
+        if fit is None:
             return self.prior_rows if prior is None else prior
-        slope = statistics.linear_regression(rows, [ms for _, ms in self.samples]).slope
-        fixed = statistics.fmean(ms for _, ms in self.samples) - slope * statistics.fmean(rows)
+        fixed, slope = fit
         if slope <= 0:
             return 1000.0  # tokens cost nothing measurable: never split
         return min(max(fixed / slope, 1.0), 1000.0)

@@ -125,7 +125,8 @@ def lookup_summary(cycles: list) -> dict[str, Any]:
 
 def passed_summary(cycles: list) -> dict[str, Any]:
     """The lookup proposals auto passed over (`uag.core.records.Passed`): how many decisions did, and the last one as
-    it was priced (its match, k, the tokens it expected, its rate ÷ the rate of what was chosen, the batch's size)."""
+    it was priced (its match, k, the tokens it expected, its rate ÷ the rate of what was chosen, the batch's size,
+    its cycle's cost against a plain step's, the others' tokens a round, whether the alike cap bound it)."""
     passed = [c.passed for c in cycles if c.passed is not None]
     last = passed[-1] if passed else None
     return {
@@ -138,6 +139,10 @@ def passed_summary(cycles: list) -> dict[str, Any]:
             "expected_tokens": round(last.expected, 2),
             "gain": round(last.gain, 3),
             "batch": last.batch,
+            "cycle_ms": round(last.cycle_ms, 3),
+            "plain_ms": round(last.plain_ms, 3),
+            "others": round(last.others, 2),
+            "alike": last.alike,
         },
     }
 
