@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     share(loaded, "target")
     target = Endless(**{f.name: getattr(loaded, f.name) for f in dataclasses.fields(loaded)})
     vocab = int(target.model.args.vocab_size) if hasattr(target.model, "args") else 32000
-    choice = None
+    choice, profile = None, None
     if args.auto:
         model = None
         if args.auto != "lookup":
@@ -221,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts {args.prompt} tokens, {args.max_tokens} generated each, {args.repeats} repeats, "
         f"{datetime.now().isoformat(timespec='minutes')}"
     )
+    if profile is not None:  # the curve auto prices a batch's passes by (a pass over n tokens: one of its rows)
+        curve = ", ".join(f"{w}: {ms:.2f}" for w, ms in sorted(profile.target_ms.items()))
+        print(
+            f"# auto's calibration: target ms per pass over w tokens {{{curve}}}, "
+            f"drafter step {profile.drafter_ms:.2f} ms"
+        )
     for b in args.batch:
         ids = prompts(vocab, b, args.prompt, seed=b)
         for run in runs.values():  # warm-up: compiled kernels, allocations

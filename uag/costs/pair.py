@@ -125,9 +125,11 @@ def keep_measured(calibration: Calibration, target: LoadedModel) -> tuple[bool, 
     lookup = target_key(target)
     if calibration.key != lookup and read_calibration(lookup) is None:
         save(measuring.target_part(calibration, target))
-    step = calibration.profile.target_ms.get(1)
+    curve = calibration.profile.target_ms
+    step, widest = curve.get(1), max(curve)
     before = "" if saved is None or 1 not in saved.profile.target_ms else f" (was {saved.profile.target_ms[1]:.1f})"
-    return True, f"saved the costs of {name} measured at {load}: target step {step:.1f} ms{before}; {path}"
+    wide = f", a pass over {widest} tokens {curve[widest]:.1f} ms" if widest > 1 else ""
+    return True, f"saved the costs of {name} measured at {load}: target step {step:.1f} ms{before}{wide}; {path}"
 
 
 def evidence_key(target: LoadedModel, drafter: DrafterChoice | LoadedModel | None) -> dict | None:
