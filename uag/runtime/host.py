@@ -41,6 +41,7 @@ from uag.runtime.batching import Batch, handed_back, share, sharing_now
 from uag.runtime.jobs import JobRunner, tell
 from uag.runtime.keeper import CostKeeper, Measures, Wanted, measure_wanted
 from uag.runtime.pair import Load, Loaded, check_against_target, open_pair
+from uag.runtime.warmup import compiles_at_first_use, warm_batch
 from uag.runtime.worker import Busy, Job, MLXWorker
 
 log = logging.getLogger(__name__)
@@ -326,6 +327,9 @@ class Host:
             yield loaded.target.name
             job.label = "measuring auto's costs (stops for a request)"
             self.measure_missing(job, offered, progress)
+            if self.batched and compiles_at_first_use():
+                job.label = "compiling the batch's kernels (stops for a request)"
+                self.warm_batch(job, loaded)
 
         def drain(queued: Job) -> None:
             try:
@@ -338,6 +342,20 @@ class Host:
         threading.Thread(target=drain, args=(queued,), name="uag-serve-preload", daemon=True).start()
         self.costs.start()
         return queued
+
+    def warm_batch(self, job: Job, loaded: Loaded) -> None:
+        """Run the batched passes requests will run once, on made-up prompts, so that a backend that compiles its
+        kernels at first use (MLX's CUDA backend) does so here rather than in the first requests that run together
+        (uag.runtime.warmup); it stops for a request, which then pays for what is left."""
+        drafter = loaded.choice.model if loaded.choice is not None else None
+        try:
+            seconds = warm_batch(
+                loaded.target, drafter, cancel=lambda: job.cancelled.is_set() or self.worker.backlog > 0
+            )
+        except Exception:  # a failed warm-up costs the first requests their compile time, nothing else
+            log.warning("warming up the batch's passes failed", exc_info=True)
+            return
+        log.info("ran the batch's passes once to compile their kernels, in %.1f s", seconds)
 
     def measure_missing(self, job: Job, offered, progress: Progress | None = None) -> None:
         """At start-up: measure every offered pair whose models are loaded and that has no costs saved, or a

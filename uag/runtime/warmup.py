@@ -1,0 +1,93 @@
+"""A server's batched passes run once before its first requests, where MLX compiles a kernel at its first use.
+
+MLX's CUDA backend compiles many of its kernels when a graph first needs them (and keeps them in
+/tmp/mlx/<version>/ptx for the next process). On a machine that has not compiled them yet, the first requests that
+run together paid for it: on an H200 a first wave of eight edit requests took 14-34 s for 96 tokens each, the
+first batched model drafts 5 s, and the timings learned there priced drafting out (docs/results.md, bs). `warm_batch`
+runs the kinds of pass a server's batch runs — prompts read together, plain steps on the kept caches, lookup and
+model drafts verified beside them, the caches trimmed and handed back — in a batch of its own, on made-up prompts,
+with fixed k (nothing learned, no shared index touched), before the server takes requests. Where kernels are
+compiled ahead of time (the CPU backend) there is nothing to warm, and it does not run (`compiles_at_first_use`).
+
+    warm_batch(target, drafter_model)   # seconds it took
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from uag.core.config import GenerationConfig
+from uag.core.drafters import DrafterChoice
+from uag.core.engine import generate
+from uag.models.store import LoadedModel
+from uag.runtime.batching import Batch, SharedModel
+from uag.runtime.worker import Job
+
+log = logging.getLogger(__name__)
+
+TEXT = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion about the costs"
+    " of the new building, the members agreed to postpone the decision until the engineers had finished their report."
+)
+TOKENS = 24  # each warm-up request's reply
+REPEATS = 4  # the text's copies in a prompt: a few hundred tokens, read in chunks, a copy for lookup to draft
+
+
+class Stopped(Exception):
+    """The warm-up gave way to a request (`cancel`)."""
+
+
+def compiles_at_first_use() -> bool:
+    """Whether the default device compiles kernels as graphs first need them (a GPU: MLX's CUDA backend; Metal's
+    kernels are mostly built ahead of time, and warming them costs a second)."""
+    return mx.default_device() == mx.gpu
+
+
+def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: Callable[[], bool] = lambda: False):
+    """Run a batch of made-up requests through the shared `target` (and `drafter`): one plain, one drafting from
+    lookup, two from the drafter model where there is one; return the seconds it took. `cancel()`, asked every
+    round, ends it early (a request came in). The models must be `SharedModel`s (a batching host's)."""
+    if not isinstance(target.model, SharedModel):
+        raise ValueError("warm_batch runs a batch: the target must be shared (uag.runtime.batching.share)")
+    fixed = GenerationConfig("context", k=4, k_policy="fixed", max_tokens=TOKENS)
+    runs: list[tuple[DrafterChoice | LoadedModel | None, GenerationConfig]] = [
+        (None, fixed.replace(strategy="baseline")),
+        (DrafterChoice(lookup=True), fixed),
+    ]
+    if drafter is not None:  # two, so that the drafter's passes run batched too
+        runs += [(drafter, fixed), (drafter, fixed)]
+    prompts = [
+        target.tokenizer.encode(f"Text {i + 1}. Repeat it word for word: " + " ".join([TEXT] * REPEATS))
+        for i in range(len(runs))
+    ]
+
+    def request(job: Job, i: int):
+        choice, config = runs[i]
+        generate(target, choice, prompts[i], config)
+        yield i
+
+    tic = time.perf_counter()
+    batch = Batch(max_size=len(runs))
+    batch.queued = lambda: True  # every member waits for its rounds, as under load
+    jobs = [Job(request, (i,), f"warm-up {i}", shared=True) for i in range(len(runs))]
+    try:
+        for job in jobs:
+            batch.join(job)
+        while batch:
+            if cancel():
+                batch.fail(Stopped())
+                break
+            batch.round()
+    except BaseException as err:
+        batch.fail(err)
+        raise
+    for job in jobs:
+        try:
+            list(job)
+        except Stopped:
+            pass
+    return time.perf_counter() - tic
