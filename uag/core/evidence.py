@@ -27,9 +27,9 @@ MODEL = "model"
 EMA = 0.2  # weight of a new timing in the running cost estimates
 # a timing counts at most OUTLIER times what was expected of it (`learned`): a pass that compiled its kernels at
 # first use (MLX's CUDA backend on a fresh machine: 14-34 s for a wave's first turn on an H200) or waited on a page-in
-# is a one-off, and learned whole it priced wider passes at up to 10x for the rest of a server's life, so that auto
-# never drafted there again (docs/results.md, bs); a machine that really slowed moves the estimate by up to 1.6x a
-# timing
+# is a one-off; learned whole, it stood for its width's cost until that width was timed again, and a width priced
+# out is not tried again (that server priced one-token copies at 0.19x a plain round: docs/results.md, bs). A
+# machine that really slowed moves the estimate by up to 1.6x a timing
 OUTLIER = 4.0
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
@@ -459,7 +459,7 @@ def learned(old: float | None, new: float, expected: float | None = None) -> flo
     """A running cost estimate after the timing `new`: its EMA with the estimate so far (`old`), the timing counted
     at most OUTLIER times that. A first timing is taken as it is (a profile measured on a busier machine gives way
     to the run's own speed at once), unless it is over OUTLIER times what was `expected` of it (the profile's):
-    then it is a one-off, and counts as OUTLIER times that in an EMA starting from it.
+    then it is a one-off, and counts as OUTLIER times the expectation in an EMA that starts from the expectation.
 
     Example: learned(10.0, 500.0) -> 16.0 (0.8 × 10 + 0.2 × 40);  learned(None, 500.0, 10.0) -> 16.0;
              learned(None, 12.0, 100.0) -> 12.0;  learned(None, 500.0) -> 500.0

@@ -73,7 +73,7 @@ class Cycle:
     nodes: int = 0  # a tree pass: the tokens of all its proposals it read (shared prefixes once); 0: proposed_ids
     confidence: list[float] = field(default_factory=list)  # auto's model drafts: the drafter's probability of
     #   each draft it made, those it dropped after draft_ids included (k counts them all); [] where unmeasured
-    passed: Passed | None = None  # the first plain step of a stretch whose decision passed a lookup proposal over
+    passed: Passed | None = None  # the lookup proposal the decision that opened this cycle (or stretch) passed over
 
     @classmethod
     def plain(cls, index: int, verify_ms: float) -> Cycle:

@@ -2,12 +2,14 @@
 
 MLX's CUDA backend compiles many of its kernels when a graph first needs them (and keeps them in
 /tmp/mlx/<version>/ptx for the next process). On a machine that has not compiled them yet, the first requests that
-run together paid for it: on an H200 a first wave of eight edit requests took 14-34 s for 96 tokens each, the
-first batched model drafts 5 s, and the timings learned there priced drafting out (docs/results.md, bs). `warm_batch`
-runs the kinds of pass a server's batch runs — prompts read together, plain steps on the kept caches, lookup and
-model drafts verified beside them, the caches trimmed and handed back — in a batch of its own, on made-up prompts,
-with fixed k (nothing learned, no shared index touched), before the server takes requests. Where kernels are
-compiled ahead of time (the CPU backend) there is nothing to warm, and it does not run (`compiles_at_first_use`).
+run together paid for it: on an H200 a first wave of eight edit requests took 14-34 s for 96 tokens each, and two
+open chats whose model drafts were the server's first batched ones 5 s; auto learned its costs from such timings
+(docs/results.md, bs; uag.core.evidence.OUTLIER). `warm_batch` runs the kinds of pass a server's batch runs —
+prompts read together, plain steps on the kept caches, lookup and model drafts verified beside them, the caches
+trimmed and handed back — in a batch of its own, on made-up prompts, with fixed k (nothing learned, no shared index
+touched), before the server takes requests. It does not cover every shape a request brings (bt: one first-turn
+edit of four still stalled). Where kernels are built ahead of time (the CPU backend) it does not run
+(`compiles_at_first_use`).
 
     warm_batch(target, drafter_model)   # seconds it took
 """
@@ -42,8 +44,9 @@ class Stopped(Exception):
 
 
 def compiles_at_first_use() -> bool:
-    """Whether the default device compiles kernels as graphs first need them (a GPU: MLX's CUDA backend; Metal's
-    kernels are mostly built ahead of time, and warming them costs a second)."""
+    """Whether the default device may compile kernels as graphs first need them: a GPU (MLX's CUDA backend does;
+    on an H200 the warm-up took 14.1 s on a fresh machine and 0.4 s once compiled: docs/results.md, bt). Metal is
+    untested here; the CPU backend's kernels are built ahead of time."""
     return mx.default_device() == mx.gpu
 
 
