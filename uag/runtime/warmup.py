@@ -7,8 +7,8 @@ open chats whose model drafts were the server's first batched ones 5 s; auto lea
 (docs/results.md, bs; uag.core.evidence.OUTLIER). `warm_batch` runs the kinds of pass a server's batch runs —
 prompts read together, plain steps on the kept caches, lookup and model drafts verified beside them, the caches
 trimmed and handed back — in a batch of its own, on made-up prompts, with fixed k (nothing learned, no shared index
-touched), before the server takes requests. It does not cover every shape a request brings (bt: one first-turn
-edit of four still stalled). Where kernels are built ahead of time (the CPU backend) it does not run
+touched), before the server takes requests. It does not cover every shape a request brings (bt, with prompts of ~200
+tokens: one first-turn edit of four still stalled; its prompts are ~830 tokens since, not measured on a GPU yet). Where kernels are built ahead of time (the CPU backend) it does not run
 (`compiles_at_first_use`).
 
     warm_batch(target, drafter_model)   # seconds it took
@@ -36,7 +36,8 @@ TEXT = (
     " of the new building, the members agreed to postpone the decision until the engineers had finished their report."
 )
 TOKENS = 24  # each warm-up request's reply
-REPEATS = 4  # the text's copies in a prompt: a few hundred tokens, read in chunks, a copy for lookup to draft
+REPEATS = 20  # the text's copies in a prompt: about 850 tokens (an edit turn's prompt: 540-840 on the demo pair),
+#   read in chunks, a copy for lookup to draft
 
 
 class Stopped(Exception):
