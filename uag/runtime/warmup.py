@@ -7,9 +7,9 @@ open chats whose model drafts were the server's first batched ones 5 s; auto lea
 (docs/results.md, bs; uag.core.evidence.OUTLIER). `warm_batch` runs the kinds of pass a server's batch runs —
 prompts read together, plain steps on the kept caches, lookup and model drafts verified beside them, the caches
 trimmed and handed back — in a batch of its own, on made-up prompts, with fixed k (nothing learned, no shared index
-touched), before the server takes requests. It does not cover every shape a request brings (bt, with prompts of ~200
-tokens: one first-turn edit of four still stalled; its prompts are ~830 tokens since, not measured on a GPU yet). Where kernels are built ahead of time (the CPU backend) it does not run
-(`compiles_at_first_use`).
+touched), before the server takes requests. It does not cover every shape a request brings: in bt, with prompts of
+~200 tokens, one first-turn edit of four still stalled; its prompts are ~830 tokens since (not measured on a GPU
+yet). Where kernels are built ahead of time (the CPU backend) it does not run (`compiles_at_first_use`).
 
     warm_batch(target, drafter_model)   # seconds it took
 """
