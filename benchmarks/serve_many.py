@@ -48,15 +48,12 @@ from serving import (  # benchmarks/serving.py, beside this module (serve.py run
 )
 from serving import conditions as serve_conditions
 
+from uag.runtime.warmup import copy_prompt
 from uag.study.datasets import Conversation, load_conversations
 
 T = TypeVar("T")
 AT = 4  # the concurrency the issue's targets are set at
 WARM_UP_BATCH_TOKENS = 32  # each of the C warm-up requests sent at once (`batch_warm_up`)
-WARM_UP_TEXT = (
-    "The committee met on Tuesday to review the budget for the coming year. After a long discussion about the costs"
-    " of the new building, the members agreed to postpone the decision until the engineers had finished their report."
-)
 GOALS = {"edit_peer": 3.0, "edit_serial": 2.0, "chat_peer": 1.0, "off_peer": 0.95, "alone": 0.97, "ttft": 0.5}
 EDIT, CHAT = "edit t2-3", "chat"  # the summary's workloads: edit's turns 2-3, open chat
 
@@ -95,8 +92,7 @@ def waves(items: Sequence[T], size: int) -> list[list[T]]:
 def batch_warm_up(i: int) -> list[dict]:
     """The messages of the i-th of the C warm-up requests sent at once: a prompt of a few hundred tokens (read in
     chunks, several together) asking for a copy (drafted and verified in batched passes), unlike the others'."""
-    text = " ".join([WARM_UP_TEXT] * 5)
-    return [{"role": "user", "content": f"Text {i + 1}. Repeat it word for word:\n\n{text}"}]
+    return [{"role": "user", "content": copy_prompt(i, repeats=5)}]
 
 
 def at_once(calls: Sequence[Callable[[], T]]) -> list[T]:
@@ -190,7 +186,7 @@ def level(
         ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
         warm = ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)
         if concurrency > 1:  # C at once: a backend that compiles its kernels at first use (MLX's CUDA backend, on
-            # a fresh machine) compiles the batched passes' here, not in the first wave (bp: turn 1 at C = 8 took 34 s)
+            # a fresh machine) compiles the batched passes' here, not in the first wave (docs/results.md, bs)
             warm_ups = [
                 lambda i=i: ask(client.openai, condition, batch_warm_up(i), WARM_UP_BATCH_TOKENS)
                 for i in range(concurrency)

@@ -26,10 +26,9 @@ MODEL = "model"
 
 EMA = 0.2  # weight of a new timing in the running cost estimates
 # a timing counts at most OUTLIER times what was expected of it (`learned`): a pass that compiled its kernels at
-# first use (MLX's CUDA backend on a fresh machine: 14-34 s for a wave's first turn on an H200) or waited on a page-in
-# is a one-off; learned whole, it stood for its width's cost until that width was timed again, and a width priced
-# out is not tried again (that server priced one-token copies at 0.19x a plain round: docs/results.md, bs). A
-# machine that really slowed moves the estimate by up to 1.6x a timing
+# first use (MLX's CUDA backend on a fresh machine) or waited on a page-in is a one-off; learned whole, it stood for
+# its width's cost until that width was timed again, and a width priced out is not tried again (docs/results.md,
+# bs). A machine that really slowed moves the estimate by up to (1 - EMA) + EMA * OUTLIER times a timing
 OUTLIER = 4.0
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it

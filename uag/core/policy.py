@@ -474,11 +474,10 @@ class AdaptiveK:
         return self.sharing is not None and len(self.sharing.others) != self.parked_beside
 
     def heeds(self, offer: Mapping[str, int]) -> bool:
-        """A lookup match ends a parked stretch, unless the decision that opened it passed over a match in the same
-        band or a longer one: a copy's match grows a token a step, and deciding again at every step costs a member
-        a decision a token (on an H200 a batch of 8 deciding so ran at 0.45-0.58x speculation off: docs/results.md,
-        bn). A match of a longer band, the batch changing (`reconsider`), a rehearsal or the stretch's end decide
-        again.
+        """A lookup match ends a parked stretch, unless the decision that opened it passed over a match in the same band
+        or a longer one: a copy's match grows a token a step, and deciding again at every step costs a member a decision
+        a token (a batch of 8 deciding so ran slower than speculation off: docs/results.md, bn). A match of a longer
+        band, the batch changing (`reconsider`), a rehearsal or the stretch's end decide again.
 
         Example: passed over a 5-token match (band 1) -> heeds a 6-token match: False; a 9-token one (band 2): True
         """

@@ -1,15 +1,13 @@
 """A server's batched passes run once before its first requests, where MLX compiles a kernel at its first use.
 
-MLX's CUDA backend compiles many of its kernels when a graph first needs them (and keeps them in
-/tmp/mlx/<version>/ptx for the next process). On a machine that has not compiled them yet, the first requests that
-run together paid for it: on an H200 a first wave of eight edit requests took 14-34 s for 96 tokens each, and two
-open chats whose model drafts were the server's first batched ones 5 s; auto learned its costs from such timings
-(docs/results.md, bs; uag.core.evidence.OUTLIER). `warm_batch` runs the kinds of pass a server's batch runs —
-prompts read together, plain steps on the kept caches, lookup and model drafts verified beside them, the caches
-trimmed and handed back — in a batch of its own, on made-up prompts, with fixed k (nothing learned, no shared index
-touched), before the server takes requests. It does not cover every shape a request brings: in bt, with prompts of
-~200 tokens, one first-turn edit of four still stalled; its prompts are ~830 tokens since (not measured on a GPU
-yet). Where kernels are built ahead of time (the CPU backend) it does not run (`compiles_at_first_use`).
+MLX's CUDA backend compiles many of its kernels when a graph first needs them (and keeps them in /tmp/mlx/<version>/ptx
+for the next process). On a machine that has not compiled them yet, the first requests that run together paid for it,
+their first turns stalling for seconds, and auto learned its costs from such timings (docs/results.md, bs;
+uag.core.evidence.OUTLIER). `warm_batch` runs the kinds of pass a server's batch runs — prompts read together, plain
+steps on the kept caches, lookup and model drafts verified beside them, the caches trimmed and handed back — in a batch
+of its own, on made-up prompts, with fixed k (nothing learned, no shared index touched), before the server takes
+requests. It does not cover every shape a request brings (docs/results.md, bt: one first-turn edit still stalled after
+it). Where kernels are built ahead of time (the CPU backend) it does not run (`compiles_at_first_use`).
 
     warm_batch(target, drafter_model)   # seconds it took
 """
@@ -36,18 +34,22 @@ TEXT = (
     " of the new building, the members agreed to postpone the decision until the engineers had finished their report."
 )
 TOKENS = 24  # each warm-up request's reply
-REPEATS = 20  # the text's copies in a prompt: about 850 tokens (an edit turn's prompt: 540-840 on the demo pair),
-#   read in chunks, a copy for lookup to draft
+REPEATS = 20  # the text's copies in a prompt: as long as an edit turn's, read in chunks, a copy for lookup to draft
 
 
 class Stopped(Exception):
     """The warm-up gave way to a request (`cancel`)."""
 
 
+def copy_prompt(i: int, repeats: int = REPEATS) -> str:
+    """The i-th of a batch of made-up prompts asking for a copy of `repeats` copies of TEXT, unlike the others'."""
+    return f"Text {i + 1}. Repeat it word for word:\n\n" + " ".join([TEXT] * repeats)
+
+
 def compiles_at_first_use() -> bool:
-    """Whether the default device may compile kernels as graphs first need them: a GPU (MLX's CUDA backend does;
-    on an H200 the warm-up took 14.1 s on a fresh machine and 0.4 s once compiled: docs/results.md, bt). Metal is
-    untested here; the CPU backend's kernels are built ahead of time."""
+    """Whether the default device may compile kernels as graphs first need them: a GPU (MLX's CUDA backend does:
+    docs/results.md, bt, for what the warm-up costs). Metal is untested here; the CPU backend's kernels are built
+    ahead of time."""
     return mx.default_device() == mx.gpu
 
 
@@ -64,10 +66,7 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
     ]
     if drafter is not None:  # two, so that the drafter's passes run batched too
         runs += [(drafter, fixed), (drafter, fixed)]
-    prompts = [
-        target.tokenizer.encode(f"Text {i + 1}. Repeat it word for word: " + " ".join([TEXT] * REPEATS))
-        for i in range(len(runs))
-    ]
+    prompts = [target.tokenizer.encode(copy_prompt(i)) for i in range(len(runs))]
 
     def request(job: Job, i: int):
         choice, config = runs[i]

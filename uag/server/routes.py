@@ -392,11 +392,11 @@ class Feed:
         threading.Thread(target=self._pump, name="uag-feed", daemon=True).start()
 
     def _pump(self) -> None:
-        """On a thread of its own, the job's items into `_ready` as they come (its generator blocks between them),
-        then `_END`, or what it raised. A hop to a worker thread for every item (anyio's `run_sync`) cost the event
-        loop about as much per token as the MLX worker's own Python spent (8 streams of a 1-layer tiny target on a
-        CPU: 0.24-0.30 ms a token, and it holds the GIL beside the worker); a wake-up per item is what is left
-        (0.13-0.17 ms). Closed by `close`, at its next item: within a heartbeat, since a quiet job says `Tick`."""
+        """On a thread of its own, the job's items into `_ready` as they come (its generator blocks between them), then
+        `_END`, or what it raised. A hop to a worker thread for every item (anyio's `run_sync`) cost the event loop
+        about as much per token as the MLX worker's own Python spent, holding the GIL beside the worker; a wake-up per
+        item is what is left (docs/results.md, br). Closed by `close`, at its next item: within a heartbeat, since a
+        quiet job says `Tick`."""
         try:
             for item in self.items:
                 if not self._post(item) or self._stop.is_set():
