@@ -170,6 +170,13 @@ class Batch:
         priors = [m.sharing.prior_rows for m in self.members if m.sharing.prior_rows is not None]
         return self.costs.fixed_rows(statistics.median(priors) if priors else None)
 
+    def _priced(self) -> float:
+        """`fixed_rows` now, told to every member (what its auto prices its proposals by, as the batch cuts passes)."""
+        fixed_rows = self.fixed_rows()
+        for member in self.members:
+            member.sharing.fixed_rows = fixed_rows
+        return fixed_rows
+
     def solo(self) -> bool:
         """One member and no job waiting to start: its passes need not wait for a round (nothing to batch them
         with): a request alone runs as it would without batching, and yields at its next pass once one arrives."""
@@ -202,9 +209,7 @@ class Batch:
         this one, and the next pass is queued behind it before the batch waits for it (`_settle`). Waited for at
         once, the device would idle through every member's Python between passes. Such passes are not timed (their
         time is spent in the members)."""
-        fixed_rows = self.fixed_rows()
-        for member in self.members:  # what each member's auto prices its proposals by, as this round cuts passes
-            member.sharing.fixed_rows = fixed_rows
+        fixed_rows = self._priced()
         by_model: dict[int, list[Member]] = {}
         served: list[tuple[Member, Any, BaseException | None]] = []
         for member, waiting in self.waiting.items():
@@ -284,9 +289,7 @@ class Batch:
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 and not queued else None
         if merged and ms is not None and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
-            fixed_rows = self.fixed_rows()
-            for m in self.members:
-                m.sharing.fixed_rows = fixed_rows
+            self._priced()
         if model.role == "target":
             for m in members:
                 widest = max((p.width for other, p in zip(members, passes) if other is not m), default=0)
