@@ -15,7 +15,8 @@ generate exactly `--max-tokens` per request. Conditions run interleaved, `--repe
   costs `uag serve` measures at start; on random prompts lookup finds little, so this is what parked speculation
   costs a batch against plain decoding (`uag`).
 
-`--breakdown` says where uag's rounds spend their milliseconds; `--profile N` prints the N functions each condition
+`--breakdown` says where uag's rounds spend their milliseconds (the batch's own `RoundTimes`, as `uag serve`'s /metrics
+reports them: wall clock and the worker's CPU); `--profile N` prints the N functions each condition
 spends most time in (cProfile).
 
 On a GPU (or a Mac) a pass over a few rows takes milliseconds, so what each member does in Python between passes is
@@ -38,7 +39,6 @@ import pstats
 import random
 import statistics
 import time
-from contextlib import contextmanager, nullcontext
 from datetime import datetime
 
 import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
@@ -51,10 +51,9 @@ from uag.core.config import GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.drafters import DrafterChoice
 from uag.core.engine import generate
-from uag.core.kept_caches import KeptCaches
 from uag.costs.pair import measure_costs
 from uag.models.store import LoadedModel, ModelStore
-from uag.runtime.batching import Batch, share, sharing_now
+from uag.runtime.batching import Batch, RoundTimes, share, sharing_now
 from uag.runtime.worker import Job
 
 
@@ -72,42 +71,16 @@ def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(batch)]
 
 
-class Breakdown:
-    """Where a batch's rounds spend their time: wall milliseconds per round in the batch's own calls, timed by
-    wrapping them (`KeptCaches.run`: building a pass and queueing it, or waiting for it; `Batch._settle`: waiting
-    for a queued pass; `Batch._resume`: a member's own work up to its next pass, its waits for the device inside)."""
-
-    PARTS = (("pass", KeptCaches, "run"), ("settle", Batch, "_settle"), ("members", Batch, "_resume"))
-
-    def __init__(self):
-        self.ms = {name: 0.0 for name, _, _ in self.PARTS}
-        self.rounds = 0
-
-    @contextmanager
-    def timing(self):
-        saved = [(cls, attr, getattr(cls, attr)) for _, cls, attr in self.PARTS]
-        for (name, cls, attr), (_, _, original) in zip(self.PARTS, saved):
-            setattr(cls, attr, self._timed(name, original))
-        try:
-            yield self
-        finally:
-            for cls, attr, original in saved:
-                setattr(cls, attr, original)
-
-    def _timed(self, name: str, original):
-        def timed(*args, **kwargs):
-            tic = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.ms[name] += (time.perf_counter() - tic) * 1000
-
-        return timed
-
-    def line(self, seconds: float) -> str:
-        per = {name: ms / self.rounds for name, ms in self.ms.items()}
-        rest = seconds * 1000 / self.rounds - sum(per.values())
-        return ", ".join(f"{name} {ms:.2f}" for name, ms in [*per.items(), ("rest", rest)]) + " ms a round"
+def breakdown_line(times: RoundTimes) -> str:
+    """Milliseconds per round in each part the batch times (`uag.runtime.batching.RoundTimes`, what `uag serve`'s
+    GET /metrics reports): wall clock / the worker thread's CPU (wall above CPU: it waited, for the device or GIL)."""
+    per = {
+        clock: {p: 1000 * v / max(times.rounds, 1) for p, v in getattr(times, clock).items()}
+        for clock in ("wall", "cpu")
+    }
+    return (
+        ", ".join(f"{p} {per['wall'][p]:.2f} / {per['cpu'][p]:.2f}" for p in times.PARTS) + " ms a round (wall / CPU)"
+    )
 
 
 def run_uag(
@@ -115,13 +88,13 @@ def run_uag(
     ids: list[list[int]],
     max_tokens: int,
     pipelined: bool,
-    breakdown: Breakdown | None = None,
     drafter: DrafterChoice | None = None,
     profile: CostProfile | None = None,
+    times: RoundTimes | None = None,
 ) -> tuple[float, list]:
     """Seconds for every request's tokens, run as a `uag serve` worker runs shared jobs; and the tokens. With a
     `drafter`, each request runs `auto` over it from the pair's measured costs (`profile`), as `uag serve` runs a
-    request (its `Sharing` passed on)."""
+    request (its `Sharing` passed on). `times`: where the batch's rounds spend their time, added up there."""
     out: dict[int, list[int]] = {}
     config = GenerationConfig("baseline", max_tokens=max_tokens)
     if drafter is not None:
@@ -131,19 +104,16 @@ def run_uag(
         out[i] = generate(target, drafter, ids[i], config, profile=profile, sharing=sharing_now()).token_ids
         yield i
 
-    batch = Batch(max_size=len(ids))
+    batch = Batch(max_size=len(ids), times=times)
     batch.pipelined = pipelined
     batch.queued = lambda: True  # as under load: every member waits for its rounds
     jobs = [Job(request, (i,), str(i), shared=True) for i in range(len(ids))]
-    with breakdown.timing() if breakdown else nullcontext():
-        tic = time.perf_counter()
-        for job in jobs:
-            batch.join(job)
-        while batch:
-            batch.round()
-            if breakdown:
-                breakdown.rounds += 1
-        seconds = time.perf_counter() - tic
+    tic = time.perf_counter()
+    for job in jobs:
+        batch.join(job)
+    while batch:
+        batch.round()
+    seconds = time.perf_counter() - tic
     for job in jobs:
         list(job)  # raises what the job raised
     return seconds, [out[i] for i in range(len(ids))]
@@ -249,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.breakdown:
             for name, pipelined in (("uag", True), ("uag-wait", False)):
-                breakdown = Breakdown()
-                seconds, _ = run_uag(target, ids, args.max_tokens, pipelined, breakdown)
-                print(f"B = {b}  {name:<9} {breakdown.line(seconds)} ({breakdown.rounds} rounds)")
+                times = RoundTimes()
+                run_uag(target, ids, args.max_tokens, pipelined, times=times)
+                print(f"B = {b}  {name:<9} {breakdown_line(times)} ({times.rounds} rounds)")
         for name, run in runs.items() if args.profile else ():
             print(f"B = {b}  {name}: the {args.profile} functions it spent most time in (cProfile, tottime)")
             print(profiled(run, ids, args.profile))

@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import near_ties  # benchmarks/near_ties.py, beside this module: where a reply differs, near-tie or bug
 import openai
 from serving import (  # benchmarks/serving.py, beside this module (serve.py runs this one; its folder is on sys.path)
@@ -52,6 +53,7 @@ from uag.runtime.warmup import copy_prompt
 from uag.study.datasets import Conversation, load_conversations
 
 T = TypeVar("T")
+PARTS = ("passes", "members", "rest")  # uag.runtime.batching.RoundTimes.PARTS
 AT = 4  # the concurrency the issue's targets are set at
 WARM_UP_BATCH_TOKENS = 32  # each of the C warm-up requests sent at once (`batch_warm_up`)
 GOALS = {"edit_peer": 3.0, "edit_serial": 2.0, "chat_peer": 1.0, "off_peer": 0.95, "alone": 0.97, "ttft": 0.5}
@@ -208,6 +210,7 @@ def level(
         jobs = [(client.edit, wave, group) for wave, group in enumerate(waves(edit, concurrency))]
         jobs += [(client.chat, wave, group) for wave, group in enumerate(waves(chat, concurrency))]
         for run, wave, group in jobs:
+            before = round_times(server.url) if condition.server == "uag" else None
             try:
                 sents = run(group)
             except openai.APIError as err:
@@ -215,12 +218,73 @@ def level(
             rows = [request_row(condition, repeat, concurrency, wave, s) for s in sents]
             for r in rows:
                 write(r)
+            if before is not None:  # where the server's batch rounds spent this wave's time (GET /metrics)
+                write(
+                    rounds_row(
+                        condition, repeat, concurrency, wave, rows[0]["workload"], before, round_times(server.url)
+                    )
+                )
             for name in dict.fromkeys(filter(None, map(workload_of, rows))):
                 s = Stats.of(r for r in rows if workload_of(r) == name)
                 say(f"  {name} wave {wave + 1}: {s.tokens} tokens in {s.wall_s:.1f} s, {fmt(s.tps, '.2f')} tokens/s")
 
 
 # --- the summary (from rows alone) ---------------------------------------------------------------------------------
+def round_times(url: str) -> dict:
+    """uag serve's batch rounds so far, from `GET /metrics`: {"rounds": n, "wall": {part: s}, "cpu": {part: s}}
+    (uag:batch_rounds_total, uag:batch_round_seconds_total; all zero where the server does not batch)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {"rounds": 0.0, "wall": defaultdict(float), "cpu": defaultdict(float)}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "uag:batch_rounds_total":
+                out["rounds"] += sample.value
+            elif sample.name == "uag:batch_round_seconds_total":
+                out[sample.labels["clock"]][sample.labels["part"]] += sample.value
+    return out
+
+
+def rounds_row(
+    condition: Condition, repeat: int, concurrency: int, wave: int, workload: str | None, before: dict, after: dict
+) -> dict:
+    """The rounds a wave ran (an edit wave: its conversations' every turn) and where their time went: the difference
+    of two `round_times` scrapes."""
+    return {
+        "kind": "rounds",
+        "condition": condition.name,
+        "repeat": repeat,
+        "concurrency": concurrency,
+        "wave": wave,
+        "workload": workload,
+        "rounds": after["rounds"] - before["rounds"],
+        **{clock: {p: after[clock][p] - before[clock][p] for p in after[clock]} for clock in ("wall", "cpu")},
+    }
+
+
+def rounds_lines(rows: Iterable[dict]) -> list[str]:
+    """Per uag condition, workload and concurrency, pooled over waves and repeats: milliseconds per batch round in its
+    passes, its members' own work and the rest, wall clock / the worker thread's CPU (wall above CPU: it waited)."""
+    pooled: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("kind") == "rounds" and r["rounds"]:
+            key = (r["condition"], r["workload"], r["concurrency"])
+            into = pooled.setdefault(key, {"rounds": 0.0, "wall": defaultdict(float), "cpu": defaultdict(float)})
+            into["rounds"] += r["rounds"]
+            for clock in ("wall", "cpu"):
+                for part, seconds in r[clock].items():
+                    into[clock][part] += seconds
+    if not pooled:
+        return []
+    lines = ["", "where uag's batch rounds went: ms per round, wall / worker CPU (GET /metrics, pooled over waves)"]
+    for (name, workload, c), t in pooled.items():
+        per = {clock: {p: 1000 * v / t["rounds"] for p, v in t[clock].items()} for clock in ("wall", "cpu")}
+        parts = "  ".join(f"{p} {per['wall'].get(p, 0):.2f} / {per['cpu'].get(p, 0):.2f}" for p in PARTS)
+        total = sum(per["wall"].values())
+        lines.append(f"{name:<30}{workload or '-':<12}C={c:<3}{t['rounds']:>7.0f} rounds  {total:7.2f} ms: {parts}")
+    return lines
+
+
 def percentile(values: Iterable[float | None], q: float) -> float | None:
     """The q-th percentile, linear between the closest ranks (numpy's default); None for no values.
 
@@ -429,6 +493,7 @@ def summary(rows: list[dict]) -> str:
         verdict = "not measured" if met is None else "met" if met else "NOT met"
         lines.append(f"{what:<72}{fmt(value, '.2f') + 'x' if value is not None else '-':>9}  {goal:<9} {verdict}")
     lines += lossless_lines(rows)
+    lines += rounds_lines(rows)
     return "\n".join(lines)
 
 

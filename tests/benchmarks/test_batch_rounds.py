@@ -24,7 +24,7 @@ def test_every_condition_runs_and_uags_batch_gives_mlx_lms_tokens(store, capsys)
     out = capsys.readouterr().out
     for name in ("uag", "uag-wait", "mlx_lm", "uag-auto"):
         assert f"B = 3  {name} " in out and f"B = 3  {name}: the 3 functions" in out
-    assert "B = 3  uag       pass " in out and "ms a round" in out
+    assert "B = 3  uag       passes " in out and "ms a round (wall / CPU)" in out
     assert "tokens equal to mlx_lm's: 3/3" in out
 
 

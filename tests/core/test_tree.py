@@ -3,6 +3,7 @@ real tiny models (the logits and caches of reading the kept branch alone), lossl
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import mlx.core as mx
@@ -310,9 +311,9 @@ def test_the_tree_is_not_tried_where_it_cannot_run(tiny):
     assert not tree_ready(tiny.model, cache, constrained)
 
 
-def test_a_server_s_model_verifies_trees_only_for_a_request_running_alone(tiny):
-    """The tree pass changes the model's ropes for one pass: in a batch, only while no other request runs or waits
-    (uag.runtime.batching.SharedModel.alone), and then the pass is the model's own call."""
+def test_a_server_s_model_verifies_trees_in_a_batch_on_the_caches_it_keeps(tiny):
+    """Alone, a member's tree pass is the model's own call (on plain caches); with others, the batch reads it on its
+    kept caches (plain KV caches, or rows of them), so a rotating cache, which cannot be a row, gets no tree there."""
     from uag.runtime.batching import Batch
     from uag.runtime.worker import Job
 
@@ -320,10 +321,10 @@ def test_a_server_s_model_verifies_trees_only_for_a_request_running_alone(tiny):
     seen = []
 
     def request(job, name):
-        cache = make_prompt_cache(tiny.model)
-        seen.append((name, tree_ready(shared, cache, plain)))
+        cache, rotating = make_prompt_cache(tiny.model), [RotatingKVCache(max_size=16) for _ in tiny.model.layers]
+        seen.append((name, shared.alone(), tree_ready(shared, cache, plain), tree_ready(shared, rotating, plain)))
         shared(mx.array([[1, 2]]), cache=cache)  # a pass: the batch's round, where others run
-        seen.append((name, tree_ready(shared, cache, plain)))
+        seen.append((name, shared.alone(), tree_ready(shared, cache, plain), tree_ready(shared, rotating, plain)))
         yield name
 
     batch, queued = Batch(max_size=2), [True]
@@ -334,11 +335,47 @@ def test_a_server_s_model_verifies_trees_only_for_a_request_running_alone(tiny):
     batch.join(jobs[1])
     while batch:
         batch.round()
-    assert seen[:2] == [("a", False), ("b", False)]  # two members
-    assert ("a", True) in seen[2:] or ("b", True) in seen[2:]  # the one left last runs alone
+    assert seen[:2] == [("a", False, True, False), ("b", False, True, False)]  # two members: the batch reads trees
+    assert isinstance(seen[2][2], bool) and seen[2][2] and not seen[2][3]  # a row of the kept caches now
     alone = Job(request, ("alone",), "alone", shared=True)
     batch.join(alone)
-    assert list(alone) == ["alone"] and seen[-2:] == [("alone", True), ("alone", True)]
+    assert list(alone) == ["alone"] and seen[-2:] == [("alone", True, True, False)] * 2
+
+
+def test_greedy_runs_with_trees_in_a_batch_equal_the_target_alone(tiny, kept_branches, monkeypatch):
+    """Requests batched together verify their lookup trees in the batch's passes, beside each other's proposals and
+    plain steps, and write what the target alone writes."""
+    from uag.core.kept_caches import KeptCaches
+    from uag.runtime.batching import Batch, sharing_now
+    from uag.runtime.worker import Job
+
+    passes, run = [], KeptCaches.run
+
+    def spy(self, model, rows, inputs, wait=True, trees=None):
+        passes.append((len(rows), sum(t is not None for t in trees or [])))
+        return run(self, model, rows, inputs, wait, trees)
+
+    monkeypatch.setattr(KeptCaches, "run", spy)
+    prompts = repeating_prompts(4)
+    expected = [engine.generate(tiny, None, p, GenerationConfig("baseline", max_tokens=40)).token_ids for p in prompts]
+    shared = dataclasses.replace(tiny, model=SharedModel(tiny.model, "target"))
+
+    def request(job, prompt, k):
+        config = GenerationConfig(k=k, max_tokens=40)
+        yield engine.generate(shared, DrafterChoice(lookup=True), prompt, config, sharing=sharing_now()).token_ids
+
+    for k in (2, 4):
+        kept_branches.clear()
+        batch, joining = Batch(max_size=4), [True]
+        batch.queued = lambda joining=joining: joining[0]  # the first does not run alone before the others join
+        jobs = [Job(request, (p, k), f"r{i}", shared=True) for i, p in enumerate(prompts)]
+        for job in jobs:
+            batch.join(job)
+        joining[0] = False
+        while batch:
+            batch.round()
+        assert [next(iter(job)) for job in jobs] == expected, k
+    assert kept_branches and any(rows > 1 and trees for rows, trees in passes)  # trees read beside other rows
 
 
 def test_a_model_with_its_window_in_the_mask_verifies_trees_losslessly(store, kept_branches):

@@ -121,6 +121,24 @@ def test_one_round_serves_every_waiting_member_once_per_model(models):
     assert [list(jobs[n]) for n in "abc"] == [[1, 1], [3, 2], [4]]
 
 
+def test_round_times_say_where_the_rounds_went():
+    """Passes that wait (here: sleep, as a worker waits for the device) count wall time and next to no CPU; the parts
+    sum to the time the rounds took, from the first round's start (a member joining before it counts as members)."""
+    target = SharedModel(Model(pause_s=0.02), "target")
+    batch, log = Batch(max_size=4), []
+    joined(batch, ("a", [(target, 1)] * 3), ("b", [(target, 1)] * 3), log=log)
+    joining = batch.times.wall["members"]
+    start = time.perf_counter()
+    rounds = drained(batch)
+    elapsed = time.perf_counter() - start
+    times = batch.times
+    assert times.rounds == rounds == 3 and len(target.inner.calls) == 6  # one pass each: the caches do not merge
+    assert 6 * 0.02 <= times.wall["passes"] <= elapsed
+    assert times.cpu["passes"] < times.wall["passes"] / 2  # it waited
+    assert all(v >= 0 for v in [*times.wall.values(), *times.cpu.values()])
+    assert sum(times.wall.values()) - joining == pytest.approx(elapsed, abs=0.01)
+
+
 def test_the_target_waits_for_drafting_members_at_most_hold_rounds(models):
     """A model one pair drafts with may be another's target: a member whose passes all go to a drafter-role model
     never starves the target's passes beyond HOLD_ROUNDS rounds."""

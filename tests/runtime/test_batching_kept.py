@@ -57,9 +57,9 @@ def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, 
     monkeypatch.setattr(uag.runtime.batching, "batched_pass", merged_afresh)
     passes, run = [], KeptCaches.run
 
-    def recorded(kept, model, rows, inputs, wait=True):
+    def recorded(kept, model, rows, inputs, wait=True, trees=None):
         passes.append(sorted(int(x.shape[-1]) for x in inputs))
-        return run(kept, model, rows, inputs, wait)
+        return run(kept, model, rows, inputs, wait, trees)
 
     monkeypatch.setattr(KeptCaches, "run", recorded)
     share(target, "target")

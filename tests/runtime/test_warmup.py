@@ -38,9 +38,9 @@ def test_the_warm_up_runs_batched_passes_of_both_models_and_leaves_nothing_behin
     kept_passes: list[int] = []
     run = KeptCaches.run
 
-    def counted(self, model, rows, inputs, wait=True):
+    def counted(self, model, rows, inputs, wait=True, trees=None):
         kept_passes.append(id(model))
-        return run(self, model, rows, inputs, wait)
+        return run(self, model, rows, inputs, wait, trees)
 
     monkeypatch.setattr(KeptCaches, "run", counted)
     seconds = warm_batch(target, drafter)

@@ -208,6 +208,27 @@ def test_gauges_read_at_scrape_time_and_two_servers_apart():
         worker.close(5)
 
 
+def test_a_batching_worker_says_where_its_rounds_spend_their_time():
+    from uag.runtime.worker import MLXWorker
+
+    worker = MLXWorker(max_batch=4)
+    try:
+        worker.round_times.rounds, worker.round_times.wall["passes"], worker.round_times.cpu["passes"] = 7, 0.5, 0.1
+        metrics = Metrics(MODEL)
+        metrics.watch(admitted=lambda: 0, worker=worker)
+        samples = scraped(metrics.exposition().decode())
+        assert value(samples, "uag:batch_rounds_total") == 7
+        seconds = {(h["part"], h["clock"]): v for n, h, v in samples if n == "uag:batch_round_seconds_total"}
+        assert seconds[("passes", "wall")] == 0.5 and seconds[("passes", "cpu")] == 0.1
+        assert set(seconds) == {(part, clock) for part in ("passes", "members", "rest") for clock in ("wall", "cpu")}
+        unbatched = MLXWorker()
+        metrics.watch(admitted=lambda: 0, worker=unbatched)
+        assert not [n for n, _, _ in scraped(metrics.exposition().decode()) if n.startswith("uag:batch_round")]
+        unbatched.close(5)
+    finally:
+        worker.close(5)
+
+
 # --- on the demo pair ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(store):

@@ -6,7 +6,10 @@ a pass writes all rows' new tokens at one shared slot index, and a trim only sho
 become holes the next pass masks out. A pass copies nothing (but gathers rows that are not next to each other);
 one gather compacts the holes once they pass a quarter of the longest row. The engine keeps "its cache": the
 list's entries are `RowCache`s while it is a row, plain `KVCache`s again when it leaves.
-Plain `KVCache`s only; rotating and quantized ones stay on `batched_pass`, and tree passes run alone, as before.
+A row's tokens may be a tree (uag.core.verify.Tree: several proposals verified at once): its nodes sit at the
+positions of their depths and see only their ancestors, beside rows reading one proposal in the same pass, and
+keeping a path (`keep_path`) only makes the other nodes holes.
+Plain `KVCache`s only; rotating and quantized ones stay on `batched_pass`.
 
     rows = [kept.adopt(cache) for cache in caches]      # each member's cache copied in once
     logits = kept.run(model, rows, [ids_a, ids_b])      # a pass: no merge, no split
@@ -15,11 +18,14 @@ Plain `KVCache`s only; rotating and quantized ones stay on `batched_pass`, and t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+from uag.core.verify import Tree
 
 UNSET = 2**30  # the position of a slot no token of its row is in: beyond every query, so never attended
 STEP = 256  # slots added at a time, as mlx-lm's caches grow
@@ -78,6 +84,8 @@ class KeptCaches:
         # its attention kernels see a few key lengths rather than a new one each pass; on a CPU every masked slot
         # costs its share of the pass, and a new length nothing
         self.span_step = STEP if mx.default_device() == mx.gpu else 1
+        self.trees: dict[int, tuple[int, int]] = {}  # per row read as a tree: (the pass's first slot, its nodes),
+        #   until the path kept is known (`keep_path`)
 
     # --- members coming and going -----------------------------------------------------------------------------
     @staticmethod
@@ -125,6 +133,8 @@ class KeptCaches:
         the row. After a failed pass the caches come back empty (their contents are unknown)."""
         if not self.holds(cache):
             return
+        if cache[0].row in self.trees:  # read as a tree, no path kept (its run ended there): the nodes are holes
+            self.keep_path(cache, cache[0].offset - self.trees[cache[0].row][1], [])
         row, n = cache[0].row, cache[0].offset
         plain = [KVCache() for _ in cache]
         if n and not self.broken:
@@ -146,22 +156,36 @@ class KeptCaches:
         return any(owner is not None for owner in self.owners)
 
     # --- a pass ---------------------------------------------------------------------------------------------
-    def run(self, model, rows: Sequence[int], inputs: Sequence[mx.array], wait: bool = True) -> list[mx.array]:
+    def run(
+        self,
+        model,
+        rows: Sequence[int],
+        inputs: Sequence[mx.array],
+        wait: bool = True,
+        trees: Sequence[Tree | None] | None = None,
+    ) -> list[mx.array]:
         """One pass of `model` over the given rows' new tokens (ragged widths, right padded: a row's padding comes
         after its tokens, which the causal mask keeps from them); each row's logits, evaluated, and each row
         longer by its own tokens. With `wait` False the pass is only queued (`mx.async_eval`): the caller goes on
         while the device runs it, and learns whether it failed when it next waits for the logits (or for later passes).
+        `trees`: per row, None, or the `Tree` its tokens are (the pending token, then the tree's nodes): each node
+        at the position of its depth, seeing the row's text and its own ancestors only, as `passes.tree_pass` reads
+        one alone; the row then holds every node until `keep_path` says which stay.
 
         Example: rows [0, 2] holding 30 and 12 tokens, inputs of widths [1, 4] -> one pass over 2 × 4 tokens at
                  positions 30… and 12…, written at slots end … end + 3; logits (1, 1, V) and (1, 4, V)
         """
         assert rows and len(rows) == len(inputs) and not self.broken
+        trees = [None] * len(rows) if trees is None else list(trees)
         if list(rows) != sorted(rows):  # in row order, so that rows next to each other are a view, not a gather
             order = sorted(range(len(rows)), key=rows.__getitem__)
-            logits = self.run(model, [rows[i] for i in order], [inputs[i] for i in order], wait)
+            logits = self.run(
+                model, [rows[i] for i in order], [inputs[i] for i in order], wait, [trees[i] for i in order]
+            )
             return [logits[order.index(i)] for i in range(len(rows))]
         caches = [self.owners[r] for r in rows]
         assert all(c is not None and self.holds(c) and self.keepable(c) for c in caches), "rows not adopted here"
+        assert not any(r in self.trees for r in rows), "a row read as a tree is passed again before its path is kept"
         widths = [int(x.shape[-1]) for x in inputs]
         width = max(widths)
         lengths = [c[0].offset for c in caches]
@@ -173,13 +197,15 @@ class KeptCaches:
             else mx.array(rows)
         )
         offsets = mx.array(lengths)
-        queries = offsets[:, None] + mx.arange(width)[None]  # (n, width): each new token's position
-        self.positions[picked, at : at + width] = queries
+        depths = [_depths(tree, width) for tree in trees]
+        queries = offsets[:, None] + (mx.arange(width)[None] if not any(trees) else mx.array(depths))
+        self.positions[picked, at : at + width] = queries  # each new token's position
         span = -(-(at + width) // self.span_step) * self.span_step
         layers = [_PassLayer(self, layer, picked, at, width, span, offsets) for layer in range(len(self.keys))]
         masks: dict = {}
+        seen = mx.array([_sees(tree, w, width) for tree, w in zip(trees, widths)]) if any(trees) else None
         for layer in layers:
-            layer.masks, layer.queries = masks, queries
+            layer.masks, layer.queries, layer.seen = masks, queries, seen
         # one row of token ids each (what a member sampled: uint32, or its int32 ids), padded only where narrower
         tokens = mx.concatenate(
             [
@@ -188,17 +214,37 @@ class KeptCaches:
             ]
         )
         try:
-            logits = model(tokens, cache=layers)
+            with _ropes(model, _runs(depths), queries) if any(trees) else _nothing():
+                logits = model(tokens, cache=layers)
             (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
         except BaseException:
             self.broken = True
             raise
         self.end = at + width
         self.stale = self.stale or min(widths) < width  # the narrower rows' padding: past their lengths
-        for cache, w in zip(caches, widths):
+        for row, cache, w, tree in zip(rows, caches, widths, trees):
             for layer in cache:
                 layer.offset += w
+            if tree is not None:
+                self.trees[row] = (at, len(tree))
         return [logits[i : i + 1, :w] for i, w in enumerate(widths)]
+
+    def keep_path(self, cache: list, start: int, path: Sequence[int]) -> None:
+        """After a tree pass over a row (`run` with its `Tree`, from position `start` - 1): the nodes on `path` kept
+        at positions start, start + 1, … (where their depths put them already), every other node a hole, the row
+        `start` + len(path) long. Nothing is copied: a slot's position says where its token is.
+
+        Example: start 10, nodes at depths [1, 2, 1, 2], path [2, 3] -> slots of nodes 0 and 1 holes; the row holds 12
+        """
+        row = cache[0].row
+        at, nodes = self.trees.pop(row)
+        kept = set(path)
+        dropped = [at + 1 + i for i in range(nodes) if i not in kept]
+        if dropped:
+            self.positions[row, mx.array(dropped)] = UNSET
+        for layer in cache:
+            layer.offset = min(layer.offset, start + len(path))
+        self.stale = True
 
     # --- storage ----------------------------------------------------------------------------------------------
     def storage(self) -> list[mx.array]:
@@ -223,7 +269,7 @@ class KeptCaches:
             self.positions, self.stale = self._live(), False
         longest = max(owner[0].offset for owner in self.owners if owner is not None)
         holes = self.end - longest
-        if holes >= max(MIN_HOLES, HOLES_SHARE * longest):
+        if holes >= max(MIN_HOLES, HOLES_SHARE * longest) and not self.trees:  # a tree's nodes stay where it knows them
             self._compact(longest)
         self._room(self.end + width - self.capacity)
 
@@ -284,6 +330,7 @@ class _PassLayer:
         self.span = span  # slots fetched and masked: past at + width they are fresh (UNSET), never attended
         self.masks: dict = {}
         self.queries: mx.array | None = None
+        self.seen: mx.array | None = None  # (rows, width, width): which of the pass's tokens each sees (trees)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         kept, end = self.kept, self.at + self.width
@@ -294,13 +341,87 @@ class _PassLayer:
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """(rows, 1, n, slots): a slot is attended where its position is at most the query's (holes are UNSET),
-        and within the window where the model asks for one."""
+        and within the window where the model asks for one; the pass's own slots, where a row is a tree, as `seen`
+        says (a node sees its ancestors, not the siblings at positions before its own)."""
         assert n == self.width, (n, self.width)
         if window_size not in self.masks:
             slots = self.kept.positions[self.rows, : self.span][:, None, None, :]
             queries = self.queries[:, None, :, None]
             mask = slots <= queries
+            if self.seen is not None:
+                end = self.at + self.width
+                mask = mx.concatenate([mask[..., : self.at], self.seen[:, None], mask[..., end:]], axis=-1)
             if window_size is not None:
                 mask = mask & (queries - slots < window_size)
             self.masks[window_size] = mask
         return self.masks[window_size]
+
+
+def _depths(tree: Tree | None, width: int) -> list[int]:
+    """Each of a row's `width` tokens' distance from its first: the column itself for a row of one proposal, a
+    tree's pending token then its nodes' depths; padding at its column, past every token of the row (a hole once
+    the row's length is known: `KeptCaches._live`).
+
+    Example: _depths(Tree.of([[5, 6], [7]]), 5) -> [0, 1, 2, 1, 4]
+    """
+    depths = [0] if tree is None else [0, *tree.depths]
+    return [*depths, *range(len(depths), width)][:width] if tree is not None else list(range(width))
+
+
+def _sees(tree: Tree | None, w: int, width: int) -> list[list[bool]]:
+    """(width, width): which of a row's pass tokens each of its `w` tokens attends to: its ancestors and itself in
+    a tree (`Tree.mask`), every token up to it otherwise; a padding column (from `w` on) sees what a row of one
+    proposal would (its logits are dropped), and is seen by none of the row's tokens.
+
+    Example: _sees(Tree.of([[5], [6]]), 3, 4) -> [[T, F, F, F], [T, T, F, F], [T, F, T, F], [T, T, T, T]]
+    """
+    own = tree.mask() if tree is not None else [[j <= q for j in range(w)] for q in range(w)]
+    return [[own[q][j] if q < w and j < w else j <= q and q >= w for j in range(width)] for q in range(width)]
+
+
+def _runs(depths: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """The pass's columns as runs [first, end) over which every row's positions go up one at a time: one rope call
+    each (a row of one proposal never breaks a run; a tree's branch does).
+
+    Example: depths [[0, 1, 2, 3], [0, 1, 2, 1]] -> [(0, 3), (3, 4)]
+    """
+    out: list[tuple[int, int]] = []
+    for j in range(len(depths[0])):
+        if out and all(d[j] == d[j - 1] + 1 for d in depths):
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out
+
+
+@contextmanager
+def _ropes(model, runs: Sequence[tuple[int, int]], queries: mx.array) -> Iterator[None]:
+    """For one pass, every attention layer's rope places each run of columns from its rows' own positions
+    (`queries`, (rows, width)), whatever offset the layer passes (as `passes.tree_pass` does for one tree)."""
+    attention = [layer.self_attn for layer in model.layers]
+    for layer in attention:  # an instance attribute hides the rope module (nn.Module keeps it as a dict entry)
+        object.__setattr__(layer, "rope", _rope_by_runs(layer.rope, runs, queries))
+    try:
+        yield
+    finally:
+        for layer in attention:
+            object.__delattr__(layer, "rope")
+
+
+def _rope_by_runs(rope, runs: Sequence[tuple[int, int]], queries: mx.array) -> Callable:
+    def apply(x: mx.array, offset: Any = 0) -> mx.array:
+        parts = [rope(x[..., first:end, :], offset=queries[:, first]) for first, end in runs]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+
+    return apply
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def trees_fit(model) -> bool:
+    """Whether `run` can read trees with this model: attention layers with a `rope` to place each node."""
+    layers = getattr(model, "layers", None)
+    return layers is not None and all(hasattr(getattr(layer, "self_attn", None), "rope") for layer in layers)

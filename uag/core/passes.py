@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from uag.core.kept_caches import KeptCaches, RowCache, trees_fit
 from uag.core.translate import longest_common_prefix
 from uag.core.verify import Tree, TreeVerdict, accept_tree
 
@@ -238,29 +239,28 @@ def kv_bytes(model, tokens: int) -> int:
 class Shareable(Protocol):
     """A model that requests running together share (uag.runtime.batching.SharedModel): `alone()` says whether a
     call made now is the model's own (no other request's pass waits on it), so that a caller may change the model
-    for one pass."""
+    for one pass; `tree_pass` hands a tree pass to the batch, which reads it beside the others' passes."""
 
     def alone(self) -> bool: ...
+
+    def tree_pass(self, inputs: mx.array, cache: list, tree: Tree) -> mx.array: ...
 
 
 def tree_ready(model, cache: list, sampling, *, batched: bool = False) -> bool:
     """Whether a tree pass can verify several proposals at once: a model of its own outside a batch (`batched`: the
-    run is in one), or a `Shareable` one while the request runs alone (the pass changes the model's ropes), plain
-    KV caches (a rotating or quantized one cannot take its keys back in place), attention layers with a `rope` to
-    place each node, and a target that picks each row alone (no penalties, which read the tokens before a row, and
-    no grammar, which follows one proposal)."""
-    layers = getattr(model, "layers", None)
-    own = model.alone() if isinstance(model, Shareable) else isinstance(model, nn.Module) and not batched
-    return (
-        own
-        and not sampling.processors
-        and sampling.grammar is None
-        and bool(cache)
-        and all(type(c) is KVCache for c in cache)
-        and layers is not None
-        and len(layers) == len(cache)
-        and all(hasattr(getattr(layer, "self_attn", None), "rope") for layer in layers)
-    )
+    run is in one) or a `Shareable` one while the request runs alone (the pass changes the model's ropes), on plain
+    KV caches (a rotating or quantized one cannot take its keys back in place); a `Shareable` one with others, on
+    caches its batch keeps merged (`KeptCaches.keepable`: the batch reads the tree beside their passes); attention
+    layers with a `rope` to place each node, and a target that picks each row alone (no penalties, which read the
+    tokens before a row, and no grammar, which follows one proposal)."""
+    if not cache or sampling.processors or sampling.grammar is not None or not trees_fit(model):
+        return False
+    if isinstance(model, Shareable) and not model.alone():
+        fits = KeptCaches.keepable(cache)
+    else:
+        own = isinstance(model, Shareable) or (isinstance(model, nn.Module) and not batched)
+        fits = own and all(type(c) is KVCache for c in cache)
+    return fits and len(model.layers) == len(cache)
 
 
 def verify_tree(model, cache: list, pending: int, proposals: Sequence[Sequence[int]], choose) -> TreeVerdict:
@@ -284,6 +284,8 @@ def tree_pass(model, cache: list, pending: int, tree: Tree) -> mx.array:
     """The model's logits (1, 1 + len(tree), V) over [pending, *tree.tokens]: each row attends to the cached
     text, the pending token and its own ancestors (the tree mask, through each layer's `make_mask`), at the
     position of its depth (each attention layer's `rope` applied per run of consecutive positions, for this pass)."""
+    if isinstance(model, Shareable) and not model.alone():  # in a batch: read beside the others' passes
+        return model.tree_pass(mx.array([pending, *tree.tokens])[None], cache, tree)
     read = cache[0].offset
     depths = mx.array([0, *tree.depths])
     mask = mx.concatenate([mx.ones((len(depths), read), dtype=mx.bool_), mx.array(tree.mask())], axis=1)
@@ -303,7 +305,11 @@ def keep_path(cache: list, start: int, path: Sequence[int]) -> None:
     start + i) moved to follow position `start - 1` in order, and the cache trimmed after them.
 
     Example: start 10, path [0, 3] -> positions 10 and 13 copied to 10 and 11; the cache holds 12
+    A row of a batch's kept caches copies nothing: the other nodes become holes (`KeptCaches.keep_path`).
     """
+    if isinstance(cache[0], RowCache):
+        cache[0].kept.keep_path(cache, start, path)
+        return
     if list(path) != list(range(len(path))):  # the first proposal's kept nodes are in place already
         rows = mx.array([start + i for i in path])
         for layer in cache:

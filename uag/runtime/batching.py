@@ -25,7 +25,8 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from uag.core.evidence import OUTLIER
 from uag.core.kept_caches import KeptCaches
 from uag.core.passes import PREFILL_STEP, batched_pass, mergeable
 from uag.core.records import FIXED_ROWS, Sharing, groups
+from uag.core.verify import Tree
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,14 @@ class SharedModel:
             member.batch.hand_back(cache)
         return True
 
+    def tree_pass(self, inputs, cache: list, tree: Tree):
+        """A tree pass (uag.core.passes.tree_pass) of a member running with others: its batch reads it on the
+        caches it keeps merged, beside the others' passes (`KeptCaches.run`); the logits of [pending, *nodes]."""
+        member = greenlet.getcurrent()
+        if not isinstance(member, Member):
+            raise RuntimeError("a tree pass is handed to a batch only by a member running in it (SharedModel.alone)")
+        return member.parent.switch(Pass(self, inputs, cache, tree=tree))
+
 
 def share(loaded: Any, role: str) -> None:
     """Make a loaded model's `model` a `SharedModel` (once; in place: every holder of the model shares it)."""
@@ -98,6 +108,7 @@ class Pass:
     cache: list
     read: int = 0  # tokens of a read run so far
     logits: list = field(default_factory=list)  # a read's chunks' logits
+    tree: Tree | None = None  # a tree pass: the proposals its tokens after the pending one are (never a read)
 
     @property
     def width(self) -> int:
@@ -136,11 +147,17 @@ class Batch:
     """The members running now and the passes they wait on; `round()` runs one pass per shared model."""
 
     def __init__(
-        self, max_size: int = 4, *, read_chunk: int = READ_CHUNK, clock: Callable[[], float] = time.perf_counter
+        self,
+        max_size: int = 4,
+        *,
+        read_chunk: int = READ_CHUNK,
+        clock: Callable[[], float] = time.perf_counter,
+        times: RoundTimes | None = None,
     ):
         if max_size < 1:
             raise ValueError(f"a batch holds at least one request (got {max_size})")
         self.max_size, self.read_chunk, self.clock = max_size, read_chunk, clock
+        self.times = RoundTimes(clock) if times is None else times  # where its rounds' time goes (GET /metrics)
         self.waiting: dict[Member, Pass] = {}  # every live member, at the pass it waits on
         self.members: list[Member] = []  # every member not yet ended
         self.costs = PassCosts()
@@ -188,7 +205,8 @@ class Batch:
         member.sharing.fixed_rows = self.fixed_rows()
         self.members.append(member)
         self._met()
-        self._resume(member, None)
+        with self.times.part("members"):
+            self._resume(member, None)
         self._noted()
 
     def round(self) -> None:
@@ -209,6 +227,7 @@ class Batch:
         this one, and the next pass is queued behind it before the batch waits for it (`_settle`). Waited for at
         once, the device would idle through every member's Python between passes. Such passes are not timed (their
         time is spent in the members)."""
+        self.times.begin()
         fixed_rows = self._priced()
         by_model: dict[int, list[Member]] = {}
         served: list[tuple[Member, Any, BaseException | None]] = []
@@ -225,16 +244,24 @@ class Batch:
         self.held = self.held + 1 if drafting else 0
         for members in by_model.values():
             held = drafting and self.waiting[members[0]].model.role == "target"
-            decoding = [] if held else [m for m in members if self.waiting[m].width <= READ]
-            reading = [m for m in members if self.waiting[m].width > READ]
-            for group in groups([self.waiting[m].width for m in decoding], fixed_rows):
-                served += self._decode([decoding[i] for i in group])
-            if reading:
-                served += self._read(reading, alone=not decoding and len(by_model) == 1)
-        for member, logits, error in served:
-            self._resume(member, logits, error)
+            decoding = [] if held else [m for m in members if self._decodes(self.waiting[m])]
+            reading = [m for m in members if not self._decodes(self.waiting[m])]
+            with self.times.part("passes"):
+                for group in groups([self.waiting[m].width for m in decoding], fixed_rows):
+                    served += self._decode([decoding[i] for i in group])
+                if reading:
+                    served += self._read(reading, alone=not decoding and len(by_model) == 1)
+        with self.times.part("members"):
+            for member, logits, error in served:
+                self._resume(member, logits, error)
         if served:
             self._noted()
+        self.times.end(bool(self.members))
+
+    @staticmethod
+    def _decodes(waiting: Pass) -> bool:
+        """A narrow pass, or a tree's (verifying, whatever its width): not a read."""
+        return waiting.width <= READ or waiting.tree is not None
 
     def _decode(self, members: list[Member]) -> list[tuple[Member, Any, BaseException | None]]:
         """The members' narrow passes: one batched pass on the caches kept merged (plain KV caches, and a member
@@ -243,11 +270,16 @@ class Batch:
         that failed part way on the kept caches, which fails every member holding a row of them at its next pass
         (`lost`: their caches come back empty, so that no later turn trusts them)."""
         passes = [self.waiting[m] for m in members]
+        trees = [p.tree for p in passes]
+        keepable = all(KeptCaches.keepable(p.cache) for p in passes)
+        if any(trees) and not keepable:  # a tree is read on kept caches: those that cannot be rows pass apart
+            split = [[m for m, t in zip(members, trees) if (t is None) is side] for side in (False, True)]
+            return [served for part in split if part for served in self._decode(part)]
         model = passes[0].model
         tic = self.clock()
         kept = self.kept.get(id(model))
         rows = kept is not None and any(kept.holds(p.cache) for p in passes)
-        keep = (len(passes) > 1 or rows) and all(KeptCaches.keepable(p.cache) for p in passes)
+        keep = (len(passes) > 1 or rows or any(trees)) and keepable
         merged = keep or (len(passes) > 1 and all(mergeable(p.cache) for p in passes))
         queued = keep and self.pipelined and all(p.width == 1 for p in passes)  # not waited for (see round)
         if keep:
@@ -258,6 +290,7 @@ class Batch:
                     [self._adopted(kept, m, p.cache) for m, p in zip(members, passes)],
                     [p.inputs for p in passes],
                     wait=not queued,
+                    trees=trees,
                 )
             except Exception as err:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
@@ -413,6 +446,55 @@ class Batch:
         if not self.history or self.history[-1][1] != len(self.members):
             self.history.append((time.time(), len(self.members)))
             del self.history[:-1000]
+
+
+class RoundTimes:
+    """Where a batch's rounds spend the worker's time, summed over every round since it started: `passes` (building
+    each pass's graph and waiting for the device), `members` (each member's own work up to its next pass: drafting,
+    choosing, detokenising, streaming) and `rest` (the rest of the round and the time since the round before:
+    grouping, admitting jobs, waiting for the GIL another thread holds). Each in wall-clock seconds and in the worker
+    thread's CPU seconds: a part whose wall time exceeds its CPU time waited (for the device, or the GIL).
+
+        times.begin(); with times.part("passes"): ...; times.end(running=True)
+        times.wall  # {"passes": 1.2, "members": 3.4, "rest": 0.5}
+    """
+
+    PARTS = ("passes", "members", "rest")
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock, self.rounds = clock, 0
+        self.wall = dict.fromkeys(self.PARTS, 0.0)
+        self.cpu = dict.fromkeys(self.PARTS, 0.0)
+        self._since: tuple[float, float] | None = None  # (wall, cpu) where the round now counts from
+        self._parts = (0.0, 0.0)  # the parts timed since `_since` (a member joining between rounds too): wall, cpu
+
+    def _now(self) -> tuple[float, float]:
+        return self.clock(), time.thread_time()
+
+    def begin(self) -> None:
+        """A round starts: it counts from the end of the round before, where the batch ran on since (else now)."""
+        if self._since is None:
+            self._since = self._now()
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        wall, cpu = self._now()
+        try:
+            yield
+        finally:
+            now_wall, now_cpu = self._now()
+            self.wall[name] += now_wall - wall
+            self.cpu[name] += now_cpu - cpu
+            if self._since is not None:
+                self._parts = (self._parts[0] + now_wall - wall, self._parts[1] + now_cpu - cpu)
+
+    def end(self, running: bool) -> None:
+        """The round is over; `running`: members remain (the next round counts from here; else from its start)."""
+        (wall, cpu), (since_wall, since_cpu) = self._now(), self._since or self._now()
+        self.wall["rest"] += max(0.0, wall - since_wall - self._parts[0])
+        self.cpu["rest"] += max(0.0, cpu - since_cpu - self._parts[1])
+        self.rounds += 1
+        self._since, self._parts = ((wall, cpu) if running else None), (0.0, 0.0)
 
 
 class PassCosts:

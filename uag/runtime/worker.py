@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from uag.errors import UserError
-from uag.runtime.batching import Batch
+from uag.runtime.batching import Batch, RoundTimes
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ class MLXWorker:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1 (got {max_batch})")
         self.max_batch = max_batch
+        self.round_times = RoundTimes()  # where the batch's rounds spend this thread's time, every batch's (/metrics)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._current: Job | None = None
         self._running: list[Job] = []  # the shared jobs running together now
@@ -283,6 +284,6 @@ class MLXWorker:
             return self.batch
 
     def _new_batch(self) -> Batch:
-        batch = Batch(self.max_batch)
+        batch = Batch(self.max_batch, times=self.round_times)
         batch.queued = lambda: not self._jobs.empty()  # a lone member yields at its next pass once a job waits
         return batch

@@ -23,7 +23,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no `*_created` series: they double a scrape and no dashboard reads them (as vLLM's)
 
@@ -293,6 +293,24 @@ class Now:
         batched = worker is not None and worker.max_batch > 1 and worker.batch is not None
         size = len(worker.batch) if batched else min(running, 1)
         yield gauge("uag:batch_size", "Requests whose passes run together now", model, size)
+        times = worker.round_times if batched else None  # uag.runtime.batching.RoundTimes
+        if times is not None:
+            rounds = CounterMetricFamily(
+                "uag:batch_rounds", "Rounds the batch ran (one pass per model each)", labels=model
+            )
+            rounds.add_metric(model, times.rounds)
+            yield rounds
+            family = CounterMetricFamily(
+                "uag:batch_round_seconds",
+                "Where the batch's rounds spent the model worker's time: passes (building their graphs, waiting for "
+                "the device), members (each request's own work between passes), rest (the rest of each round and the "
+                "time between rounds); clock: wall, or the worker thread's CPU (wall above cpu: it waited)",
+                labels=["model_name", "part", "clock"],
+            )
+            for part in times.PARTS:
+                family.add_metric([*model, part, "wall"], times.wall[part])
+                family.add_metric([*model, part, "cpu"], times.cpu[part])
+            yield family
         if self.costs is not None:
             family = GaugeMetricFamily(
                 "uag:auto_cost_pairs", "Pairs by the state of auto's measured costs", labels=["model_name", "state"]
