@@ -51,6 +51,28 @@ def test_the_warm_up_runs_batched_passes_of_both_models_and_leaves_nothing_behin
     assert generate(target, drafter, [5, 6, 7, 8] * 4, GenerationConfig(k=3, max_tokens=12)).token_ids == before
 
 
+def test_the_warm_up_compacts_kept_caches_and_reads_a_tree_once(shared_pair, monkeypatch):
+    """What a batch does now and then, which a short made-up batch may never need, runs at start too."""
+    target, drafter = shared_pair
+    before = generate(target, drafter, [5, 6, 7, 8] * 4, GenerationConfig(k=3, max_tokens=12)).token_ids
+    seen, run, compact = [], KeptCaches.run, KeptCaches._compact
+
+    def ran(self, model, rows, inputs, wait=True, trees=None):
+        seen.append(("tree", sum(t is not None for t in trees or [])))
+        return run(self, model, rows, inputs, wait, trees)
+
+    def compacted(self, longest):
+        seen.append(("compact", longest))
+        return compact(self, longest)
+
+    monkeypatch.setattr(KeptCaches, "run", ran)
+    monkeypatch.setattr(KeptCaches, "_compact", compacted)
+    warm_batch(target, drafter)
+    assert ("tree", 1) in seen and any(kind == "compact" for kind, _ in seen)
+    monkeypatch.undo()
+    assert generate(target, drafter, [5, 6, 7, 8] * 4, GenerationConfig(k=3, max_tokens=12)).token_ids == before
+
+
 def test_the_warm_up_gives_way_to_a_request(shared_pair):
     target, drafter = shared_pair
     asked = []

@@ -5,9 +5,10 @@ for the next process). On a machine that has not compiled them yet, the first re
 their first turns stalling for seconds, and auto learned its costs from such timings (docs/results.md, bs;
 uag.core.evidence.OUTLIER). `warm_batch` runs the kinds of pass a server's batch runs — prompts read together, plain
 steps on the kept caches, lookup and model drafts verified beside them, the caches trimmed and handed back — in a batch
-of its own, on made-up prompts, with fixed k (nothing learned, no shared index touched), before the server takes
-requests. It does not cover every shape a request brings (docs/results.md, bt: one first-turn edit still stalled after
-it). Where kernels are built ahead of time (the CPU backend) it does not run (`compiles_at_first_use`).
+of its own, on made-up prompts, with fixed k (nothing learned, no shared index touched), then what kept caches do now
+and then (`warm_kept_caches`: a tree's path kept, holes compacted), before the server takes requests. It does not
+cover every shape a request brings (docs/results.md, bt: one first-turn edit still stalled after it). Where kernels are
+built ahead of time (the CPU backend) it does not run (`compiles_at_first_use`).
 
     warm_batch(target, drafter_model)   # seconds it took
 """
@@ -23,6 +24,9 @@ import mlx.core as mx
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice
 from uag.core.engine import generate
+from uag.core.kept_caches import KeptCaches, trees_fit
+from uag.core.passes import keep_path, prefill, trim_to
+from uag.core.verify import Tree
 from uag.models.store import LoadedModel
 from uag.runtime.batching import Batch, SharedModel
 from uag.runtime.worker import Job
@@ -73,7 +77,7 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
         generate(target, choice, prompts[i], config)
         yield i
 
-    tic = time.perf_counter()
+    tic, stopped = time.perf_counter(), False
     batch = Batch(max_size=len(runs))
     batch.queued = lambda: True  # every member waits for its rounds, as under load
     jobs = [Job(request, (i,), f"warm-up {i}", shared=True) for i in range(len(runs))]
@@ -81,7 +85,7 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
         for job in jobs:
             batch.join(job)
         while batch:
-            if cancel():
+            if stopped := cancel():
                 batch.fail(Stopped())
                 break
             batch.round()
@@ -93,4 +97,28 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
             list(job)
         except Stopped:
             pass
+    if not stopped:
+        warm_kept_caches(target, prompts[0][:64])
     return time.perf_counter() - tic
+
+
+def warm_kept_caches(target: LoadedModel, ids: list[int]) -> None:
+    """What a batch's kept caches do now and then, which the made-up batch above may never need: a row read as a
+    tree and its path kept, holes compacted, rows handed back in position order (uag.core.kept_caches). On an H200
+    a first compaction stalled a server's batch for seconds (docs/results.md, bv)."""
+    model = target.model.inner if isinstance(target.model, SharedModel) else target.model
+    caches = [target.make_cache() for _ in range(2)]
+    for cache, n in zip(caches, (len(ids), len(ids) // 2)):
+        prefill(model, cache, ids[:n])
+    kept = KeptCaches()
+    rows = [kept.adopt(cache) for cache in caches]
+    tree = Tree.of([ids[1:3], ids[3:5]]) if trees_fit(model) else None
+    first = mx.array([ids[0], *tree.tokens]) if tree is not None else mx.array(ids[:5])
+    kept.run(model, rows, [first, mx.array(ids[:3])], trees=[tree, None])
+    if tree is not None:
+        keep_path(caches[0], caches[0][0].offset - len(tree), tree.paths[1][:1])
+    trim_to(caches[1], caches[1][0].offset - 2)
+    kept.compact()
+    for cache in caches:
+        kept.hand_back(cache)
+    mx.eval([c.state for cache in caches for c in cache])
