@@ -138,7 +138,7 @@ class KeptCaches:
         row, n = cache[0].row, cache[0].offset
         plain = [KVCache() for _ in cache]
         if n and not self.broken:
-            order = _in_order(self._live()[row : row + 1], n)[0]  # the row's slots in position order: 0 … n-1
+            order = mx.argsort(self._live()[row])[:n]  # the row's slots in position order: 0 … n-1
             room = -(-n // KVCache.step) * KVCache.step - n  # the room a cache of its own would have: no copy next
             for layer, own in enumerate(plain):
                 own.keys, own.values = (
@@ -284,11 +284,11 @@ class KeptCaches:
     def _compact(self, longest: int) -> None:
         """Every row's tokens gathered to the front, in position order (one copy of the storage); `positions` has
         its holes marked (`_live`)."""
-        order = _in_order(self.positions, longest)
+        order = mx.argsort(self.positions, axis=1)[:, :longest]  # holes (UNSET) sort last
         fresh = self.capacity - longest
-        lengths = self._lengths()[:, None]
-        slots = mx.arange(longest)[None]
-        self.positions = mx.pad(mx.where(slots < lengths, slots, UNSET), [(0, 0), (0, fresh)], constant_values=UNSET)
+        self.positions = mx.pad(
+            mx.take_along_axis(self.positions, order, axis=1), [(0, 0), (0, fresh)], constant_values=UNSET
+        )
         for store in (self.keys, self.values):
             for layer, a in enumerate(store):
                 if a is not None:
@@ -364,21 +364,6 @@ class _PassLayer:
                 mask = mask & (queries - slots < window_size)
             self.masks[window_size] = mask
         return self.masks[window_size]
-
-
-def _in_order(positions: mx.array, n: int) -> mx.array:
-    """(rows, n): per row, the slot holding each position 0 … n-1 (a row's live positions are those of its tokens,
-    each once; holes, at UNSET or past n, go nowhere; a position a row lacks gets slot 0, which its caller masks).
-    A scatter rather than a sort: MLX's CUDA backend compiled its sort for 11 s at first use, mid-request
-    (docs/results.md, bv).
-
-    Example: positions [[2, UNSET, 0, 1]], n 3 -> [[2, 3, 0]]
-    """
-    rows, capacity = positions.shape
-    target = mx.where(positions < n, positions, n)  # holes to a column past the end, dropped
-    order = mx.zeros((rows, n + 1), dtype=mx.int32)
-    order[mx.arange(rows)[:, None], target] = mx.broadcast_to(mx.arange(capacity, dtype=mx.int32)[None], target.shape)
-    return order[:, :n]
 
 
 def _depths(tree: Tree | None, width: int) -> list[int]:
