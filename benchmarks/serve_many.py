@@ -49,11 +49,11 @@ from serving import (  # benchmarks/serving.py, beside this module (serve.py run
 )
 from serving import conditions as serve_conditions
 
+from uag.runtime.batching import RoundTimes
 from uag.runtime.warmup import copy_prompt
 from uag.study.datasets import Conversation, load_conversations
 
 T = TypeVar("T")
-PARTS = ("passes", "members", "rest")  # uag.runtime.batching.RoundTimes.PARTS
 AT = 4  # the concurrency the targets are set at
 WARM_UP_BATCH_TOKENS = 32  # each of the C warm-up requests sent at once (`batch_warm_up`)
 GOALS = {"edit_peer": 3.0, "edit_serial": 2.0, "chat_peer": 1.0, "off_peer": 0.95, "alone": 0.97, "ttft": 0.5}
@@ -279,7 +279,7 @@ def rounds_lines(rows: Iterable[dict]) -> list[str]:
     lines = ["", "where uag's batch rounds went: ms per round, wall / worker CPU (GET /metrics, pooled over waves)"]
     for (name, workload, c), t in pooled.items():
         per = {clock: {p: 1000 * v / t["rounds"] for p, v in t[clock].items()} for clock in ("wall", "cpu")}
-        parts = "  ".join(f"{p} {per['wall'].get(p, 0):.2f} / {per['cpu'].get(p, 0):.2f}" for p in PARTS)
+        parts = "  ".join(f"{p} {per['wall'].get(p, 0):.2f} / {per['cpu'].get(p, 0):.2f}" for p in RoundTimes.PARTS)
         total = sum(per["wall"].values())
         lines.append(f"{name:<30}{workload or '-':<12}C={c:<3}{t['rounds']:>7.0f} rounds  {total:7.2f} ms: {parts}")
     return lines

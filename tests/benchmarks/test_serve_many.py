@@ -75,6 +75,23 @@ def test_percentile_is_linear_between_ranks(values, q, expected):
     assert sm.percentile(values, q) == pytest.approx(expected)
 
 
+def test_rounds_rows_are_scrape_differences_and_pool_to_ms_per_round():
+    condition = Condition("uag:off", "uag", ("x",), "demo-target")
+    before = {"rounds": 10.0, "wall": {"passes": 1.0, "members": 0.5, "rest": 0.1}, "cpu": {"passes": 0.2}}
+    after = {"rounds": 30.0, "wall": {"passes": 1.2, "members": 0.6, "rest": 0.1}, "cpu": {"passes": 0.3}}
+    row = sm.rounds_row(condition, 0, 4, 0, "chat", before, after)
+    assert (
+        row["rounds"] == 20
+        and row["wall"]["passes"] == pytest.approx(0.2)
+        and row["cpu"] == {"passes": pytest.approx(0.1)}
+    )
+    later = {**row, "wave": 1, "rounds": 20, "wall": {"passes": 0.6, "members": 0.3, "rest": 0.0}}
+    (line,) = [x for x in sm.rounds_lines([row, later]) if x.startswith("uag:off")]
+    # 40 rounds: passes (0.2 + 0.6) s, members (0.1 + 0.3) s, cpu passes (0.1 + 0.1) s
+    assert "40 rounds" in line and "passes 20.00 / 5.00" in line and "members 10.00 / 0.00" in line
+    assert sm.rounds_lines([{"kind": "request"}]) == []
+
+
 def test_percentile_of_nothing_is_none():
     assert sm.percentile([], 50) is None
     assert sm.percentile([None], 95) is None

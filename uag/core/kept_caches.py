@@ -19,7 +19,7 @@ Plain `KVCache`s only; rotating and quantized ones stay on `batched_pass`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -214,7 +214,7 @@ class KeptCaches:
             ]
         )
         try:
-            with _ropes(model, _runs(depths), queries) if any(trees) else _nothing():
+            with _ropes(model, _runs(depths), queries) if any(trees) else nullcontext():
                 logits = model(tokens, cache=layers)
             (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
         except BaseException:
@@ -373,8 +373,10 @@ def _depths(tree: Tree | None, width: int) -> list[int]:
 
     Example: _depths(Tree.of([[5, 6], [7]]), 5) -> [0, 1, 2, 1, 4]
     """
-    depths = [0] if tree is None else [0, *tree.depths]
-    return [*depths, *range(len(depths), width)][:width] if tree is not None else list(range(width))
+    if tree is None:
+        return list(range(width))
+    depths = [0, *tree.depths]
+    return [*depths, *range(len(depths), width)]
 
 
 def _sees(tree: Tree | None, w: int, width: int) -> list[list[bool]]:
@@ -423,11 +425,6 @@ def _rope_by_runs(rope, runs: Sequence[tuple[int, int]], queries: mx.array) -> C
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
 
     return apply
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def trees_fit(model) -> bool:

@@ -283,7 +283,8 @@ def verify_tree(model, cache: list, pending: int, proposals: Sequence[Sequence[i
 def tree_pass(model, cache: list, pending: int, tree: Tree) -> mx.array:
     """The model's logits (1, 1 + len(tree), V) over [pending, *tree.tokens]: each row attends to the cached
     text, the pending token and its own ancestors (the tree mask, through each layer's `make_mask`), at the
-    position of its depth (each attention layer's `rope` applied per run of consecutive positions, for this pass)."""
+    position of its depth (each attention layer's `rope` applied per run of consecutive positions, for this pass).
+    A member of a server's batch running with others hands it to the batch (`Shareable.tree_pass`)."""
     if isinstance(model, Shareable) and not model.alone():  # in a batch: read beside the others' passes
         return model.tree_pass(mx.array([pending, *tree.tokens])[None], cache, tree)
     read = cache[0].offset
@@ -304,8 +305,9 @@ def keep_path(cache: list, start: int, path: Sequence[int]) -> None:
     """After a tree pass that read from position `start - 1`: the kept nodes' keys and values (node i at
     start + i) moved to follow position `start - 1` in order, and the cache trimmed after them.
 
-    Example: start 10, path [0, 3] -> positions 10 and 13 copied to 10 and 11; the cache holds 12
     A row of a batch's kept caches copies nothing: the other nodes become holes (`KeptCaches.keep_path`).
+
+    Example: start 10, path [0, 3] -> positions 10 and 13 copied to 10 and 11; the cache holds 12
     """
     if isinstance(cache[0], RowCache):
         cache[0].kept.keep_path(cache, start, path)

@@ -6,7 +6,8 @@ that made them), and its engine runs unchanged: where it calls a model the batch
 hands its pass to the `Batch` and waits. The batch lets every member run up to its next pass (drafting, checking,
 detokenising: what each does on its own), then runs one pass per model for all of them and hands each member its
 rows. Plain KV caches are kept merged between passes (`uag.core.kept_caches`: a member's cache becomes a row of
-the batch's storage at its first batched pass and plain again when it reads, runs alone or its run ends); other
+the batch's storage at its first batched pass and plain again when it reads, runs alone or its run ends; a lookup
+tree is a row of the pass like any other: `SharedModel.tree_pass`); other
 caches are merged afresh for each pass (`uag.core.passes.batched_pass`). A pass over more than `READ` tokens (a
 prompt being read) runs on plain caches, in chunks of `read_chunk` tokens while others decode, one chunk per round,
 so that a long prompt does not freeze the other streams; reads waiting together share a pass where that costs less
@@ -382,6 +383,7 @@ class Batch:
             for cache in [owner for owner in kept.owners if owner is not None]:
                 kept.hand_back(cache)
         self.members, self.waiting, self.kept, self.lost, self.ahead = [], {}, {}, [], None
+        self.times.stopped()
 
     def _settle(self) -> KeptCaches | None:
         """Wait for the pass queued last (`ahead`), if any; where computing it failed, its kept caches are lost
@@ -495,6 +497,10 @@ class RoundTimes:
         self.cpu["rest"] += max(0.0, cpu - since_cpu - self._parts[1])
         self.rounds += 1
         self._since, self._parts = ((wall, cpu) if running else None), (0.0, 0.0)
+
+    def stopped(self) -> None:
+        """The batch stopped mid-round (it failed): the next round counts from its own start."""
+        self._since, self._parts = None, (0.0, 0.0)
 
 
 class PassCosts:
