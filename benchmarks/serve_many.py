@@ -9,7 +9,9 @@ come from serving.py. The summary: per condition, workload and C, aggregate toke
 the time from its first request sent to its last reply done; edit: turns 2-3), p50/p95 time to first token and end
 to end; then the issue's targets and losslessness: each uag condition's texts against uag:off's, and uag:off's at each
 C against its own at the lowest (batched passes against one request's), every difference classified near-tie or
-bug after the servers stop (benchmarks/near_ties.py). Smoke run on the demo pair:
+bug after the servers stop (benchmarks/near_ties.py); last, per uag condition, workload and C, milliseconds a batch
+round spent in its passes, its members' own work and the rest (wall / the worker's CPU), from the server's
+`GET /metrics` scraped before and after every wave. Smoke run on the demo pair:
     python benchmarks/serve.py --concurrency 1 2 --conversations 2 --chat-prompts 1 --max-tokens 8 --plot c.png
 """
 
