@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from mlx_lm.models.cache import RotatingKVCache
 
 import uag.runtime.host
 from tests.support.tiny_models import build_tiny
@@ -16,7 +17,7 @@ from uag.runtime.batching import SharedModel, share
 from uag.runtime.host import Host
 from uag.runtime.jobs import JobRunner
 from uag.runtime.pair import Loaded
-from uag.runtime.warmup import warm_batch
+from uag.runtime.warmup import warm_batch, warm_kept_caches
 from uag.runtime.worker import MLXWorker
 
 
@@ -71,6 +72,15 @@ def test_the_warm_up_compacts_kept_caches_and_reads_a_tree_once(shared_pair, mon
     assert ("tree", 1) in seen and any(kind == "compact" for kind, _ in seen)
     monkeypatch.undo()
     assert generate(target, drafter, [5, 6, 7, 8] * 4, GenerationConfig(k=3, max_tokens=12)).token_ids == before
+
+
+def test_the_kept_caches_warm_up_leaves_a_target_whose_caches_its_batch_cannot_keep(shared_pair, monkeypatch):
+    target, _ = shared_pair
+    ran = []
+    monkeypatch.setattr(KeptCaches, "run", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(type(target), "make_cache", lambda self: [RotatingKVCache(max_size=8) for _ in range(2)])
+    warm_kept_caches(target, list(range(5, 69)))
+    assert not ran  # such caches are merged for each pass instead: nothing of the kept caches to build
 
 
 def test_the_warm_up_gives_way_to_a_request(shared_pair):

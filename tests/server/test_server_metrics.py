@@ -217,8 +217,9 @@ def test_a_batching_worker_says_where_its_rounds_spend_their_time():
         metrics = Metrics(MODEL)
         metrics.watch(admitted=lambda: 0, worker=worker)
         samples = scraped(metrics.exposition().decode())
-        assert value(samples, "uag:batch_rounds_total") == 7
+        assert value(samples, "uag:batch_rounds_total", model_name=MODEL) == 7
         seconds = {(h["part"], h["clock"]): v for n, h, v in samples if n == "uag:batch_round_seconds_total"}
+        assert {h["model_name"] for n, h, _ in samples if n.startswith("uag:batch_round")} == {MODEL}
         assert seconds[("passes", "wall")] == 0.5 and seconds[("passes", "cpu")] == 0.1
         assert set(seconds) == {(part, clock) for part in ("passes", "members", "rest") for clock in ("wall", "cpu")}
         unbatched = MLXWorker()

@@ -108,6 +108,8 @@ def warm_kept_caches(target: LoadedModel, ids: list[int]) -> None:
     a process's first compaction took 11.6 s, its gather and scatter kernels compiling (docs/results.md, bw)."""
     model = target.model.inner if isinstance(target.model, SharedModel) else target.model
     caches = [target.make_cache() for _ in range(2)]
+    if not all(KeptCaches.keepable(cache) for cache in caches) or len(ids) < 5:
+        return  # its batch merges these caches for each pass instead (uag.core.passes.batched_pass)
     for cache, n in zip(caches, (len(ids), len(ids) // 2)):
         prefill(model, cache, ids[:n])
     kept = KeptCaches()

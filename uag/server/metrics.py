@@ -296,7 +296,7 @@ class Now:
         times = worker.round_times if batched else None  # uag.runtime.batching.RoundTimes
         if times is not None:
             rounds = CounterMetricFamily(
-                "uag:batch_rounds", "Rounds the batch ran (one pass per model each)", labels=model
+                "uag:batch_rounds", "Rounds the batch ran (one pass per model each)", labels=["model_name"]
             )
             rounds.add_metric(model, times.rounds)
             yield rounds
