@@ -455,7 +455,8 @@ class RoundTimes:
     each pass's graph and waiting for the device), `members` (each member's own work up to its next pass: drafting,
     choosing, detokenising, streaming) and `rest` (the rest of the round and the time since the round before:
     grouping, admitting jobs, waiting for the GIL another thread holds). Each in wall-clock seconds and in the worker
-    thread's CPU seconds: a part whose wall time exceeds its CPU time waited (for the device, or the GIL).
+    thread's CPU seconds: a part whose wall time exceeds its CPU time waited (for the device, or the GIL; MLX's CUDA
+    backend spins while it waits for the device, which counts as CPU: docs/results.md, bv).
 
         times.begin(); with times.part("passes"): ...; times.end(running=True)
         times.wall  # {"passes": 1.2, "members": 3.4, "rest": 0.5}
