@@ -336,7 +336,7 @@ def test_a_server_s_model_verifies_trees_in_a_batch_on_the_caches_it_keeps(tiny)
     while batch:
         batch.round()
     assert seen[:2] == [("a", False, True, False), ("b", False, True, False)]  # two members: the batch reads trees
-    assert isinstance(seen[2][2], bool) and seen[2][2] and not seen[2][3]  # a row of the kept caches now
+    assert seen[2][2:] == (True, False)  # after the pass its cache is a row of the kept caches: trees still
     alone = Job(request, ("alone",), "alone", shared=True)
     batch.join(alone)
     assert list(alone) == ["alone"] and seen[-2:] == [("alone", True, True, False)] * 2
