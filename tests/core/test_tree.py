@@ -16,6 +16,7 @@ import uag.core.engine as engine
 from tests.support.tiny_models import build_tiny
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice, LookupDrafter
+from uag.core.kept_caches import position_runs
 from uag.core.lookup import BRANCH_NODES, BRANCHES, OCCURRENCES, NgramIndex
 from uag.core.passes import keep_path, prefill, tree_pass, tree_ready, verify_tree
 from uag.core.sampling import TargetSampling
@@ -111,7 +112,7 @@ def test_a_tree_merges_shared_prefixes_in_depth_first_order():
     assert tree.parents == [-1, 0, 1, 0, -1]
     assert tree.depths == [1, 2, 3, 2, 1]
     assert tree.paths == [[0, 1, 2], [0, 3], [4], [0, 1, 2]]
-    assert tree.runs() == [(0, 4, 0), (4, 5, 2), (5, 6, 1)]
+    assert position_runs([[0, *tree.depths]]) == [(0, 4), (4, 5), (5, 6)]  # the rope calls of its pass
 
 
 def test_each_row_sees_itself_and_its_ancestors_only():

@@ -214,7 +214,7 @@ class KeptCaches:
             ]
         )
         try:
-            with _ropes(model, _runs(depths), queries) if any(trees) else nullcontext():
+            with placed(model, depths, queries) if any(trees) else nullcontext():
                 logits = model(tokens, cache=layers)
             (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
         except BaseException:
@@ -390,8 +390,8 @@ def _sees(tree: Tree | None, w: int, width: int) -> list[list[bool]]:
     return [[own[q][j] if q < w and j < w else j <= q and q >= w for j in range(width)] for q in range(width)]
 
 
-def _runs(depths: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """The pass's columns as runs [first, end) over which every row's positions go up one at a time: one rope call
+def position_runs(depths: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """The pass's columns as runs [first, end) over which every row's depths go up one at a time: one rope call
     each (a row of one proposal never breaks a run; a tree's branch does).
 
     Example: depths [[0, 1, 2, 3], [0, 1, 2, 1]] -> [(0, 3), (3, 4)]
@@ -406,25 +406,28 @@ def _runs(depths: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
 
 
 @contextmanager
-def _ropes(model, runs: Sequence[tuple[int, int]], queries: mx.array) -> Iterator[None]:
-    """For one pass, every attention layer's rope places each run of columns from its rows' own positions
-    (`queries`, (rows, width)), whatever offset the layer passes (as `passes.tree_pass` does for one tree)."""
+def placed(model, depths: Sequence[Sequence[int]], positions: mx.array) -> Iterator[None]:
+    """For one pass, every attention layer's rope places each token at its own position (`positions`, (rows, width):
+    each row's first position plus its `depths`), whatever offset the layer passes: one rope call per run of columns
+    (`position_runs`). A tree's nodes sit at their depths, so a row reading a tree needs it (`run`; a tree read alone,
+    `uag.core.passes.tree_pass`)."""
+    runs = position_runs(depths)
+
+    def rope_by_runs(rope) -> Callable:
+        def apply(x: mx.array, offset: Any = 0) -> mx.array:
+            parts = [rope(x[..., first:end, :], offset=positions[:, first]) for first, end in runs]
+            return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+
+        return apply
+
     attention = [layer.self_attn for layer in model.layers]
     for layer in attention:  # an instance attribute hides the rope module (nn.Module keeps it as a dict entry)
-        object.__setattr__(layer, "rope", _rope_by_runs(layer.rope, runs, queries))
+        object.__setattr__(layer, "rope", rope_by_runs(layer.rope))
     try:
         yield
     finally:
         for layer in attention:
             object.__delattr__(layer, "rope")
-
-
-def _rope_by_runs(rope, runs: Sequence[tuple[int, int]], queries: mx.array) -> Callable:
-    def apply(x: mx.array, offset: Any = 0) -> mx.array:
-        parts = [rope(x[..., first:end, :], offset=queries[:, first]) for first, end in runs]
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
-
-    return apply
 
 
 def trees_fit(model) -> bool:

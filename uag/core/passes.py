@@ -12,7 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from uag.core.kept_caches import KeptCaches, RowCache, trees_fit
+from uag.core.kept_caches import KeptCaches, RowCache, placed, trees_fit
 from uag.core.translate import longest_common_prefix
 from uag.core.verify import Tree, TreeVerdict, accept_tree
 
@@ -287,18 +287,12 @@ def tree_pass(model, cache: list, pending: int, tree: Tree) -> mx.array:
     A member of a server's batch running with others hands it to the batch (`Shareable.tree_pass`)."""
     if isinstance(model, Shareable) and not model.alone():  # in a batch: read beside the others' passes
         return model.tree_pass(mx.array([pending, *tree.tokens])[None], cache, tree)
-    read = cache[0].offset
-    depths = mx.array([0, *tree.depths])
+    read, depths = cache[0].offset, [0, *tree.depths]
+    positions = read + mx.array(depths)
     mask = mx.concatenate([mx.ones((len(depths), read), dtype=mx.bool_), mx.array(tree.mask())], axis=1)
-    attention = [layer.self_attn for layer in model.layers]
-    for layer in attention:  # an instance attribute hides the rope module (nn.Module keeps it as a dict entry)
-        object.__setattr__(layer, "rope", _rope_by_runs(layer.rope, tree.runs()))
-    try:
-        layers = [_TreeCache(c, mask, read + depths) for c in cache]
+    with placed(model, [depths], positions[None]):
+        layers = [_TreeCache(c, mask, positions) for c in cache]
         return model(mx.array([pending, *tree.tokens])[None], cache=layers)
-    finally:
-        for layer in attention:
-            object.__delattr__(layer, "rope")
 
 
 def keep_path(cache: list, start: int, path: Sequence[int]) -> None:
@@ -318,16 +312,6 @@ def keep_path(cache: list, start: int, path: Sequence[int]) -> None:
             layer.keys[..., start : start + len(path), :] = mx.take(layer.keys, rows, axis=2)
             layer.values[..., start : start + len(path), :] = mx.take(layer.values, rows, axis=2)
     trim_to(cache, start + len(path))
-
-
-def _rope_by_runs(rope, runs: Sequence[tuple[int, int, int]]) -> Callable:
-    """A layer's rope for a tree pass: rows [first, end) placed from the cache's offset + the depth of `first`."""
-
-    def apply(x: mx.array, offset: int = 0) -> mx.array:
-        parts = [rope(x[..., first:end, :], offset=offset + depth) for first, end, depth in runs]
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
-
-    return apply
 
 
 class _TreeCache:

@@ -107,19 +107,6 @@ class Tree:
             rows.append(row)
         return rows
 
-    def runs(self) -> list[tuple[int, int, int]]:
-        """The tree pass's rows as runs of consecutive positions: (first row, end row, depth of the first), the root
-        at depth 0. Example: depths [1, 2, 3, 2] -> [(0, 4, 0), (4, 5, 2)]"""
-        depths = [0, *self.depths]
-        out = []
-        for row, depth in enumerate(depths):
-            if out and depth == depths[row - 1] + 1:
-                first, _, d = out[-1]
-                out[-1] = (first, row + 1, d)
-            else:
-                out.append((row, row + 1, depth))
-        return out
-
 
 @dataclass(frozen=True, slots=True)
 class TreeVerdict:
