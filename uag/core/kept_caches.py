@@ -197,13 +197,14 @@ class KeptCaches:
             else mx.array(rows)
         )
         offsets = mx.array(lengths)
-        depths = [_depths(tree, width) for tree in trees]
-        queries = offsets[:, None] + (mx.arange(width)[None] if not any(trees) else mx.array(depths))
+        branched = any(tree is not None for tree in trees)  # rows of one proposal only: positions in a row
+        depths = [_depths(tree, width) for tree in trees] if branched else None
+        queries = offsets[:, None] + (mx.array(depths) if branched else mx.arange(width)[None])
         self.positions[picked, at : at + width] = queries  # each new token's position
         span = -(-(at + width) // self.span_step) * self.span_step
         layers = [_PassLayer(self, layer, picked, at, width, span, offsets) for layer in range(len(self.keys))]
         masks: dict = {}
-        seen = mx.array([_sees(tree, w, width) for tree, w in zip(trees, widths)]) if any(trees) else None
+        seen = mx.array([_sees(tree, w, width) for tree, w in zip(trees, widths)]) if branched else None
         for layer in layers:
             layer.masks, layer.queries, layer.seen = masks, queries, seen
         # one row of token ids each (what a member sampled: uint32, or its int32 ids), padded only where narrower
@@ -214,7 +215,7 @@ class KeptCaches:
             ]
         )
         try:
-            with placed(model, depths, queries) if any(trees) else nullcontext():
+            with placed(model, depths, queries) if branched else nullcontext():
                 logits = model(tokens, cache=layers)
             (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
         except BaseException:
