@@ -265,6 +265,26 @@ def test_a_pass_wider_than_read_is_a_read(models, width, calls):
     assert [w for w, name in target.inner.calls if name == "x/target"] == calls
 
 
+def test_a_tree_pass_on_caches_the_batch_cannot_keep_fails_its_member_and_the_others_go_on(models):
+    """tree_ready allows no such pass; were one to come, read as one proposal its nodes would see their siblings:
+    its member gets an error, and the member beside it is served as ever."""
+    from uag.core.verify import Tree
+
+    target, _ = models
+    batch, log = Batch(max_size=2), []
+
+    def tree(job):
+        yield target.tree_pass(ids(3), Cache("tree/target"), Tree.of([[5], [6]]))
+
+    jobs = joined(batch, ("plain", [(target, 1)] * 2), log=log)
+    jobs["tree"] = Job(tree, (), "tree", shared=True)
+    batch.join(jobs["tree"])
+    drained(batch)
+    assert list(jobs["plain"]) == [1, 1] and target.inner.calls == [(1, "plain/target")] * 2
+    with pytest.raises(RuntimeError, match="caches its batch can keep merged"):
+        list(jobs["tree"])
+
+
 def test_a_failed_pass_reaches_its_members_job_and_the_others_go_on():
     """A read that fails and a pass on another model that fails: each member's consumer raises the error; a member
     whose own function raises ends with it; the members beside them run to their end."""

@@ -274,8 +274,11 @@ class Batch:
         trees = [p.tree for p in passes]
         keepable = all(KeptCaches.keepable(p.cache) for p in passes)
         if any(trees) and not keepable:  # a tree is read on kept caches: those that cannot be rows pass apart
-            split = [[m for m, t in zip(members, trees) if (t is None) is side] for side in (False, True)]
-            return [served for part in split if part for served in self._decode(part)]
+            if len(members) == 1:  # tree_ready allows none such: a tree read as one proposal would be wrong
+                return [(members[0], None, RuntimeError("a tree pass needs caches its batch can keep merged"))]
+            apart = [[m] for m, t in zip(members, trees) if t is not None]
+            apart += [plain] if (plain := [m for m, t in zip(members, trees) if t is None]) else []
+            return [served for part in apart for served in self._decode(part)]
         model = passes[0].model
         tic = self.clock()
         kept = self.kept.get(id(model))
