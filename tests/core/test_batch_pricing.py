@@ -182,3 +182,97 @@ def test_a_batch_whose_members_all_draft_parks_where_drafting_alike_does_not_pay
     alone = AdaptiveK(2, steep, evidence=lookup_evidence(0.5), settings=PINNED)
     alone.begin(0, 96)
     assert alone.choose({"lookup": 2})[0] == "lookup"
+
+
+# --- what the batch realises of the prices (Evidence.realised) ------------------------------------------------------
+
+
+def shared_batch(n: int) -> list[Sharing]:
+    """n members whose last target pass the batch shared among all n (as `Batch._decode` records it)."""
+    members = batch_of(n)
+    for m in members:
+        m.shared(n, 1, None)
+    return members
+
+
+def test_a_batch_learns_what_each_kind_of_cycle_realises_of_its_price():
+    """Plain steps against a plain round's price, model cycles against their drafter steps and pass; a plain step
+    that waited on others' drafting says nothing of a plain step (the drafting member's cycle carries it)."""
+    members = shared_batch(2)
+    policy = make(members[0], settings=AutoSettings(), k_max=8)
+    prices = policy.prices
+    plain = prices.verify_ms(1)
+    policy.observe(Cycle.plain(0, 1.5 * plain))
+    assert policy.evidence.realised == {"": pytest.approx(1.5)}
+    members[0].held += 3  # the batch held its pass three rounds for the other member's drafter
+    policy.observe(Cycle.plain(0, 20 * plain))
+    assert policy.evidence.realised == {"": pytest.approx(1.5)}
+    priced = 4 * prices.drafter_step_ms(0.0) + prices.cycle_overhead_ms() + prices.verify_ms(5)
+    drafted = Cycle(0, 4, [1, 2, 3, 4], [1, 2, 3, 4], 2, 3, draft_ms=2.5 * priced, verify_ms=0.5 * priced)
+    drafted.drafter_passes, drafted.drafter_read, drafted.source = 4, 3, "model"
+    policy.observe(drafted)
+    assert policy.evidence.realised["model"] == pytest.approx(3.0)
+    assert prices.realised("model") == pytest.approx(0.5)  # a model draft's rate halved against a plain step's
+    assert prices.realised("lookup") == 1.0  # not yet timed in a batch: as priced
+    members[0].others = ()
+    assert prices.realised("model") == 1.0  # alone the prices are the run's own
+
+
+def test_a_stall_counts_as_at_most_outlier_times_what_was_realised_so_far():
+    members = shared_batch(2)
+    policy = make(members[0], settings=AutoSettings())
+    plain = policy.prices.verify_ms(1)
+    policy.observe(Cycle.plain(0, plain))
+    policy.observe(Cycle.plain(0, 5000 * plain))  # kernels compiling at first use
+    assert policy.evidence.realised[""] == pytest.approx(0.8 + 0.2 * 4.0)
+
+
+def test_pinned_costs_learn_nothing_realised():
+    members = shared_batch(2)
+    policy = make(members[0])  # learn_costs False: the replay and tests pin every cost
+    policy.observe(Cycle.plain(0, 1000.0))
+    assert policy.evidence.realised == {}
+
+
+def test_a_model_draft_that_pays_by_its_price_parks_where_the_batch_realises_it_at_thrice_its_price():
+    """bv (docs/results.md): on an H200 open chat drafted in a batch at 0.34-0.73x speculation off. Its prices
+    saw the drafter steps and the pass, not the members' Python in every round the batch held for them."""
+    settings = AutoSettings(learn_costs=False, prior=0.95)
+    evidence = Evidence()
+    assert make(batch_of(2)[0], settings=settings, evidence=evidence).choose({"model": 8})[0] == "model"
+    evidence.realised.update({"": 1.0, "model": 3.0})
+    assert make(batch_of(2)[0], settings=settings, evidence=evidence).choose({"model": 8}) == ("", 0)
+    assert make(None, settings=settings, evidence=evidence).choose({"model": 8})[0] == "model"  # alone: as priced
+
+
+def test_a_copy_still_drafts_where_lookup_realises_half_again_its_price():
+    """Beside one other member a copy is worth about twice a plain round on these costs: it pays for a penalty that
+    parks a guess worth less."""
+    evidence = lookup_evidence(0.9)
+    policy = make(batch_of(2)[0], evidence=evidence)
+    source, k = policy.choose(Offer({"lookup": 16}, match=24))
+    assert source == "lookup" and policy.lookup_rates(k, 24)[k] > 1.5 * policy.rates()[0]
+    evidence.realised.update({"": 1.0, "lookup": 1.5})
+    source, k = policy.choose(Offer({"lookup": 16}, match=24))
+    assert source == "lookup" and k >= 8
+    guess = make(batch_of(2)[0], evidence=lookup_evidence(0.6))
+    assert guess.choose({"lookup": 16})[0] == "lookup"
+    guess.evidence.realised.update({"": 1.0, "lookup": 1.5})
+    assert guess.choose({"lookup": 16}) == ("", 0)
+
+
+def test_drafting_never_priced_up_for_realising_better_than_a_plain_step():
+    evidence = Evidence()
+    evidence.realised.update({"": 2.0, "model": 1.0})
+    policy = make(batch_of(2)[0], evidence=evidence)
+    assert policy.prices.realised("model") == 1.0
+
+
+def test_plain_steps_pull_a_parked_kind_back_toward_them_so_that_it_is_tried_again():
+    members = shared_batch(2)
+    policy = make(members[0], settings=AutoSettings())
+    policy.evidence.realised.update({"": 1.0, "model": 3.0})
+    plain = policy.prices.verify_ms(1)
+    for _ in range(100):
+        policy.observe(Cycle.plain(0, plain))
+    assert 1.0 < policy.evidence.realised["model"] < 1.0 + 2.0 * 0.99**100 + 1e-9

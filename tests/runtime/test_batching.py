@@ -156,6 +156,8 @@ def test_the_target_waits_for_drafting_members_at_most_hold_rounds(models):
     for _ in range(HOLD_ROUNDS):
         batch.round()
     assert target.inner.calls == [] and len(drafter.inner.calls) == HOLD_ROUNDS
+    assert member(batch, jobs["a"]).sharing.held == HOLD_ROUNDS  # what its auto leaves out of a plain step's cost
+    assert member(batch, jobs["b"]).sharing.held == 0
     batch.round()
     assert target.inner.calls == [(1, "a/target")] and jobs["a"].done.is_set()
     drained(batch)
@@ -171,6 +173,7 @@ def test_a_rehearsal_does_not_hold_the_target(models):
     member(batch, jobs["b"]).sharing.rehearsing = True
     batch.round()
     assert target.inner.calls == [(1, "a/target")] and drafter.inner.calls == [(9, "b/drafter")]
+    assert member(batch, jobs["b"]).sharing.held == 0
     drained(batch)
     assert [list(jobs[n]) for n in "ab"] == [[1], [9, 1]]
 

@@ -196,6 +196,9 @@ def test_requests_sent_together_get_the_replies_they_get_alone(served, alone, n)
     for request, reply in zip(requests, replies):
         assert 1 <= reply.batch["mean"] <= reply.batch["largest"] <= n, (request.name, reply.batch)
     assert all(reply.batch["largest"] > 1 for reply in replies[:2])  # their first passes were one (the others' vary)
+    realised = [reply.batch["realised"] for reply in replies if "realised" in reply.batch]
+    if n == 8:  # auto's runs (its evidence is the pair's): what their batched cycles came to against their prices
+        assert realised and all(set(r) <= {"plain", "model", "lookup"} and min(r.values()) > 0 for r in realised)
 
 
 def test_a_request_arriving_mid_run_joins_and_loses_nothing(served, alone):

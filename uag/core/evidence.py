@@ -23,6 +23,7 @@ from uag.core.lookup import MATCH_BANDS, MATCH_CAP, match_band
 from uag.core.records import Cycle, Rehearsal, Sharing
 
 MODEL = "model"
+PLAIN = ""  # a plain target step's source
 
 EMA = 0.2  # weight of a new timing in the running cost estimates
 # a timing counts at most OUTLIER times what was expected of it (`learned`): a pass that compiled its kernels at
@@ -30,6 +31,7 @@ EMA = 0.2  # weight of a new timing in the running cost estimates
 # its width's cost until that width was timed again, and a width priced out is not tried again (docs/results.md,
 # bs). A machine that really slowed moves the estimate by up to (1 - EMA) + EMA * OUTLIER times a timing
 OUTLIER = 4.0
+AGE_REALISED = 0.01  # how far each batched plain step pulls drafting's realised ratios toward its own
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
 BAND_WEIGHT = 1.0  # pseudo-observations pulling a lookup match band's estimate toward the shorter band's
@@ -129,6 +131,9 @@ class Evidence:
     overhead_ms: float | None = None  # translate + re-sync per drafting cycle
     lookup_ms: float = LOOKUP_MS
     scale: float = 1.0  # this machine's target passes now ÷ the profile's
+    # batched: what a cycle's wall time came to ÷ what it was priced at, per kind (PLAIN, MODEL, LOOKUP): the
+    # batch's costs that no price sees (`Prices.realised`)
+    realised: dict[str, float] = field(default_factory=dict)
 
     def copy_chances(self, match: int, n: int, prior: float, floors: Sequence[float] | None = None) -> list[float]:
         """P(position i of a lookup proposal kept | the ones before it kept) for i < n, where the proposal's match
@@ -287,6 +292,7 @@ class Prices:
     r: float = 0.1
     learn: bool = True
     sharing: Sharing | None = None
+    held_seen: int = field(default=0, init=False, repr=False)  # `Sharing.held` at the last batched cycle
 
     def target_ms(self, w: int) -> float | None:
         """Cost of a target pass over w tokens: own timings first; then the profile's, anchored at the nearest
@@ -419,12 +425,58 @@ class Prices:
         other widths) expects (`learned`)."""
         evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
         if (shared := self.sharing) is not None and shared.size > 1:
-            return  # a batched pass: rows over caches of their own cost more than one row of their tokens
+            self.time_realised(cycle)  # a batched pass: rows over caches of their own cost more than one row of
+            return  # their tokens; what the cycle came to against its price is learned instead
         if self.learn or not (self.profile and w in self.profile.target_ms):
             expected = self.target_ms(w) if self.profile is not None else None
             evidence.verify_ms[w] = learned(evidence.verify_ms.get(w), ms, expected)
         if self.learn and self.profile is not None:
             evidence.scale = statistics.median(ms / self.profile.target_at(v) for v, ms in evidence.verify_ms.items())
+
+    def time_realised(self, cycle: Cycle) -> None:
+        """A batched cycle: its wall time against what it was priced at, learned per kind (`Evidence.realised`). A
+        plain step counts only where the batch held no round of its pass for others' drafting since the last cycle
+        (a plain step's price leaves those holds to the drafting member's); each one also pulls the drafting kinds'
+        ratios a little toward its own (AGE_REALISED), so that a kind parked for what it once realised is tried again
+        now and then (the batch may have changed)."""
+        if not self.learn or self.sharing is None:
+            return
+        held, self.held_seen = self.sharing.held - self.held_seen, self.sharing.held
+        realised, w = self.evidence.realised, (cycle.nodes or len(cycle.proposed_ids)) + 1
+        if cycle.k == 0:
+            if held or cycle.draft_ms:  # waited on others' drafting, or rehearsed: not a plain step's cost
+                return
+            kind, priced = PLAIN, self.verify_ms(1)
+        elif cycle.source == LOOKUP:
+            kind, priced = LOOKUP, self.evidence.lookup_ms + (self.verify_ms(w) or 0.0)
+        elif cycle.source == MODEL:
+            first_read = max(1, cycle.drafter_read - cycle.drafter_passes + 1)  # its first pass caught up on these
+            step = self.drafter_step_ms(self.target_ms(1) or 0.0)
+            drafting = cycle.drafter_passes * step + self.reading_ms(first_read) + self.cycle_overhead_ms()
+            kind, priced = MODEL, drafting + (self.verify_ms(w) or 0.0)
+        else:
+            return  # what a grammar forces is not a choice auto makes
+        if priced and priced > 0 and cycle.ms > 0:
+            realised[kind] = learned(realised.get(kind), cycle.ms / priced, 1.0)
+        if kind == PLAIN:
+            for other in (MODEL, LOOKUP):
+                if other in realised:
+                    realised[other] += AGE_REALISED * (realised[PLAIN] - realised[other])
+
+    def realised(self, source: str) -> float:
+        """Batched: what a cycle drafting from `source` pays for, relative to its price, as a share of what a plain
+        step does (at most 1: drafting is never priced up for realising better). Its price leaves out what the batch
+        adds to drafting: every member's Python in the drafter rounds the target's passes are held for, unpipelined
+        verifications, wider passes on kept caches. Alone, or until both kinds were timed in a batch, 1.
+
+        Example: plain steps realised 1.2 × their price, model cycles 3.0 × -> a model draft's rate × 0.4
+        """
+        if not self.batched:
+            return 1.0
+        plain, drafting = self.evidence.realised.get(PLAIN), self.evidence.realised.get(source)
+        if plain is None or drafting is None:
+            return 1.0
+        return min(1.0, plain / drafting)
 
     def time_lookup(self, cycle: Cycle) -> None:
         if self.learn:

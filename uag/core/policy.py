@@ -240,7 +240,8 @@ class AdaptiveK:
         batch holds the target's passes while a member drafts with a model, so the others commit only in the
         pass that verifies the draft: a draft pays only where it earns more than the batch loses waiting on its
         drafter steps and its wider pass; alone, the run's own. Where the drafter has a backlog to read first,
-        drafting's rate includes it, spread over the tokens left to write.
+        drafting's rate includes it, spread over the tokens left to write. Batched, a draft's rate is cut by what
+        drafting cycles have realised of their prices in the batch, against plain steps (`Prices.realised`).
 
         Example: a pass over n tokens costs 28 + n ms, drafter steps 2 ms, α 0.4 -> alone: k = 1 1.4 / 32 >
                  k = 0 1 / 29 (it drafts); beside three parked members: k = 1 (1.4 + 3) / (2 + 36) = 0.116 <
@@ -250,6 +251,7 @@ class AdaptiveK:
         acceptances = self.acceptances(prices.proposal_length(self.k_max))
         others, backlog = prices.others_tokens(), self.backlog_ms() if self.remaining else 0.0
         plain_alike = prices.common_ms(1) if prices.batched else None
+        realised = prices.realised(MODEL)  # batched: what drafting realises of its price, against a plain step
         out = {}
         for k in range(self.k_max + 1):
             ms = prices.cycle_ms(k)
@@ -260,6 +262,8 @@ class AdaptiveK:
                 if k and 0 in out and prices.batched:
                     drafting = k * prices.drafter_step_ms(ms) + prices.cycle_overhead_ms()
                     out[k] = self.alike(out[k], out[0], own, prices.proposal_length(k) + 1, drafting, plain_alike)
+                if k:
+                    out[k] *= realised
         return out
 
     def alike(
@@ -286,6 +290,7 @@ class AdaptiveK:
         others = self.prices.others_tokens()  # batched: the others' tokens in the round it widens (`rates`)
         plain = (1 + others) / (self.prices.verify_ms(1) or math.inf) if self.prices.batched else 0.0
         plain_alike = self.prices.common_ms(1) if plain else None
+        realised = self.prices.realised(LOOKUP)
         out, expected, survive = {}, 1.0, 1.0  # expected_tokens(acceptances[:k]), grown one position at a time
         for k in range(1, k_max + 1):
             survive *= acceptances[k - 1]
@@ -296,6 +301,7 @@ class AdaptiveK:
                 out[k] = (expected + others) / (self.evidence.lookup_ms + verify)
                 if plain:
                     out[k] = self.alike(out[k], plain, expected, w, self.evidence.lookup_ms, plain_alike)
+                out[k] *= realised
         return out
 
     def copy_reach(self, offered: int, match: int | None) -> int:
@@ -363,7 +369,7 @@ class AdaptiveK:
         prices, expected = self.prices, expected_tokens(self.acceptances(k, LOOKUP, match))
         cycle_ms = self.evidence.lookup_ms + (prices.verify_ms(k + 1 + (branch_room(k) if branched else 0)) or 0.0)
         others = prices.others_tokens()
-        uncapped = (expected + others) / cycle_ms if cycle_ms > 0 else math.inf
+        uncapped = prices.realised(LOOKUP) * (expected + others) / cycle_ms if cycle_ms > 0 else math.inf
         gain = rate / chosen if chosen > 0 else math.inf
         plain_ms = prices.verify_ms(1) or 0.0
         capped = rate < uncapped * (1 - 1e-9)

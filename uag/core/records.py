@@ -422,6 +422,7 @@ class Sharing:
     width: int = 1  # the tokens this request puts in its next target pass (1: a plain step)
     tokens: float = 1.0  # the tokens it expects to commit per round of the batch, at that width
     rehearsing: bool = False  # its drafter is reading a parked stretch: it drafts nothing the batch could wait for
+    held: int = 0  # rounds its target pass waited while other members drafted with a model (`Batch.round`)
 
     def shared(self, size: int, widest: int, ms: float | None) -> None:
         """A target pass ran over `size` sequences, the widest of the others `widest` tokens, in `ms`."""

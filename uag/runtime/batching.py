@@ -246,6 +246,8 @@ class Batch:
         for members in by_model.values():
             held = drafting and self.waiting[members[0]].model.role == "target"
             decoding = [] if held else [m for m in members if self._decodes(self.waiting[m])]
+            for member in members if held else ():
+                member.sharing.held += 1
             reading = [m for m in members if not self._decodes(self.waiting[m])]
             with self.times.part("passes"):
                 for group in groups([self.waiting[m].width for m in decoding], fixed_rows):
