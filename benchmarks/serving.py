@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
-import uag  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx; uag/_blas.py)
+import uag  # first: it loads OpenBLAS, which must precede mlx (uag/_blas.py), and sets CUDA graphs off
 
 # isort: split
 import edit_formats  # benchmarks/edit_formats.py, beside this module
@@ -166,13 +166,22 @@ class Server:
         self.startup_s: float | None = None  # from the start of the process to its first answer (uag: "ready")
         self.openblas: bool | None = None  # whether OpenBLAS is in its memory map (None: cannot tell)
 
-    def __enter__(self) -> Server:
+    def environment(self) -> dict[str, str]:
+        """The server process's environment: this one's, with OpenBLAS preloaded into mlx_lm.server (uag serve loads
+        it itself), MLX's own CUDA graphs default for a peer where only uag chose them off (its users run it so), and
+        the condition's private cache."""
         env = dict(os.environ)
         library = openblas()
-        if library and self.condition.server == "mlx_lm":  # uag serve loads it itself
+        if library and self.condition.server == "mlx_lm":
             env["LD_PRELOAD"] = " ".join(filter(None, [library, env.get("LD_PRELOAD")]))
+        if self.condition.server != "uag" and uag.CUDA_GRAPHS_DEFAULTED:
+            env.pop("MLX_USE_CUDA_GRAPHS", None)
         if self.condition.cache is not None:
             env["UAG_CACHE_DIR"] = str(private_cache(self.condition.cache))
+        return env
+
+    def __enter__(self) -> Server:
+        env, library = self.environment(), openblas()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
         started = time.perf_counter()

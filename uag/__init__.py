@@ -5,10 +5,11 @@
     run = uag.generate(target, uag.load_drafter("demo-drafter"), "Stolica Polski to",
                        uag.GenerationConfig(translation="context", k=2))
 
-Importing uag does one thing beyond defining names, on Linux only: it loads the system OpenBLAS so that
-MLX's CPU matmuls use it (~50x faster float32 than MLX's reference BLAS). That must happen before
-anything imports mlx.core; `UAG_OPENBLAS=0` turns it off (uag/_blas.py). The heavy modules (mlx, mlx-lm,
-transformers) are imported only when a name below is first used.
+Importing uag does two things beyond defining names. On Linux it loads the system OpenBLAS so that MLX's CPU
+matmuls use it (~50x faster float32 than MLX's reference BLAS); that must happen before anything imports mlx.core,
+and `UAG_OPENBLAS=0` turns it off (uag/_blas.py). And it turns MLX's CUDA graphs off unless MLX_USE_CUDA_GRAPHS is
+set (`CUDA_GRAPHS_DEFAULTED`). The heavy modules (mlx, mlx-lm, transformers) are imported only when a name below is
+first used.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from typing import TYPE_CHECKING
 from uag._blas import preload_openblas
 
 preload_openblas()  # must run before anything imports mlx.core
+# MLX's CUDA backend records each evaluation as a CUDA graph, and builds a new one for every new shape of it.
+# Speculation's passes change shape from cycle to cycle (their widths, their rows in a batch, a lookup's tree): on an
+# H200 a server batching speculative requests ran about twice as fast with the graphs off, the target alone about
+# as fast (docs/results.md, by). MLX reads the variable at its first GPU evaluation; set it to 1 to keep the graphs.
+# (No effect on a CPU or on Metal.) CUDA_GRAPHS_DEFAULTED: uag chose it, not the environment (benchmarks start peers
+# such as mlx_lm.server as their users would: with MLX's own default).
+CUDA_GRAPHS_DEFAULTED = "MLX_USE_CUDA_GRAPHS" not in os.environ
+os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 # uag never uses PyTorch; transformers' "PyTorch was not found" advice is noise for our users.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 

@@ -224,7 +224,18 @@ def test_a_stall_counts_as_at_most_outlier_times_what_was_realised_so_far():
     plain = policy.prices.verify_ms(1)
     policy.observe(Cycle.plain(0, plain))
     policy.observe(Cycle.plain(0, 5000 * plain))  # kernels compiling at first use
-    assert policy.evidence.realised[""] == pytest.approx(0.8 + 0.2 * 4.0)
+    assert policy.evidence.realised[""] == pytest.approx((0.95 + 4.0) / (0.95 + 1.0))
+
+
+def test_what_a_kind_realised_is_over_its_recent_cycles_not_the_last_one():
+    """On a GPU a queued pass's wait lands in whichever cycle reads it first: plain steps alternating 0.2 and 1.8 times
+    their price realise about their price, not whichever came last."""
+    members = shared_batch(2)
+    policy = make(members[0], settings=AutoSettings())
+    plain = policy.prices.verify_ms(1)
+    for i in range(40):
+        policy.observe(Cycle.plain(0, (0.2 if i % 2 else 1.8) * plain))
+    assert policy.evidence.realised[""] == pytest.approx(1.0, abs=0.05)
 
 
 def test_pinned_costs_learn_nothing_realised():

@@ -174,3 +174,22 @@ def test_a_pass_that_compiled_its_kernels_is_not_learned_whole():
     quick = Prices(profile, Evidence())
     quick.time_verify(Cycle.plain(0, 2.0))  # a profile measured on a busier machine gives way at once
     assert quick.target_ms(1) == 2.0
+
+
+def test_what_a_batch_realised_of_a_kind_s_prices_is_over_its_recent_cycles():
+    """`Evidence.saw_realised`'s example, then a stall counted at OUTLIER times what the kind realised so far, and a
+    plain step pulling a drafting kind 1 % of the way to its own ratio."""
+    from uag.core.evidence import OUTLIER
+
+    evidence = Evidence()
+    evidence.saw_realised("lookup", 10.0, 5.0)
+    evidence.saw_realised("lookup", 4.0, 4.0)
+    assert evidence.realised["lookup"] == pytest.approx(13.5 / 8.75)
+    ratio = evidence.realised["lookup"]
+    evidence.saw_realised("lookup", 1e6, 1.0)
+    sums = evidence.realised_ms["lookup"]
+    assert sums[0] == pytest.approx(0.95 * 13.5 + OUTLIER * ratio)
+    before = evidence.realised["lookup"]
+    evidence.saw_realised("", 1.0, 1.0)
+    assert evidence.realised["lookup"] == pytest.approx(before + 0.01 * (1.0 - before))
+    assert evidence.realised_ms["lookup"][0] == pytest.approx(evidence.realised["lookup"] * sums[1])

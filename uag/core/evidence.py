@@ -32,6 +32,9 @@ EMA = 0.2  # weight of a new timing in the running cost estimates
 # bs). A machine that really slowed moves the estimate by up to (1 - EMA) + EMA * OUTLIER times a timing
 OUTLIER = 4.0
 AGE_REALISED = 0.01  # how far each batched plain step pulls drafting's realised ratios toward its own
+# weight kept by a kind's earlier batched cycles at each new one (`Evidence.saw_realised`: about the last 20 count). A
+# single cycle's wall time says little on a GPU, where a queued pass's wait lands in whichever cycle reads it first
+REALISED_DECAY = 0.95
 DECAY = 0.9  # weight kept by older observations per update (half-life ≈ 6.6 cycles)
 PRIOR_WEIGHT = 1.0  # pseudo-observations pulling each position toward the one before it
 BAND_WEIGHT = 1.0  # pseudo-observations pulling a lookup match band's estimate toward the shorter band's
@@ -134,6 +137,7 @@ class Evidence:
     # batched: what a cycle's wall time came to ÷ what it was priced at, per kind (PLAIN, MODEL, LOOKUP): the
     # batch's costs that no price sees (`Prices.realised`)
     realised: dict[str, float] = field(default_factory=dict)
+    realised_ms: dict[str, list[float]] = field(default_factory=dict)  # per kind, decayed sums: [wall ms, priced ms]
 
     def copy_chances(self, match: int, n: int, prior: float, floors: Sequence[float] | None = None) -> list[float]:
         """P(position i of a lookup proposal kept | the ones before it kept) for i < n, where the proposal's match
@@ -205,6 +209,27 @@ class Evidence:
         """One more draft or guess of confidence q in the decayed histogram `drafted`."""
         self.drafted[:] = [w * DECAY for w in self.drafted]
         self.drafted[confidence_band(q)] += 1.0
+
+    def saw_realised(self, kind: str, ms: float, priced: float) -> None:
+        """A batched cycle of `kind` took `ms` against the `priced` ms it was decided by. Its ratio is over the kind's
+        recent cycles (REALISED_DECAY), each counted at most OUTLIER times what the kind realised so far (kernels
+        compiling at first use). A plain step then pulls the drafting kinds' ratios AGE_REALISED of the way to its
+        own.
+
+        Example: cycles of 10 ms priced at 5, then one of 4 ms priced at 4 -> (0.95 × 10 + 4) / (0.95 × 5 + 4) = 1.54
+        """
+        sums = self.realised_ms.setdefault(kind, [0.0, 0.0])
+        cap = OUTLIER * priced * self.realised.get(kind, 1.0)
+        sums[0] = REALISED_DECAY * sums[0] + min(ms, cap)
+        sums[1] = REALISED_DECAY * sums[1] + priced
+        self.realised[kind] = sums[0] / sums[1]
+        if kind != PLAIN:
+            return
+        for other, ratio in self.realised.items():
+            if other != PLAIN:
+                self.realised[other] = ratio + AGE_REALISED * (self.realised[PLAIN] - ratio)
+                if other in self.realised_ms:
+                    self.realised_ms[other][0] = self.realised[other] * self.realised_ms[other][1]
 
     def carry(self, weight: float) -> None:
         """A new run starts from this: what lookup accepted weighs at most `weight` cycles per position, and how
@@ -434,15 +459,15 @@ class Prices:
             evidence.scale = statistics.median(ms / self.profile.target_at(v) for v, ms in evidence.verify_ms.items())
 
     def time_realised(self, cycle: Cycle) -> None:
-        """A batched cycle: its wall time against what it was priced at, learned per kind (`Evidence.realised`). A
-        plain step counts only where the batch held no round of its pass for others' drafting since the last cycle
+        """A batched cycle: its wall time against what it was priced at, learned per kind (`Evidence.saw_realised`).
+        A plain step counts only where the batch held no round of its pass for others' drafting since the last cycle
         (a plain step's price leaves those holds to the drafting member's); each one also pulls the drafting kinds'
-        ratios a little toward its own (AGE_REALISED), so that a kind parked for what it once realised is tried again
-        now and then (the batch may have changed)."""
+        ratios a little toward its own, so that a kind parked for what it once realised is tried again now and then
+        (the batch may have changed)."""
         if not self.learn or self.sharing is None:
             return
         held, self.held_seen = self.sharing.held - self.held_seen, self.sharing.held
-        realised, w = self.evidence.realised, (cycle.nodes or len(cycle.proposed_ids)) + 1
+        w = (cycle.nodes or len(cycle.proposed_ids)) + 1
         if cycle.k == 0:
             if held or cycle.draft_ms:  # waited on others' drafting, or rehearsed: not a plain step's cost
                 return
@@ -457,11 +482,7 @@ class Prices:
         else:
             return  # what a grammar forces is not a choice auto makes
         if priced and priced > 0 and cycle.ms > 0:
-            realised[kind] = learned(realised.get(kind), cycle.ms / priced, 1.0)
-        if kind == PLAIN:
-            for other in (MODEL, LOOKUP):
-                if other in realised:
-                    realised[other] += AGE_REALISED * (realised[PLAIN] - realised[other])
+            self.evidence.saw_realised(kind, cycle.ms, priced)
 
     def realised(self, source: str) -> float:
         """Batched: what a cycle drafting from `source` pays for, relative to its price, as a share of what a plain
