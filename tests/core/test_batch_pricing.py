@@ -282,8 +282,10 @@ def test_drafting_never_priced_up_for_realising_better_than_a_plain_step():
 def test_plain_steps_pull_a_parked_kind_back_toward_them_so_that_it_is_tried_again():
     members = shared_batch(2)
     policy = make(members[0], settings=AutoSettings())
-    policy.evidence.realised.update({"": 1.0, "model": 3.0})
+    policy.evidence.saw_realised("model", 3.0, 1.0)
     plain = policy.prices.verify_ms(1)
     for _ in range(100):
         policy.observe(Cycle.plain(0, plain))
-    assert 1.0 < policy.evidence.realised["model"] < 1.0 + 2.0 * 0.99**100 + 1e-9
+    assert policy.evidence.realised[""] == pytest.approx(1.0)
+    assert policy.evidence.realised["model"] == pytest.approx(1.0 + 2.0 * 0.99**100)
+    assert policy.evidence.realised_ms["model"] == pytest.approx([1.0 + 2.0 * 0.99**100, 1.0])

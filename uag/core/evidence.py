@@ -228,8 +228,7 @@ class Evidence:
         for other, ratio in self.realised.items():
             if other != PLAIN:
                 self.realised[other] = ratio + AGE_REALISED * (self.realised[PLAIN] - ratio)
-                if other in self.realised_ms:
-                    self.realised_ms[other][0] = self.realised[other] * self.realised_ms[other][1]
+                self.realised_ms[other][0] = self.realised[other] * self.realised_ms[other][1]
 
     def carry(self, weight: float) -> None:
         """A new run starts from this: what lookup accepted weighs at most `weight` cycles per position, and how
