@@ -106,13 +106,9 @@ def run_uag(
 
     batch = Batch(max_size=len(ids), times=times)
     batch.pipelined = pipelined
-    batch.queued = lambda: True  # as under load: every member waits for its rounds
     jobs = [Job(request, (i,), str(i), shared=True) for i in range(len(ids))]
     tic = time.perf_counter()
-    for job in jobs:
-        batch.join(job)
-    while batch:
-        batch.round()
+    batch.run_all(jobs)  # as under load: every member waits for its rounds
     seconds = time.perf_counter() - tic
     for job in jobs:
         list(job)  # raises what the job raised

@@ -669,3 +669,24 @@ def test_a_pass_that_compiled_its_kernels_does_not_tilt_the_batch_s_fit():
     slow.observe(136, 300.0)
     slow.observe(136, 310.0)  # a second like it: both count
     assert [ms for rows, ms in slow.samples if rows == 136] == [300.0, 310.0] and slow.fixed_rows() < 10
+
+
+def test_run_all_runs_jobs_together_to_their_ends_or_until_cancelled(models):
+    """`Batch.run_all`, what the start-up warm-up and batch_rounds.py run: every job to its end as under load, each
+    member waiting for its rounds; or, where `cancel()` says so before a round, every member ended with `Cancelled`."""
+    from uag.runtime.batching import Cancelled
+
+    target, _ = models
+    log: list = []
+    jobs = [Job(passes, (name, [(target, 1)] * 3, log), name, shared=True) for name in "ab"]
+    assert Batch(max_size=2).run_all(jobs)
+    assert [list(job) for job in jobs] == [[1, 1, 1], [1, 1, 1]]
+    assert len(target.inner.calls) == 6
+    rounds = iter(range(100))
+    jobs = [Job(passes, (name, [(target, 1)] * 9, log), name, shared=True) for name in "cd"]
+    batch = Batch(max_size=2)
+    assert not batch.run_all(jobs, cancel=lambda: next(rounds) == 2)
+    assert not batch and batch.queued()
+    for job in jobs:
+        with pytest.raises(Cancelled):
+            list(job)

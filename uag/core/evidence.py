@@ -523,7 +523,7 @@ class Prices:
         if self.learn and rehearsal.read > 1 and not self.batched:
             step = self.drafter_step_ms(self.target_ms(1) or 0.0)
             per_token = max(0.0, rehearsal.ms - step) / (rehearsal.read - 1)
-            self.evidence.read_ms = ema(self.evidence.read_ms, per_token)
+            self.evidence.read_ms = learned(self.evidence.read_ms, per_token)  # as a drafting cycle's catch-up
 
 
 def learned(old: float | None, new: float, expected: float | None = None) -> float:

@@ -48,6 +48,10 @@ LOST = "its cache was lost with a batched pass that failed"
 HOLD_ROUNDS = 16  # rounds the target's passes wait at most while members draft with a model (Batch.round)
 
 
+class Cancelled(Exception):
+    """A batch run to its end gave way (`Batch.run_all`'s `cancel`)."""
+
+
 class SharedModel:
     """A model that requests running in a `Batch` share: their calls to it become the batch's passes. Called from
     anywhere else (the app, calibration, a request run alone) it is the model itself; every attribute is the
@@ -209,6 +213,29 @@ class Batch:
         with self.times.part("members"):
             self._resume(member, None)
         self._noted()
+
+    def run_all(self, jobs: list, cancel: Callable[[], bool] = lambda: False) -> bool:
+        """Join `jobs` as under load (every member waits for its rounds: `queued`) and run rounds until all of them
+        end; False where `cancel()`, asked before every round, stopped them first (each member ends with `Cancelled`).
+        A failure of the batch itself ends every member with it and is raised. What each job returned or raised is
+        the job's, as where a worker runs them (uag.runtime.worker.Job).
+
+            batch = Batch(max_size=4)
+            batch.run_all([Job(request, (i,), str(i), shared=True) for i in range(4)])
+        """
+        self.queued = lambda: True
+        try:
+            for job in jobs:
+                self.join(job)
+            while self:
+                if cancel():
+                    self.fail(Cancelled())
+                    return False
+                self.round()
+        except BaseException as err:
+            self.fail(err)
+            raise
+        return True
 
     def round(self) -> None:
         """One pass per shared model for the members waiting on it (reads: a chunk of each read the pass serves), then

@@ -28,7 +28,7 @@ from uag.core.kept_caches import KeptCaches, trees_fit
 from uag.core.passes import keep_path, prefill, trim_to
 from uag.core.verify import Tree
 from uag.models.store import LoadedModel
-from uag.runtime.batching import Batch, SharedModel
+from uag.runtime.batching import Batch, Cancelled, SharedModel
 from uag.runtime.worker import Job
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,6 @@ TEXT = (
 )
 TOKENS = 24  # each warm-up request's reply
 REPEATS = 20  # the text's copies in a prompt: as long as an edit turn's, read in chunks, a copy for lookup to draft
-
-
-class Stopped(Exception):
-    """The warm-up gave way to a request (`cancel`)."""
 
 
 def copy_prompt(i: int, repeats: int = REPEATS) -> str:
@@ -77,27 +73,15 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
         generate(target, choice, prompts[i], config)
         yield i
 
-    tic, stopped = time.perf_counter(), False
-    batch = Batch(max_size=len(runs))
-    batch.queued = lambda: True  # every member waits for its rounds, as under load
+    tic = time.perf_counter()
     jobs = [Job(request, (i,), f"warm-up {i}", shared=True) for i in range(len(runs))]
-    try:
-        for job in jobs:
-            batch.join(job)
-        while batch:
-            if stopped := cancel():
-                batch.fail(Stopped())
-                break
-            batch.round()
-    except BaseException as err:
-        batch.fail(err)
-        raise
+    finished = Batch(max_size=len(runs)).run_all(jobs, cancel)
     for job in jobs:
         try:
             list(job)
-        except Stopped:
+        except Cancelled:
             pass
-    if not stopped:
+    if finished:
         warm_kept_caches(target, prompts[0][:64])
     return time.perf_counter() - tic
 

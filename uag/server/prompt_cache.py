@@ -35,9 +35,10 @@ DEFAULT_CACHE_GB = 2.0
 # new prompt: a new conversation that only shares a system prompt with a held one
 # starts cold instead of taking (and cutting down) the other's cache, while a retried turn reuses its own.
 MIN_SHARED = 0.5
-# A shared prefix of at least this many tokens, from an entry the prompt may not take, is copied out of it instead
-# (reading 256 tokens takes seconds on a CPU; copying them, milliseconds).
-MIN_FORK = 256
+# A shared prefix of at least this many tokens, from an entry the prompt may not take, is copied out of it instead:
+# a chat template's system prompt (24 tokens for Qwen2.5's) took ~0.7 s a request to read on a 2-core CPU and copies
+# in a millisecond; mlx_lm.server reuses such a head from any cached prompt (docs/results.md, bz)
+MIN_FORK = 16
 
 
 class Held(Protocol):
@@ -85,7 +86,7 @@ class ConversationCaches:
         Example: held [1, 2, 3] and [1, 9]; prompt [1, 2, 3, 4] -> the first (3 of 3 shared)
                  held [1, 2, 3, 4, 5, 6]; prompt [1, 2, 7] -> None (2 of 6 shared: another conversation)
                  held [1, 2, 3, 4, 5, 6]; prompt [1, 2, 3] -> it (a retried turn: the prompt is held)
-                 held 300 head tokens + 400 others; prompt the head + 500 others -> a copy of the head
+                 held 30 head tokens + 400 others; prompt the head + 500 others -> a copy of the head
         """
         with self._lock:
             best, best_shared, fork, fork_shared = None, 0, None, MIN_FORK - 1
