@@ -35,9 +35,10 @@ DEFAULT_CACHE_GB = 2.0
 # new prompt: a new conversation that only shares a system prompt with a held one
 # starts cold instead of taking (and cutting down) the other's cache, while a retried turn reuses its own.
 MIN_SHARED = 0.5
-# A shared prefix of at least this many tokens, from an entry the prompt may not take, is copied out of it instead:
-# a chat template's system prompt (24 tokens for Qwen2.5's) took ~0.7 s a request to read on a 2-core CPU and copies
-# in a millisecond; mlx_lm.server reuses such a head from any cached prompt (docs/results.md, bz)
+# A shared prefix of at least this many tokens, from an entry the prompt may not take, is copied out of it instead,
+# such as a chat template's system prompt (24 tokens for Qwen2.5's), which mlx_lm.server reuses from any cached
+# prompt: four new chats at once on a 2-core CPU had their first token after 8.0-10.0 s reading it, 7.7 s copying it
+# (docs/results.md, bz). Copying a head costs milliseconds; reading it, a pass
 MIN_FORK = 16
 
 
