@@ -279,6 +279,15 @@ def test_drafting_never_priced_up_for_realising_better_than_a_plain_step():
     assert policy.prices.realised("model") == 1.0
 
 
+def test_prices_far_off_cut_a_draft_by_at_most_outlier_times():
+    """Before a pair's costs are measured a plain step's price may be hundreds of times its wall time (a first pass
+    that compiled): what plain steps then realise cuts a draft at most OUTLIER times."""
+    evidence = Evidence()
+    evidence.realised.update({"": 0.002, "lookup": 1.0})
+    policy = make(batch_of(2)[0], evidence=evidence)
+    assert policy.prices.realised("lookup") == 0.25
+
+
 def test_plain_steps_pull_a_parked_kind_back_toward_them_so_that_it_is_tried_again():
     members = shared_batch(2)
     policy = make(members[0], settings=AutoSettings())

@@ -485,18 +485,20 @@ class Prices:
 
     def realised(self, source: str) -> float:
         """Batched: what a cycle drafting from `source` pays for, relative to its price, as a share of what a plain
-        step does (at most 1: drafting is never priced up for realising better). Its price leaves out what the batch
+        step does: at most 1 (drafting is never priced up for realising better) and at least 1 / OUTLIER (prices
+        far off, as before a pair's costs are measured, cut a draft no further). Its price leaves out what the batch
         adds to drafting: every member's Python in the drafter rounds the target's passes are held for, unpipelined
         verifications, wider passes on kept caches. Alone, or until both kinds were timed in a batch, 1.
 
-        Example: plain steps realised 1.2 × their price, model cycles 3.0 × -> a model draft's rate × 0.4
+        Example: plain steps realised 1.2 × their price, model cycles 3.0 × -> a model draft's rate × 0.4;
+                 plain 0.01 ×, model 1.0 × -> × 0.25
         """
         if not self.batched:
             return 1.0
         plain, drafting = self.evidence.realised.get(PLAIN), self.evidence.realised.get(source)
         if plain is None or drafting is None:
             return 1.0
-        return min(1.0, plain / drafting)
+        return max(1 / OUTLIER, min(1.0, plain / drafting))
 
     def time_lookup(self, cycle: Cycle) -> None:
         if self.learn:

@@ -249,7 +249,7 @@ class Service:
         if (shared := running.sharing) is not None:
             done_report["speculative"]["batch"] = {"mean": round(shared.mean_size, 2), "largest": shared.largest}
             if auto is not None and shared.largest > 1 and auto.evidence.realised:  # what batched cycles realised
-                realised = {kind or "plain": round(r, 2) for kind, r in auto.evidence.realised.items()}
+                realised = {kind or "plain": float(f"{r:.2g}") for kind, r in auto.evidence.realised.items()}
                 done_report["speculative"]["batch"]["realised"] = realised
         if job.out_of_time:  # finish_reason "length", and why, where a client reads it
             note = self.runner.reason(job)
