@@ -21,9 +21,9 @@ from uag._blas import preload_openblas
 
 preload_openblas()  # must run before anything imports mlx.core
 # MLX's CUDA backend records each evaluation as a CUDA graph, and builds a new one for every new shape of it.
-# Speculation's passes change shape from cycle to cycle (their widths, their rows in a batch, a lookup's tree): on an
-# H200 a server batching speculative requests ran about twice as fast with the graphs off, the target alone 5-27 %
-# slower (docs/results.md, by). MLX reads the variable at its first GPU evaluation; set it to 1 to keep the graphs.
+# Speculation's passes change shape from cycle to cycle (their widths, their rows in a batch, a lookup's tree), and a
+# server batching speculative requests ran much faster with the graphs off, the target alone a little slower
+# (docs/results.md, by). MLX reads the variable at its first GPU evaluation; set it to 1 to keep the graphs.
 # (No effect on a CPU or on Metal.) CUDA_GRAPHS_DEFAULTED: uag chose it, not the environment (benchmarks start peers
 # such as mlx_lm.server as their users would: with MLX's own default).
 CUDA_GRAPHS_DEFAULTED = "MLX_USE_CUDA_GRAPHS" not in os.environ

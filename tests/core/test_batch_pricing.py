@@ -187,6 +187,14 @@ def test_a_batch_whose_members_all_draft_parks_where_drafting_alike_does_not_pay
 # --- what the batch realises of the prices (Evidence.realised) ------------------------------------------------------
 
 
+def realised(evidence: Evidence, ratios: dict[str, float]) -> None:
+    """Evidence of one batched cycle per kind that realised `ratios` of its price, plain steps first (each plain step
+    ages the drafting kinds' ratios, which would move them)."""
+    for kind, ratio in sorted(ratios.items(), key=lambda item: item[0] != ""):
+        evidence.saw_realised(kind, ratio, 1.0)
+    assert evidence.realised == pytest.approx(ratios)
+
+
 def shared_batch(n: int) -> list[Sharing]:
     """n members whose last target pass the batch shared among all n (as `Batch._decode` records it)."""
     members = batch_of(n)
@@ -251,7 +259,7 @@ def test_a_model_draft_that_pays_by_its_price_parks_where_the_batch_realises_it_
     settings = AutoSettings(learn_costs=False, prior=0.95)
     evidence = Evidence()
     assert make(batch_of(2)[0], settings=settings, evidence=evidence).choose({"model": 8})[0] == "model"
-    evidence.realised.update({"": 1.0, "model": 3.0})
+    realised(evidence, {"": 1.0, "model": 3.0})
     assert make(batch_of(2)[0], settings=settings, evidence=evidence).choose({"model": 8}) == ("", 0)
     assert make(None, settings=settings, evidence=evidence).choose({"model": 8})[0] == "model"  # alone: as priced
 
@@ -263,18 +271,18 @@ def test_a_copy_still_drafts_where_lookup_realises_half_again_its_price():
     policy = make(batch_of(2)[0], evidence=evidence)
     source, k = policy.choose(Offer({"lookup": 16}, match=24))
     assert source == "lookup" and policy.lookup_rates(k, 24)[k] > 1.5 * policy.rates()[0]
-    evidence.realised.update({"": 1.0, "lookup": 1.5})
+    realised(evidence, {"": 1.0, "lookup": 1.5})
     source, k = policy.choose(Offer({"lookup": 16}, match=24))
     assert source == "lookup" and k >= 8
     guess = make(batch_of(2)[0], evidence=lookup_evidence(0.6))
     assert guess.choose({"lookup": 16})[0] == "lookup"
-    guess.evidence.realised.update({"": 1.0, "lookup": 1.5})
+    realised(guess.evidence, {"": 1.0, "lookup": 1.5})
     assert guess.choose({"lookup": 16}) == ("", 0)
 
 
 def test_drafting_never_priced_up_for_realising_better_than_a_plain_step():
     evidence = Evidence()
-    evidence.realised.update({"": 2.0, "model": 1.0})
+    realised(evidence, {"": 2.0, "model": 1.0})
     policy = make(batch_of(2)[0], evidence=evidence)
     assert policy.prices.realised("model") == 1.0
 
@@ -283,7 +291,7 @@ def test_prices_far_off_cut_a_draft_by_at_most_outlier_times():
     """Before a pair's costs are measured a plain step's price may be hundreds of times its wall time (a first pass
     that compiled): what plain steps then realise cuts a draft at most OUTLIER times."""
     evidence = Evidence()
-    evidence.realised.update({"": 0.002, "lookup": 1.0})
+    realised(evidence, {"": 0.002, "lookup": 1.0})
     policy = make(batch_of(2)[0], evidence=evidence)
     assert policy.prices.realised("lookup") == 0.25
 

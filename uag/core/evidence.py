@@ -134,10 +134,8 @@ class Evidence:
     overhead_ms: float | None = None  # translate + re-sync per drafting cycle
     lookup_ms: float = LOOKUP_MS
     scale: float = 1.0  # this machine's target passes now ÷ the profile's
-    # batched: what a cycle's wall time came to ÷ what it was priced at, per kind (PLAIN, MODEL, LOOKUP): the
-    # batch's costs that no price sees (`Prices.realised`)
-    realised: dict[str, float] = field(default_factory=dict)
-    realised_ms: dict[str, list[float]] = field(default_factory=dict)  # per kind, decayed sums: [wall ms, priced ms]
+    # batched, per kind (PLAIN, MODEL, LOOKUP), decayed sums of its cycles' [wall ms, priced ms] (`saw_realised`)
+    realised_ms: dict[str, list[float]] = field(default_factory=dict)
 
     def copy_chances(self, match: int, n: int, prior: float, floors: Sequence[float] | None = None) -> list[float]:
         """P(position i of a lookup proposal kept | the ones before it kept) for i < n, where the proposal's match
@@ -210,6 +208,12 @@ class Evidence:
         self.drafted[:] = [w * DECAY for w in self.drafted]
         self.drafted[confidence_band(q)] += 1.0
 
+    @property
+    def realised(self) -> dict[str, float]:
+        """Batched, per kind: what its recent cycles' wall time came to ÷ what they were priced at, the batch's costs
+        that no price sees (`Prices.realised`)."""
+        return {kind: ms / priced for kind, (ms, priced) in self.realised_ms.items()}
+
     def saw_realised(self, kind: str, ms: float, priced: float) -> None:
         """A batched cycle of `kind` took `ms` against the `priced` ms it was decided by. Its ratio is over the kind's
         recent cycles (REALISED_DECAY), each counted at most OUTLIER times what the kind realised so far (kernels
@@ -218,17 +222,17 @@ class Evidence:
 
         Example: cycles of 10 ms priced at 5, then one of 4 ms priced at 4 -> (0.95 × 10 + 4) / (0.95 × 5 + 4) = 1.54
         """
+        ratios = self.realised
         sums = self.realised_ms.setdefault(kind, [0.0, 0.0])
-        cap = OUTLIER * priced * self.realised.get(kind, 1.0)
+        cap = OUTLIER * priced * ratios.get(kind, 1.0)
         sums[0] = REALISED_DECAY * sums[0] + min(ms, cap)
         sums[1] = REALISED_DECAY * sums[1] + priced
-        self.realised[kind] = sums[0] / sums[1]
         if kind != PLAIN:
             return
-        for other, ratio in self.realised.items():
+        plain = sums[0] / sums[1]
+        for other, (_, other_priced) in self.realised_ms.items():
             if other != PLAIN:
-                self.realised[other] = ratio + AGE_REALISED * (self.realised[PLAIN] - ratio)
-                self.realised_ms[other][0] = self.realised[other] * self.realised_ms[other][1]
+                self.realised_ms[other][0] += AGE_REALISED * (plain - ratios[other]) * other_priced
 
     def carry(self, weight: float) -> None:
         """A new run starts from this: what lookup accepted weighs at most `weight` cycles per position, and how

@@ -36,9 +36,8 @@ DEFAULT_CACHE_GB = 2.0
 # starts cold instead of taking (and cutting down) the other's cache, while a retried turn reuses its own.
 MIN_SHARED = 0.5
 # A shared prefix of at least this many tokens, from an entry the prompt may not take, is copied out of it instead,
-# such as a chat template's system prompt (24 tokens for Qwen2.5's), which mlx_lm.server reuses from any cached
-# prompt: four new chats at once on a 2-core CPU had their first token after 8.0-10.0 s reading it, 7.7 s copying it
-# (docs/results.md, bz). Copying a head costs milliseconds; reading it, a pass
+# such as a chat template's system prompt, which mlx_lm.server reuses from any cached prompt: copying a head costs
+# milliseconds, reading it a pass, which on a CPU delayed new chats' first tokens (docs/results.md, bz)
 MIN_FORK = 16
 
 
