@@ -13,18 +13,20 @@ generate exactly `--max-tokens` per request. Conditions run interleaved, `--repe
 - `mlx_lm`: `BatchGenerator.insert` all prompts, `next()` until every request is done;
 - `uag-auto` (with `--auto [DRAFTER]`): each request runs `auto` over prompt lookup (and a drafter model), from the
   costs `uag serve` measures at start; on random prompts lookup finds little, so this is what parked speculation
-  costs a batch against plain decoding (`uag`).
+  costs a batch against plain decoding (`uag`). With `--prompts edit` each request is instead the first turn of a
+  bundled `edit` conversation (a file and a change to make, as `uag serve` reads them), where lookup copies: what
+  speculating costs a batch, as in an editing agent's turns.
 
-`--breakdown` says where uag's rounds spend their milliseconds (the batch's own `RoundTimes`, as `uag serve`'s /metrics
-reports them: wall clock and the worker's CPU); `--profile N` prints the N functions each condition
-spends most time in (cProfile).
+`--breakdown` says where each uag condition's rounds spend their milliseconds (the batch's own `RoundTimes`, as
+`uag serve`'s /metrics reports them: wall clock and the worker's CPU); `--profile N` prints the N functions each
+condition spends most time in (cProfile).
 
 On a GPU (or a Mac) a pass over a few rows takes milliseconds, so what each member does in Python between passes is
 a large share of a round: this is where it shows. On a CPU the pass runs on the cores the Python runs on: queued
 passes ran no faster there (a tiny test model, 2 cores: 0.90-0.99x waited-for ones).
 
     python benchmarks/batch_rounds.py --target demo-target --batch 4 8 --max-tokens 64 --repeats 5 [--breakdown]
-        [--auto demo-drafter] [--profile 30]
+        [--auto demo-drafter] [--prompts edit] [--profile 30]
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from uag.costs.pair import measure_costs
 from uag.models.store import LoadedModel, ModelStore
 from uag.runtime.batching import Batch, RoundTimes, share, sharing_now
 from uag.runtime.worker import Job
+from uag.server.chat import render
+from uag.study.datasets import load_conversations
 
 
 @dataclasses.dataclass
@@ -69,6 +73,15 @@ class Endless(LoadedModel):
 def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(batch)]
+
+
+def edit_prompts(target: LoadedModel, batch: int) -> list[list[int]]:
+    """The first turns of the bundled `edit` conversations (a file and a change to make to it), read as `uag serve`
+    reads them (`uag.server.chat.render`: the target's chat template, or the messages' text without one), one a
+    request (past the last, from the first again): where lookup copies, as in an editing agent's turns. Prompts
+    differ in length."""
+    conversations = load_conversations("edit")
+    return [render(target.tokenizer, conversations[i % len(conversations)].messages([])) for i in range(batch)]
 
 
 def breakdown_line(times: RoundTimes) -> str:
@@ -145,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="demo-target", help="an offline name, a folder or a hub id")
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 8], help="requests at once (each a condition)")
-    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request (random prompts)")
+    parser.add_argument(
+        "--prompts",
+        choices=("random", "edit"),
+        default="random",
+        help="random tokens (lookup finds little), or the bundled edit conversations' first turns as uag serve "
+        "reads them (a file to change: lookup copies from it, as in an editing agent's turns)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON line per measurement as well")
@@ -184,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         runs["uag-auto"] = lambda ids: run_uag(target, ids, args.max_tokens, True, drafter=choice, profile=profile)
     print(
         f"# {args.target} ({target.dtype}), {mx.default_device()}, {platform.machine()}, "
-        f"prompts {args.prompt} tokens, {args.max_tokens} generated each, {args.repeats} repeats, "
+        f"{args.prompts} prompts ({args.prompt} tokens where random), {args.max_tokens} generated each, "
+        f"{args.repeats} repeats, "
         f"{datetime.now().isoformat(timespec='minutes')}"
     )
     if profile is not None:  # the curve auto prices a batch's passes by (a pass over n tokens: one of its rows)
@@ -194,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             f"drafter step {profile.drafter_ms:.2f} ms"
         )
     for b in args.batch:
-        ids = prompts(vocab, b, args.prompt, seed=b)
+        ids = prompts(vocab, b, args.prompt, seed=b) if args.prompts == "random" else edit_prompts(target, b)
         for run in runs.values():  # warm-up: compiled kernels, allocations
             run(ids)
         tps: dict[str, list[float]] = {name: [] for name in runs}
@@ -214,9 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{medians[name] / medians['mlx_lm']:.2f}x mlx_lm)"
             )
         if args.breakdown:
-            for name, pipelined in (("uag", True), ("uag-wait", False)):
+            for name in [n for n in runs if n != "mlx_lm"]:
                 times = RoundTimes()
-                run_uag(target, ids, args.max_tokens, pipelined, times=times)
+                pipelined, auto = name != "uag-wait", (choice, profile) if name == "uag-auto" else (None, None)
+                run_uag(target, ids, args.max_tokens, pipelined, *auto, times=times)
                 print(f"B = {b}  {name:<9} {breakdown_line(times)} ({times.rounds} rounds)")
         for name, run in runs.items() if args.profile else ():
             print(f"B = {b}  {name}: the {args.profile} functions it spent most time in (cProfile, tottime)")
