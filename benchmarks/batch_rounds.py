@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import io
 import json
 import platform
@@ -195,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
             share(model, "drafter")
         choice = DrafterChoice(lookup=True, model=model)
         profile = measure_costs(target, choice).profile  # what uag serve measures at start (its quick calibration)
-    runs = {
-        "uag": lambda ids: run_uag(target, ids, args.max_tokens, pipelined=True),
-        "uag-wait": lambda ids: run_uag(target, ids, args.max_tokens, pipelined=False),
-        "mlx_lm": lambda ids: run_mlx_lm(target, ids, args.max_tokens),
-    }
+    # each condition: run_uag's options for uag's, None for mlx-lm's BatchGenerator
+    conditions: dict[str, dict | None] = {"uag": {"pipelined": True}, "uag-wait": {"pipelined": False}, "mlx_lm": None}
     if choice is not None:
-        runs["uag-auto"] = lambda ids: run_uag(target, ids, args.max_tokens, True, drafter=choice, profile=profile)
+        conditions["uag-auto"] = {"pipelined": True, "drafter": choice, "profile": profile}
+    runs = {
+        name: functools.partial(run_mlx_lm, target, max_tokens=args.max_tokens)
+        if options is None
+        else functools.partial(run_uag, target, max_tokens=args.max_tokens, **options)
+        for name, options in conditions.items()
+    }
     print(
         f"# {args.target} ({target.dtype}), {mx.default_device()}, {platform.machine()}, "
         f"{args.prompts} prompts ({args.prompt} tokens where random), {args.max_tokens} generated each, "
@@ -235,10 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{medians[name] / medians['mlx_lm']:.2f}x mlx_lm)"
             )
         if args.breakdown:
-            for name in [n for n in runs if n != "mlx_lm"]:
+            for name, options in [(n, o) for n, o in conditions.items() if o is not None]:
                 times = RoundTimes()
-                pipelined, auto = name != "uag-wait", (choice, profile) if name == "uag-auto" else (None, None)
-                run_uag(target, ids, args.max_tokens, pipelined, *auto, times=times)
+                run_uag(target, ids, args.max_tokens, times=times, **options)
                 print(f"B = {b}  {name:<9} {breakdown_line(times)} ({times.rounds} rounds)")
         for name, run in runs.items() if args.profile else ():
             print(f"B = {b}  {name}: the {args.profile} functions it spent most time in (cProfile, tottime)")

@@ -499,7 +499,8 @@ class Prices:
         """
         if not self.batched:
             return 1.0
-        plain, drafting = self.evidence.realised.get(PLAIN), self.evidence.realised.get(source)
+        ratios = self.evidence.realised
+        plain, drafting = ratios.get(PLAIN), ratios.get(source)
         if plain is None or drafting is None:
             return 1.0
         return max(1 / OUTLIER, min(1.0, plain / drafting))
