@@ -15,7 +15,10 @@ generate exactly `--max-tokens` per request. Conditions run interleaved, `--repe
   costs `uag serve` measures at start; on random prompts lookup finds little, so this is what parked speculation
   costs a batch against plain decoding (`uag`). With `--prompts edit` each request is instead the first turn of a
   bundled `edit` conversation (a file and a change to make, as `uag serve` reads them), where lookup copies: what
-  speculating costs a batch, as in an editing agent's turns.
+  speculating costs a batch, as in an editing agent's turns (the demo target, a base model, rewrites little of the
+  file in a first turn, so auto mostly parks there too). With `--prompts copy` each request is such a turn followed
+  by its own first half: the model writes it out again, lookup's proposals hold, and every member verifies long
+  drafts round after round (on an H200, 4 at once ran 2.3x one alone: docs/results.md, cz).
 
 `--breakdown` says where each uag condition's rounds spend their milliseconds (the batch's own `RoundTimes`, as
 `uag serve`'s /metrics reports them: wall clock and the worker's CPU); `--profile N` prints the N functions each
@@ -26,7 +29,7 @@ a large share of a round: this is where it shows. On a CPU the pass runs on the 
 passes ran no faster there (a tiny test model, 2 cores: 0.90-0.99x waited-for ones).
 
     python benchmarks/batch_rounds.py --target demo-target --batch 4 8 --max-tokens 64 --repeats 5 [--breakdown]
-        [--auto demo-drafter] [--prompts edit] [--profile 30]
+        [--auto demo-drafter] [--prompts edit|copy] [--profile 30]
 """
 
 from __future__ import annotations
@@ -76,6 +79,19 @@ def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(batch)]
 
 
+def copy_prompts(target: LoadedModel, batch: int) -> list[list[int]]:
+    """A bundled `edit` conversation's first turn (a file and a change to make), then the same tokens again up to
+    their middle, one a request: the model goes on writing the text out again, as a model writing a file back
+    copies it, so that prompt lookup's proposals hold and every member verifies long drafts round after round.
+    What speculating costs a batch where it pays most."""
+    conversations = load_conversations("edit")
+    out = []
+    for i in range(batch):
+        ids = target.tokenizer.encode(conversations[i % len(conversations)].turns[0])
+        out.append(ids + ids[: len(ids) // 2])
+    return out
+
+
 def edit_prompts(target: LoadedModel, batch: int) -> list[list[int]]:
     """The first turns of the bundled `edit` conversations (a file and a change to make to it), read as `uag serve`
     reads them (`uag.server.chat.render`: the target's chat template, or the messages' text without one), one a
@@ -83,6 +99,13 @@ def edit_prompts(target: LoadedModel, batch: int) -> list[list[int]]:
     differ in length."""
     conversations = load_conversations("edit")
     return [render(target.tokenizer, conversations[i % len(conversations)].messages([])) for i in range(batch)]
+
+
+def batch_prompts(kind: str, target: LoadedModel, vocab: int, batch: int, length: int) -> list[list[int]]:
+    """`batch` requests' prompts of a kind (`--prompts`): random tokens of `length`, edit turns, or copies."""
+    if kind == "random":
+        return prompts(vocab, batch, length, seed=batch)
+    return copy_prompts(target, batch) if kind == "copy" else edit_prompts(target, batch)
 
 
 def breakdown_line(times: RoundTimes) -> str:
@@ -162,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request (random prompts)")
     parser.add_argument(
         "--prompts",
-        choices=("random", "edit"),
+        choices=("random", "edit", "copy"),
         default="random",
-        help="random tokens (lookup finds little), or the bundled edit conversations' first turns as uag serve "
-        "reads them (a file to change: lookup copies from it, as in an editing agent's turns)",
+        help="random tokens (lookup finds little), the bundled edit conversations' first turns as uag serve "
+        "reads them (a file to change: lookup copies from it, as in an editing agent's turns), or such a turn "
+        "followed by its own first half (the model copies it on: lookup's proposals hold, every member verifies "
+        "long drafts)",
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -219,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             f"drafter step {profile.drafter_ms:.2f} ms"
         )
     for b in args.batch:
-        ids = prompts(vocab, b, args.prompt, seed=b) if args.prompts == "random" else edit_prompts(target, b)
+        ids = batch_prompts(args.prompts, target, vocab, b, args.prompt)
         for run in runs.values():  # warm-up: compiled kernels, allocations
             run(ids)
         tps: dict[str, list[float]] = {name: [] for name in runs}

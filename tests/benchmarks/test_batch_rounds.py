@@ -54,3 +54,18 @@ def test_edit_prompts_drive_every_condition(store, capsys):
         unshare(store.get(target))
     out = capsys.readouterr().out
     assert "edit prompts" in out and "B = 2  uag-auto  passes " in out and "tokens equal to mlx_lm's: 2/2" in out
+
+
+def test_copy_prompts_are_an_edit_turn_then_its_own_first_half_and_drive_every_condition(store, capsys):
+    target = str(build_tiny("llama", "llama-3.2", seed=31, tie_embeddings=False))
+    loaded = store.get(target)
+    ids = br.copy_prompts(loaded, 23)  # past the 22 bundled: from the first again
+    turn = loaded.tokenizer.encode(br.load_conversations("edit")[0].turns[0])
+    assert ids[0] == turn + turn[: len(turn) // 2] and ids[22] == ids[0] and ids[0] != ids[1]
+    args = ["--target", target, "--batch", "2", "--prompts", "copy", "--max-tokens", "4", "--repeats", "1"]
+    try:
+        assert br.main([*args, "--auto", "--breakdown"]) == 0
+    finally:
+        unshare(loaded)
+    out = capsys.readouterr().out
+    assert "copy prompts" in out and "B = 2  uag-auto  passes " in out and "tokens equal to mlx_lm's: 2/2" in out
