@@ -209,6 +209,37 @@ def test_the_server_calls_the_engine_itself(cache):
     assert served.host.stream is uag.core.engine.stream  # not uag.api.stream, which would open auto a second time
 
 
+def test_a_host_saves_auto_evidence_at_once_alone_and_once_its_batch_has_drained_under_load(cache, no_calibration):
+    """A request's end writes its pair's evidence (a file written and renamed) only where the worker runs nothing
+    else: while others run, the write waits for the last of them, which writes every pair's newest evidence."""
+    from uag.runtime.host import Host
+    from uag.runtime.jobs import JobRunner
+
+    host = Host(ModelStore(), JobRunner(MLXWorker(name="test-evidence")), target="org/target")
+    real, busy = host.runner, SimpleNamespace(running=3, backlog=0)
+    host.runner = SimpleNamespace(worker=busy)
+    try:
+        save(calibration(SAVED, QUIET))  # the pair's costs, saved: nothing is measured
+        target, lookup = fake_target(), DrafterChoice(lookup=True)
+        loaded = Loaded(target, lookup, None)
+        key = evidence_key(target, lookup)
+        first = host.open_auto(loaded, "lookup")
+        first.evidence.expansion = 1.5  # what the first request taught
+        first.finish()
+        assert find_evidence(key) is None and host.unsaved  # others still run: nothing written yet
+        busy.running, busy.backlog = 1, 2  # alone, but requests wait to start: still later
+        host.open_auto(loaded, "lookup").finish()
+        assert find_evidence(key) is None
+        busy.backlog = 0  # the last of them ends
+        last = host.open_auto(loaded, "lookup")
+        assert last.evidence is first.evidence  # the host's one evidence per pair, in memory meanwhile
+        last.finish()
+        assert find_evidence(key).expansion == 1.5 and not host.unsaved
+    finally:
+        host.runner = real
+        real.worker.close(timeout=10)
+
+
 # --- the app's auto behaves as the CLI's --------------------------------------------------------------------------
 
 

@@ -231,6 +231,7 @@ def open_auto(
     held: dict[str, Evidence] | None = None,
     schedule: Schedule | None = None,
     keep: bool = True,
+    save: Callable[[dict | None, Evidence], None] | None = None,
 ) -> AutoInputs:
     """What an `auto` run of the pair opens from, where the caller's engine arguments `given` hold none: the
     pair's `profile`, and as `evidence` what earlier runs of the pair accepted on this machine
@@ -245,7 +246,9 @@ def open_auto(
     goes on the saved profile or none (auto then learns the costs as it runs), and `schedule(key, why)` hears
     of a missing or short profile now and of one the run found off at the end.
     `keep=False` (an ablated auto, `uag serve --auto-off`): the evidence opens from the pair's saved evidence and
-    stays in `held`; nothing is saved and the profile is not judged.
+    stays in `held`; nothing is saved and the profile is not judged. `save(key, evidence)`: how `finish` keeps it
+    (default `keep_evidence`, at once; a host batching requests defers the write while others run:
+    uag.runtime.host.Host.keep_evidence).
     """
     key = evidence_key(target, drafter)
     calibration, profile = None, given.get("profile")
@@ -271,7 +274,7 @@ def open_auto(
         return AutoInputs(profile, evidence)
 
     def finish(context: int | None = None, generated: int | None = None) -> None:
-        keep_evidence(key, evidence)
+        (save or keep_evidence)(key, evidence)
         why = None if calibration is None else judge_profile(calibration, evidence, context, generated)
         if why is None:
             return
