@@ -102,23 +102,25 @@ def test_a_member_runs_up_to_its_first_pass_then_waits(models):
 
 def test_one_round_serves_every_waiting_member_once_per_model(models):
     """One pass per member per round, grouped by model; the target's passes tell each member how they were shared
-    (size, the widest other, the whole pass's time), the drafter's tell nothing. While a member drafts with a model,
-    the target's passes wait for it, so that every member's verification shares one target pass."""
+    (size, the widest other, the whole pass's time), the drafter's tell nothing. While members draft with a model
+    (at least as many as wait on the target), the target's passes wait for them, so that every member's
+    verification shares one target pass."""
     target, drafter = models
     batch, log = Batch(max_size=4, clock=itertools.count().__next__), []
-    plans = [("a", [(target, 1), (target, 1)]), ("b", [(drafter, 3), (target, 2)]), ("c", [(target, 4)])]
+    plans = [("a", [(target, 1), (target, 1)]), ("b", [(drafter, 3), (target, 2)]), ("c", [(drafter, 2), (target, 4)])]
     jobs = joined(batch, *plans, log=log)
     a, b, c = (member(batch, jobs[n]) for n in "abc")
     batch.round()
-    assert target.inner.calls == [] and drafter.inner.calls == [(3, "b/drafter")] and b.sharing.passes == 0
+    assert target.inner.calls == [] and drafter.inner.calls == [(3, "b/drafter"), (2, "c/drafter")]
+    assert b.sharing.passes == c.sharing.passes == 0 and a.sharing.held == 1
     batch.round()
-    assert target.inner.calls == [(1, "a/target"), (4, "c/target"), (2, "b/target")]
+    assert target.inner.calls == [(1, "a/target"), (2, "b/target"), (4, "c/target")]
     assert (a.sharing.size, a.sharing.widest, a.sharing.pass_ms) == (3, 4, 1000.0)  # the clock ticks 1 s a call
     assert (c.sharing.size, c.sharing.widest) == (3, 2) and jobs["b"].done.is_set() and jobs["c"].done.is_set()
     batch.round()
     assert target.inner.calls[3:] == [(1, "a/target")] and not batch
     assert (a.sharing.passes, a.sharing.largest, b.sharing.passes, b.sharing.widest) == (2, 3, 1, 4)
-    assert [list(jobs[n]) for n in "abc"] == [[1, 1], [3, 2], [4]]
+    assert [list(jobs[n]) for n in "abc"] == [[1, 1], [3, 2], [2, 4]]
 
 
 def test_round_times_say_where_the_rounds_went():
@@ -162,6 +164,27 @@ def test_the_target_waits_for_drafting_members_at_most_hold_rounds(models):
     assert target.inner.calls == [(1, "a/target")] and jobs["a"].done.is_set()
     drained(batch)
     assert len(list(jobs["b"])) == HOLD_ROUNDS + 5
+
+
+def test_one_member_drafting_does_not_hold_more_members_waiting_on_the_target(models):
+    """The target's passes wait for drafting members only while at least as many draft as wait on the target: one
+    member drafting with a model beside two that verify (lookup) or decode plainly holds neither; two drafting beside
+    one hold it."""
+    target, drafter = models
+    batch, log = Batch(max_size=4), []
+    jobs = joined(batch, ("a", [(target, 1)]), ("b", [(drafter, 1)] * 3), ("c", [(target, 4)]), log=log)
+    batch.round()
+    assert sorted(target.inner.calls) == [(1, "a/target"), (4, "c/target")]
+    assert drafter.inner.calls == [(1, "b/drafter")] and member(batch, jobs["b"]).sharing.held == 0
+    drained(batch)
+    assert [list(jobs[n]) for n in "abc"] == [[1], [1, 1, 1], [4]]
+
+    target.inner.calls.clear(), drafter.inner.calls.clear()
+    jobs = joined(batch, ("a", [(target, 1)]), ("b", [(drafter, 1)] * 2), ("d", [(drafter, 1)] * 2), log=log)
+    batch.round()
+    assert target.inner.calls == [] and member(batch, jobs["a"]).sharing.held == 1  # two draft: a waits for them
+    drained(batch)
+    assert [list(jobs[n]) for n in "abd"] == [[1], [1, 1], [1, 1]]
 
 
 def test_a_rehearsal_does_not_hold_the_target(models):

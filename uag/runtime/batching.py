@@ -245,9 +245,12 @@ class Batch:
         makes k drafter passes before its next target pass, so a target pass served every round would hold only the
         members that happen to be between drafts (on an H200, a mean of 2 of 4 requests: docs/results.md, bd). The
         drafter's passes are the cheap ones; held until no member drafts, every member's verification shares one
-        target pass. Reads are never held, nor a parked member's rehearsal (its next target pass verifies nothing),
-        nor a target pass for more than HOLD_ROUNDS rounds in a row (a model one pair drafts with may be another's
-        target).
+        target pass. They are held only while at least as many members draft as wait on the target: one member
+        drafting with a model beside members that copy with lookup or decode plainly would hold them all through its
+        k drafter passes a cycle, to save one target pass (on an H200, one chat request's 15 model cycles held the
+        three beside it through ~2.5 s of a 13 s serving profile: docs/results.md, cz). Reads are never held, nor a
+        parked member's rehearsal (its next target pass verifies nothing), nor a target pass for more than HOLD_ROUNDS
+        rounds in a row (a model one pair drafts with may be another's target).
 
         On a GPU, a pass of one token a row on the kept caches (members decoding plainly, a drafter's steps) is
         queued rather than waited for, as mlx-lm's generate_step and BatchGenerator queue their next step: each member
@@ -264,11 +267,17 @@ class Batch:
                 served.append((member, None, RuntimeError(LOST)))
             else:
                 by_model.setdefault(id(waiting.model), []).append(member)
-        drafting = self.held < HOLD_ROUNDS and any(
+        drafters = sum(
             self.waiting[m].model.role != "target" and self.waiting[m].width <= READ and not m.sharing.rehearsing
             for members in by_model.values()
             for m in members
         )
+        ready = sum(
+            self.waiting[m].model.role == "target" and self._decodes(self.waiting[m])
+            for members in by_model.values()
+            for m in members
+        )
+        drafting = self.held < HOLD_ROUNDS and drafters > 0 and drafters >= ready
         self.held = self.held + 1 if drafting else 0
         for members in by_model.values():
             held = drafting and self.waiting[members[0]].model.role == "target"
