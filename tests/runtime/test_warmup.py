@@ -52,6 +52,22 @@ def test_the_warm_up_runs_batched_passes_of_both_models_and_leaves_nothing_behin
     assert generate(target, drafter, [5, 6, 7, 8] * 4, GenerationConfig(k=3, max_tokens=12)).token_ids == before
 
 
+def test_the_warm_up_drafts_with_the_model_as_auto_does_as_well_as_with_fixed_k(shared_pair, monkeypatch):
+    """One of its model runs drafts under a stop rule (what auto's drafts compute: each draft's chance), the other
+    with fixed k: both kinds of drafter pass are built before a request needs them."""
+    from uag.core.drafters import ModelDrafter
+
+    target, drafter = shared_pair
+    kinds: list[str] = []
+    draft, until = ModelDrafter._draft, ModelDrafter._draft_until
+    monkeypatch.setattr(ModelDrafter, "_draft", lambda self, k: kinds.append("fixed") or draft(self, k))
+    monkeypatch.setattr(
+        ModelDrafter, "_draft_until", lambda self, k, stop: kinds.append("until") or until(self, k, stop)
+    )
+    warm_batch(target, drafter)
+    assert "fixed" in kinds and "until" in kinds
+
+
 def test_the_warm_up_compacts_kept_caches_and_reads_a_tree_once(shared_pair, monkeypatch):
     """What a batch does now and then, which a short made-up batch may never need, runs at start too."""
     target, drafter = shared_pair

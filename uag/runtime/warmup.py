@@ -4,8 +4,9 @@ MLX's CUDA backend compiles many of its kernels when a graph first needs them (a
 for the next process). On a machine that has not compiled them yet, the first requests that run together paid for it,
 their first turns stalling for seconds, and auto learned its costs from such timings (docs/results.md, bs;
 uag.core.evidence.OUTLIER). `warm_batch` runs the kinds of pass a server's batch runs — prompts read together, plain
-steps on the kept caches, lookup and model drafts verified beside them, the caches trimmed and handed back — in a batch
-of its own, on made-up prompts, with fixed k (nothing learned, no shared index touched), then what kept caches do now
+steps on the kept caches, lookup and model drafts verified beside them (one drafting under a stop rule, as auto does),
+the caches trimmed and handed back — in a batch of its own, on made-up prompts, with fixed k (nothing learned, no
+shared index touched), then what kept caches do now
 and then (`warm_kept_caches`: a tree's path kept, holes compacted), before the server takes requests. It does not
 cover every shape a request brings (docs/results.md, bt: one first-turn edit still stalled after it). Where kernels are
 built ahead of time (the CPU backend) it does not run (`compiles_at_first_use`).
@@ -18,14 +19,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from uag.core.config import GenerationConfig
 from uag.core.drafters import DrafterChoice
-from uag.core.engine import generate
+from uag.core.engine import Seams, generate
+from uag.core.evidence import MODEL
 from uag.core.kept_caches import KeptCaches, trees_fit
 from uag.core.passes import keep_path, prefill, trim_to
+from uag.core.policy import FixedK, StopRule
 from uag.core.verify import Tree
 from uag.models.store import LoadedModel
 from uag.runtime.batching import Batch, Cancelled, SharedModel
@@ -60,17 +64,17 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
     if not isinstance(target.model, SharedModel):
         raise ValueError("warm_batch runs a batch: the target must be shared (uag.runtime.batching.share)")
     fixed = GenerationConfig("context", k=4, k_policy="fixed", max_tokens=TOKENS)
-    runs: list[tuple[DrafterChoice | LoadedModel | None, GenerationConfig]] = [
-        (None, fixed.replace(strategy="baseline")),
-        (DrafterChoice(lookup=True), fixed),
+    runs: list[tuple[DrafterChoice | LoadedModel | None, GenerationConfig, Seams | None]] = [
+        (None, fixed.replace(strategy="baseline"), None),
+        (DrafterChoice(lookup=True), fixed, None),
     ]
-    if drafter is not None:  # two, so that the drafter's passes run batched too
-        runs += [(drafter, fixed), (drafter, fixed)]
+    if drafter is not None:  # two, so that the drafter's passes run batched too; one drafts as auto does
+        runs += [(drafter, fixed, None), (drafter, fixed, Seams(policy=UntilK(fixed.k)))]
     prompts = [target.tokenizer.encode(copy_prompt(i)) for i in range(len(runs))]
 
     def request(job: Job, i: int):
-        choice, config = runs[i]
-        generate(target, choice, prompts[i], config)
+        choice, config, seams = runs[i]
+        generate(target, choice, prompts[i], config, seams=seams)
         yield i
 
     tic = time.perf_counter()
@@ -84,6 +88,18 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
     if finished:
         warm_kept_caches(target, prompts[0][:64])
     return time.perf_counter() - tic
+
+
+@dataclass
+class UntilK(FixedK):
+    """Fixed k, its model drafts made under a stop rule that never stops early: what auto's drafts compute and fixed
+    k's do not (the drafter's distribution and its chance of each draft: uag.core.drafters.ModelDrafter._draft_until).
+    Left out of the warm-up, a server's first request drafting with the model under auto builds those kernels: on an
+    H200 the first chat wave, where the first model drafts ran, took 3.6–5.4 s against 0.8 s for the second
+    (docs/results.md, cz)."""
+
+    def stop_rule(self, source: str, k: int) -> StopRule | None:
+        return (lambda confidence: None) if source == MODEL else None
 
 
 def warm_kept_caches(target: LoadedModel, ids: list[int]) -> None:
