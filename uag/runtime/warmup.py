@@ -6,10 +6,10 @@ their first turns stalling for seconds, and auto learned its costs from such tim
 uag.core.evidence.OUTLIER). `warm_batch` runs the kinds of pass a server's batch runs — prompts read together, plain
 steps on the kept caches, lookup and model drafts verified beside them (one drafting under a stop rule, as auto does),
 the caches trimmed and handed back — in a batch of its own, on made-up prompts, with fixed k (nothing learned, no
-shared index touched), then what kept caches do now
-and then (`warm_kept_caches`: a tree's path kept, holes compacted), before the server takes requests. It does not
-cover every shape a request brings (docs/results.md, bt: one first-turn edit still stalled after it). Where kernels are
-built ahead of time (the CPU backend) it does not run (`compiles_at_first_use`).
+shared index touched), then what kept caches do now and then (`warm_kept_caches`: a tree's path kept, holes
+compacted), before the server takes requests. It does not cover every shape a request brings (docs/results.md, bt:
+one first-turn edit still stalled after it). Where kernels are built ahead of time (the CPU backend) it does not run
+(`compiles_at_first_use`).
 
     warm_batch(target, drafter_model)   # seconds it took
 """
