@@ -729,6 +729,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the concurrency benchmark (benchmarks/serve_many.py): C requests at once, each C a level, e.g. 1 2 4 8",
     )
     parser.add_argument("--plot", metavar="PATH", help="with --concurrency: aggregate tokens/s against it, as PNG")
+    parser.add_argument(
+        "--py-spy",
+        action="store_true",
+        help="with --concurrency: py-spy on each uag server through its waves; where its MLX worker's time went "
+        "(benchmarks/worker_profile.py; needs py-spy and the right to attach)",
+    )
     args = parser.parse_args(argv)
     if args.summarize:
         path = Path(args.summarize)

@@ -33,6 +33,7 @@ from typing import TypeVar
 import httpx
 import near_ties  # benchmarks/near_ties.py, beside this module: where a reply differs, near-tie or bug
 import openai
+import worker_profile  # benchmarks/worker_profile.py, beside this module: --py-spy
 from serving import (  # benchmarks/serving.py, beside this module (serve.py runs this one; its folder is on sys.path)
     REQUEST_S,
     WARM_UP,
@@ -211,24 +212,48 @@ def level(
         say(f"{condition.name} C={concurrency}: up in {server.startup_s:.0f} s, OpenBLAS mapped: {server.openblas}")
         jobs = [(client.edit, wave, group) for wave, group in enumerate(waves(edit, concurrency))]
         jobs += [(client.chat, wave, group) for wave, group in enumerate(waves(chat, concurrency))]
-        for run, wave, group in jobs:
-            before = round_times(server.url) if condition.server == "uag" else None
-            try:
-                sents = run(group)
-            except openai.APIError as err:
-                raise SystemExit(f"{condition.name} C={concurrency}: {err}\n{server.tail()}") from err
-            rows = [request_row(condition, repeat, concurrency, wave, s) for s in sents]
-            for r in rows:
-                write(r)
-            if before is not None:  # where the server's batch rounds spent this wave's time (GET /metrics)
-                write(
-                    rounds_row(
-                        condition, repeat, concurrency, wave, rows[0]["workload"], before, round_times(server.url)
-                    )
-                )
-            for name in dict.fromkeys(filter(None, map(workload_of, rows))):
-                s = Stats.of(r for r in rows if workload_of(r) == name)
-                say(f"  {name} wave {wave + 1}: {s.tokens} tokens in {s.wall_s:.1f} s, {fmt(s.tps, '.2f')} tokens/s")
+        spy = log.with_suffix(".spy.txt") if getattr(args, "py_spy", False) and condition.server == "uag" else None
+        recorder = worker_profile.record(server.proc.pid, spy) if spy is not None else None
+        try:
+            waves_of(condition, concurrency, repeat, server, client, jobs, write)
+        finally:
+            if recorder is not None:  # where the worker's time went through the waves (py-spy)
+                failed = worker_profile.stop(recorder)
+                summary = worker_profile.summarize(spy)
+                at = {"kind": "worker_profile", "condition": condition.name, "repeat": repeat}
+                write({**at, "concurrency": concurrency, "error": failed, **summary})
+                for line in worker_profile.say(summary):
+                    say(f"  {line}")
+                if failed:
+                    say(f"  py-spy: {failed}")
+
+
+def waves_of(
+    condition: Condition,
+    concurrency: int,
+    repeat: int,
+    server: Server,
+    client: Client,
+    jobs: list,
+    write: Callable[[dict], None],
+) -> None:
+    """Every wave of a level on its server: its rows, and where a uag server's batch rounds went in each."""
+    for run, wave, group in jobs:
+        before = round_times(server.url) if condition.server == "uag" else None
+        try:
+            sents = run(group)
+        except openai.APIError as err:
+            raise SystemExit(f"{condition.name} C={concurrency}: {err}\n{server.tail()}") from err
+        rows = [request_row(condition, repeat, concurrency, wave, s) for s in sents]
+        for r in rows:
+            write(r)
+        if before is not None:  # where the server's batch rounds spent this wave's time (GET /metrics)
+            write(
+                rounds_row(condition, repeat, concurrency, wave, rows[0]["workload"], before, round_times(server.url))
+            )
+        for name in dict.fromkeys(filter(None, map(workload_of, rows))):
+            s = Stats.of(r for r in rows if workload_of(r) == name)
+            say(f"  {name} wave {wave + 1}: {s.tokens} tokens in {s.wall_s:.1f} s, {fmt(s.tps, '.2f')} tokens/s")
 
 
 # --- the summary (from rows alone) ---------------------------------------------------------------------------------
