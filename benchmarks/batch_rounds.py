@@ -62,7 +62,7 @@ from uag.models.store import LoadedModel, ModelStore
 from uag.runtime.batching import Batch, RoundTimes, share, sharing_now
 from uag.runtime.worker import Job
 from uag.server.chat import render
-from uag.study.datasets import load_conversations
+from uag.study.datasets import Conversation, load_conversations
 
 
 @dataclasses.dataclass
@@ -84,12 +84,8 @@ def copy_prompts(target: LoadedModel, batch: int) -> list[list[int]]:
     their middle, one a request: the model goes on writing the text out again, as a model writing a file back
     copies it, so that prompt lookup's proposals hold and every member verifies long drafts round after round.
     What speculating costs a batch where it pays most."""
-    conversations = load_conversations("edit")
-    out = []
-    for i in range(batch):
-        ids = target.tokenizer.encode(conversations[i % len(conversations)].turns[0])
-        out.append(ids + ids[: len(ids) // 2])
-    return out
+    turns = [target.tokenizer.encode(conversation.turns[0]) for conversation in edit_conversations(batch)]
+    return [ids + ids[: len(ids) // 2] for ids in turns]
 
 
 def edit_prompts(target: LoadedModel, batch: int) -> list[list[int]]:
@@ -97,8 +93,13 @@ def edit_prompts(target: LoadedModel, batch: int) -> list[list[int]]:
     reads them (`uag.server.chat.render`: the target's chat template, or the messages' text without one), one a
     request (past the last, from the first again): where lookup copies, as in an editing agent's turns. Prompts
     differ in length."""
+    return [render(target.tokenizer, conversation.messages([])) for conversation in edit_conversations(batch)]
+
+
+def edit_conversations(batch: int) -> list[Conversation]:
+    """The bundled `edit` conversations, one a request: past the last, from the first again."""
     conversations = load_conversations("edit")
-    return [render(target.tokenizer, conversations[i % len(conversations)].messages([])) for i in range(batch)]
+    return [conversations[i % len(conversations)] for i in range(batch)]
 
 
 def batch_prompts(kind: str, target: LoadedModel, vocab: int, batch: int, length: int) -> list[list[int]]:
