@@ -247,8 +247,7 @@ class Batch:
         drafter's passes are the cheap ones; held until no member drafts, every member's verification shares one
         target pass. They are held only while at least as many members draft as wait on the target: one member
         drafting with a model beside members that copy with lookup or decode plainly would hold them all through its
-        k drafter passes a cycle, to save one target pass (on an H200, one chat request's 15 model cycles held the
-        three beside it through ~2.5 s of a 13 s serving profile: docs/results.md, cz). Reads are never held, nor a
+        k drafter passes a cycle, to save one target pass (docs/results.md, cz). Reads are never held, nor a
         parked member's rehearsal (its next target pass verifies nothing), nor a target pass for more than HOLD_ROUNDS
         rounds in a row (a model one pair drafts with may be another's target).
 

@@ -255,11 +255,11 @@ class Host:
 
     def keep_evidence(self, key: dict | None, evidence: Evidence) -> None:
         """Save a pair's evidence for the next process (uag.costs.pair.keep_evidence): at once where the worker runs
-        nothing else, else once the requests running together have drained (the last of them to end writes
-        every pair's). A file written and renamed on the worker thread stalls every member of a batch: ~40 ms a
-        request on the H200 machine's file system, 7 % of a C = 4 benchmark's serving (docs/results.md, cz).
-        Meanwhile the evidence is the host's, in memory (`evidence`): what the next request opens from; a server
-        stopped before its batch drained leaves the newest lessons unsaved (the next process learns them again)."""
+        nothing else, else once the requests running together have drained (the last of them to end writes every
+        pair's). A file written and renamed on the worker thread stalls every member of a batch (docs/results.md,
+        cz). Meanwhile the evidence is the host's, in memory (`evidence`): what the next request opens from; a
+        server stopped before its batch drained leaves the newest lessons unsaved (the next process learns them
+        again)."""
         if key is None:
             return
         self.unsaved[json.dumps(key, sort_keys=True)] = (key, evidence)

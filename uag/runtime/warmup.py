@@ -94,9 +94,8 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
 class UntilK(FixedK):
     """Fixed k, its model drafts made under a stop rule that never stops early: what auto's drafts compute and fixed
     k's do not (the drafter's distribution and its chance of each draft: uag.core.drafters.ModelDrafter._draft_until).
-    Left out of the warm-up, a server's first request drafting with the model under auto builds those kernels: on an
-    H200 the first chat wave, where the first model drafts ran, took 3.6–5.4 s against 0.8 s for the second
-    (docs/results.md, cz)."""
+    Left out of the warm-up, a server's first request drafting with the model under auto builds those kernels, and
+    the requests batched with it wait (docs/results.md, cz)."""
 
     def stop_rule(self, source: str, k: int) -> StopRule | None:
         return (lambda confidence: None) if source == MODEL else None
