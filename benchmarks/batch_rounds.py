@@ -18,7 +18,7 @@ generate exactly `--max-tokens` per request. Conditions run interleaved, `--repe
   speculating costs a batch, as in an editing agent's turns (the demo target, a base model, rewrites little of the
   file in a first turn, so auto mostly parks there too). With `--prompts copy` each request is such a turn followed
   by its own first half: the model writes it out again, lookup's proposals hold, and every member verifies long
-  drafts round after round (on an H200, 4 at once ran 2.3x one alone: docs/results.md, cz).
+  drafts round after round (docs/results.md, cz).
 
 `--breakdown` says where each uag condition's rounds spend their milliseconds (the batch's own `RoundTimes`, as
 `uag serve`'s /metrics reports them: wall clock and the worker's CPU); `--profile N` prints the N functions each
