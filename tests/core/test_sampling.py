@@ -18,7 +18,7 @@ from uag.core.config import FIELDS, SAMPLING_FIELDS, GenerationConfig
 from uag.core.drafters import DrafterChoice, make_drafter
 from uag.core.engine import PromptCaches, Seams, generate, prompt_ids
 from uag.core.policy import FixedK
-from uag.core.sampling import PENALTY_CONTEXT, TargetSampling
+from uag.core.sampling import PENALTY_CONTEXT, TargetSampling, greedy_ids
 from uag.core.verify import IdMap, accept_rejection, draft_distribution
 from uag.errors import InputError
 
@@ -128,6 +128,36 @@ def test_the_distribution_is_zero_outside_the_cut_and_a_top_k_past_the_vocabular
     everything = np.array(wide.distribution(logits))
     np.testing.assert_allclose(everything, np.array(mx.softmax(logits, axis=-1)), rtol=1e-5)
     assert wide.sampler(logits).shape == (3,)  # mlx-lm's apply_top_k would refuse 1000 > 40
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_greedy_ids_are_the_argmax_of_the_log_probabilities_or_none(dtype):
+    """Random rows (with exact ties planted) give mlx-lm's greedy choice; a row whose top logit has a neighbour the
+    subtraction could merge with it gives None: bfloat16 0.01 above zeros over 262,144 ids is a tie at -log V, where
+    the logits' own argmax (7) is not the log-probabilities' (0); half precision's slack holds it too; float32's
+    does not, and there 7 is the answer."""
+    mx.random.seed(3)
+    rows = (mx.random.normal((16, 50_000)) * 4).astype(dtype)
+    rows[mx.arange(16), mx.random.randint(0, 50_000, (16,))] = 30.0  # a clear top (past half precision's slack)
+    rows[2, 9] = rows[2, 40_000] = 30.0  # an exact tie: both sides take the first
+    expected = mx.argmax(rows - mx.logsumexp(rows, axis=-1, keepdims=True), axis=-1).tolist()
+    assert greedy_ids(rows) == expected and expected[2] == 9
+    merged = mx.zeros((1, 262_144), dtype=dtype)
+    merged[0, 7] = 0.01
+    if dtype == mx.bfloat16:
+        assert mx.argmax(merged - mx.logsumexp(merged, axis=-1, keepdims=True), axis=-1).item() == 0
+    assert greedy_ids(merged) == ([7] if dtype == mx.float32 else None)  # float32: 0.01 is far past its slack
+    assert greedy_ids(mx.array([[0.0, float("nan"), 1.0]], dtype=dtype)) is None
+
+
+def test_ids_take_the_whole_path_where_the_shortcut_cannot_answer_and_only_for_mlx_lms_greedy_sampler():
+    merged = mx.zeros((2, 262_144), dtype=mx.bfloat16)
+    merged[:, 7] = 0.01
+    greedy = TargetSampling.of(GenerationConfig())
+    assert greedy.greedy and greedy.ids(merged) == [0, 0] == greedy.choose(merged).tolist()
+    last = TargetSampling.of(GenerationConfig(), sampler=lambda x: mx.full(x.shape[:-1], x.shape[-1] - 1))
+    assert not last.greedy and last.ids(merged) == [262_143, 262_143]  # a custom sampler is asked, never bypassed
+    assert not TargetSampling.of(GenerationConfig(temperature=0.7)).greedy
 
 
 @pytest.mark.parametrize("penalty", PENALTIES)

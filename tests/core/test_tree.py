@@ -202,7 +202,7 @@ def test_verify_tree_keeps_the_second_branch_where_the_target_writes_it(tiny):
     logits = tiny.model(mx.array([42])[None], cache=filled(tiny, PREFIX))[0, -1]
     follows = int(mx.argmax(logits).item())  # what the target writes after the pending token 42
     wrong = (follows + 1) % 1000
-    verdict = verify_tree(tiny.model, cache, 42, [[wrong, 3], [follows, 4]], sampling.choose)
+    verdict = verify_tree(tiny.model, cache, 42, [[wrong, 3], [follows, 4]], sampling.ids)
     assert verdict.branch == 1 and verdict.path == [2]
     assert cache[0].offset == len(PREFIX) + 2
     direct = filled(tiny, [*PREFIX, 42, follows])

@@ -119,6 +119,25 @@ def test_the_memory_check_counts_what_a_budget_would_unload(tiny):
             check_memory(budgeted, [("target", str(m2), None)], available=free)
 
 
+def test_the_memory_check_reads_nothing_when_every_model_is_loaded(tiny, monkeypatch):
+    """A server checks at every request: with its pair in memory, no header is read (nothing could fail to fit);
+    with one model still to load, all are counted again."""
+    from uag.models import loading, memory
+    from uag.models.loading import check_memory
+
+    _, (m0, m1, m2) = tiny
+    store = ModelStore()
+    store.get(str(m0))
+    store.get(str(m1))
+    read = []
+    monkeypatch.setattr(memory, "model_bytes", lambda folder, dtype=None: read.append(folder) or 1)
+    check_memory(store, [("target", str(m0), None), ("drafter", str(m1), None), ("drafter", None, None)], available=0)
+    assert read == []
+    with pytest.raises(ModelError, match="cannot load the target"):
+        check_memory(store, [("target", str(m2), None), ("drafter", str(m1), None)], available=0)
+    assert len(read) == 2 and loading.memory is memory
+
+
 def test_fewer_than_two_models_cannot_hold_a_pair():
     with pytest.raises(ValueError, match="at least 2"):
         ModelStore(max_models=1)

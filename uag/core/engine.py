@@ -210,7 +210,7 @@ class Speculation:
         where uag.core.passes.tree_ready); each position picked as the target alone would pick it there."""
         proposed, branches = draft.proposed, [draft.proposed, *draft.branches]
         if draft.branches and tree_ready(self.target.model, self.cache, self.sampling, batched=self.batched):
-            tree = verify_tree(self.target.model, self.cache, self.committed[-1], branches, self.sampling.choose)
+            tree = verify_tree(self.target.model, self.cache, self.committed[-1], branches, self.sampling.ids)
             draft.proposed, draft.nodes, self.seen = branches[tree.branch], tree.nodes, self.seen + 1 + len(tree.path)
             return tree.verdict
         draft.branches = []  # verified alone
@@ -221,7 +221,7 @@ class Speculation:
             p = self.sampling.distribution(logits)
             verdict = accept_rejection(p, draft.q, draft.usable, proposed, draft.id_map)
         else:
-            verdict = accept_greedy(proposed, self.sampling.choose(logits).tolist())
+            verdict = accept_greedy(proposed, self.sampling.ids(logits))
         settle_allocator()
         return verdict
 

@@ -263,10 +263,10 @@ def tree_ready(model, cache: list, sampling, *, batched: bool = False) -> bool:
     return fits and len(model.layers) == len(cache)
 
 
-def verify_tree(model, cache: list, pending: int, proposals: Sequence[Sequence[int]], choose) -> TreeVerdict:
+def verify_tree(model, cache: list, pending: int, proposals: Sequence[Sequence[int]], pick) -> TreeVerdict:
     """One target pass over the pending token and every proposal, merged into a tree; the target's choice per row
-    (`choose`: TargetSampling.choose) walks it (uag.core.verify.accept_tree), and the cache is left holding the
-    pending token and the kept nodes, as if it had read them alone (`keep_path`).
+    (`pick`: TargetSampling.ids) walks it (uag.core.verify.accept_tree), and the cache is left holding the pending
+    token and the kept nodes, as if it had read them alone (`keep_path`).
 
     Example: pending 7, proposals [[5, 6], [5, 8]] -> one pass over [7, 5, 6, 8]; the target choosing 5 then 8:
              path [0, 2] (5, 8), cache + [7, 5, 8], branch 1
@@ -274,7 +274,7 @@ def verify_tree(model, cache: list, pending: int, proposals: Sequence[Sequence[i
     tree = Tree.of(proposals)
     read = cache[0].offset
     logits = tree_pass(model, cache, pending, tree)[0]
-    verdict = accept_tree(tree, choose(logits).tolist())
+    verdict = accept_tree(tree, pick(logits))
     keep_path(cache, read + 1, verdict.path)
     settle_allocator()
     return verdict

@@ -73,15 +73,20 @@ def check_memory(store, models: Sequence[tuple[str, str | None, str | None]], *,
     are not here yet (a hub id not downloaded, an offline model not converted) is not counted. `available`
     replaces what this machine has free (tests).
     """
-    needs = []
+    named = []
     for role, name, dtype in models:
-        if not name:
-            continue
+        if name:
+            with user_facing_load_errors(role, name):
+                named.append((role, name, dtype, store.has(name, dtype)))
+    if all(loaded for *_, loaded in named):
+        return  # all in memory: nothing to load, nothing to fit (a server asks at every request)
+    needs = []
+    for role, name, dtype, loaded in named:
         with user_facing_load_errors(role, name):
             identity, dtype = store.key(name, dtype)
             folder = local_folder(identity)
             if folder is not None:
-                needs.append(memory.Need(role, name, dtype, memory.model_bytes(folder, dtype), store.has(name, dtype)))
+                needs.append(memory.Need(role, name, dtype, memory.model_bytes(folder, dtype), loaded))
     available = memory.available_bytes() if available is None else available
     if available is not None:  # a store with a budget unloads its least recently used models to make room first
         keep = [name for _, name, _ in models if name]

@@ -55,8 +55,10 @@ class LoadedModel:
         """Bytes of all parameters as loaded (quantized weights count packed): the cost model's r."""
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
-    @property
+    @cached_property
     def dtype(self) -> str:
+        """The loaded weights' float dtypes ("float32", "4-bit (bfloat16)"…), found once: a server reads it at every
+        request (the keys of auto's profiles and evidence)."""
         dtypes = {v.dtype for _, v in tree_flatten(self.model.parameters())}
         floats = sorted(str(d).removeprefix("mlx.core.") for d in dtypes if mx.issubdtype(d, mx.floating))
         quant = self.config.get("quantization") or self.config.get("quantization_config")
