@@ -94,6 +94,7 @@ from serving import (  # benchmarks/serving.py: what this script shares with ser
     conditions,
     fmt,
     folder,
+    joined,
     row,
     rows_file,
     say,
@@ -703,7 +704,13 @@ def main(argv: list[str] | None = None) -> int:
         "request by request; uag:off shares the uag server; the weights must fit in memory together)",
     )
     parser.add_argument("--out", help="the rows, one JSON object per line (default serve-<date-time>.jsonl)")
-    parser.add_argument("--summarize", metavar="ROWS", help="print the summary of a rows file and exit")
+    parser.add_argument(
+        "--summarize",
+        metavar="ROWS",
+        nargs="+",
+        help="print the summary of a rows file and exit; several files: their runs summarised together (each "
+        "file's repeats numbered after the ones before it)",
+    )
     parser.add_argument(
         "--classify",
         action="store_true",
@@ -737,8 +744,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.summarize:
-        path = Path(args.summarize)
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        paths = [Path(p) for p in args.summarize]
+        if args.classify and len(paths) > 1:
+            parser.error("--classify appends to its rows file: give it one")
+        path = paths[0]
+        rows = joined([[json.loads(line) for line in p.read_text().splitlines() if line.strip()] for p in paths])
         many = any(r.get("kind") == "request" for r in rows)  # rows of --concurrency
         if args.classify:  # the verdicts the rows lack, appended to them
             meta = next((r for r in rows if r.get("kind") == "meta"), {})

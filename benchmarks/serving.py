@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from importlib import metadata
@@ -395,6 +395,40 @@ def rows_file(out: Path, meta: dict) -> Iterator[tuple[list[dict], Callable[[dic
 
         f.write(json.dumps(meta, ensure_ascii=False) + "\n")
         yield rows, write
+
+
+def joined(files: Sequence[list[dict]]) -> list[dict]:
+    """Several rows files' rows as one run's: each file's repeats numbered after the files' before it, the first
+    file's meta kept with every file's repeats counted (runs made one command at a time, as a device's time limit
+    asks, summarised together).
+
+    Example: two files of repeats 0-1 and 0 -> rows of repeats 0, 1 and 2, one meta with "repeats": 3
+    """
+    out: list[dict] = []
+    meta: dict | None = None
+    offset = 0
+    for rows in files:
+        seen = [r["repeat"] for r in rows if isinstance(r.get("repeat"), int)]
+        for r in rows:
+            if r.get("kind") == "meta":
+                meta = meta or dict(r)
+                continue
+            out.append(shifted(r, offset))
+        offset += max(seen) + 1 if seen else 0
+    if meta is None:
+        return out
+    return [{**meta, "repeats": offset or meta.get("repeats")}, *out]
+
+
+def shifted(r: dict, by: int) -> dict:
+    """A row with its repeat, and the repeats of where it was compared (a near-tie verdict's), moved on by `by`."""
+    out = dict(r)
+    if isinstance(r.get("repeat"), int):
+        out["repeat"] = r["repeat"] + by
+    for key in ("where", "reference_where"):
+        if isinstance(r.get(key), dict) and isinstance(r[key].get("repeat"), int):
+            out[key] = {**r[key], "repeat": r[key]["repeat"] + by}
+    return out
 
 
 def version(package: str) -> str | None:

@@ -187,26 +187,50 @@ def test_levels_report_edit_turns_2_3_and_chat_per_condition_and_concurrency():
     assert stats[("mlx_lm", sm.EDIT, 1)].tokens == 30  # turn 1 is in the rows only
 
 
-def test_targets_compare_batched_uag_with_mlx_lm_and_its_serial_self():
-    rows = [
-        *at("uag:lookup", "edit", 4, 30.0, ttft=1.0),
-        *at("uag:lookup:serial", "edit", 4, 20.0, ttft=4.0),
-        *at("mlx_lm", "edit", 4, 10.0),
-        *at("uag:lookup", "chat", 4, 9.0, turn=1),
-        *at("mlx_lm", "chat", 4, 10.0, turn=1),
-        *at("uag:off", "chat", 4, 9.6, turn=1),
-        *at("uag:lookup", "chat", 1, 9.8, turn=1),
-        *at("uag:lookup:serial", "chat", 1, 10.0, turn=1),
-    ]
-    found = {what: (value, goal, met) for what, value, goal, met in sm.targets(sm.levels(rows))}
-    assert found["C=4 edit t2-3 tokens/s, uag:lookup / mlx_lm"] == (pytest.approx(3.0), ">= 3x", True)
-    assert found["C=4 edit t2-3 tokens/s, uag:lookup / uag:lookup:serial"] == (pytest.approx(1.5), ">= 2x", False)
-    assert found["C=4 chat tokens/s, uag:lookup / mlx_lm"] == (pytest.approx(0.9), ">= 1x", False)
-    assert found["C=4 chat tokens/s, uag:off / mlx_lm"] == (pytest.approx(0.96), ">= 0.95x", True)
-    assert found["C=1 chat tokens/s, uag:lookup / uag:lookup:serial"] == (pytest.approx(0.98), ">= 0.97x", True)
-    assert found["C=4 edit t2-3 p95 TTFT, uag:lookup / uag:lookup:serial"] == (0.25, "<= 0.5x", True)
-    assert found["C=1 edit t2-3 tokens/s, uag:lookup / uag:lookup:serial"] == (None, ">= 0.97x", None)
-    assert not any("uag:lookup:serial /" in what or "uag:off / uag" in what for what in found)
+def run(condition, workload, concurrency, tps, repeat, *, turn=2) -> dict:
+    """One run's wave of one request whose aggregate tokens/s is `tps` (100 tokens)."""
+    return request(condition, workload, concurrency, done=100 / tps, tokens=100, turn=turn, repeat=repeat)
+
+
+def test_runs_give_each_levels_tokens_per_second_per_repeat_and_the_spread_is_the_farthest_from_the_median():
+    rows = [run("uag:lookup", "edit", 4, tps, r) for r, tps in enumerate((80.0, 100.0, 130.0))]
+    rows += [run("mlx_lm", "chat", 4, 50.0, 1, turn=1), request("mlx_lm", "edit", 4, turn=1, repeat=0)]
+    assert sm.runs(rows) == {
+        ("uag:lookup", sm.EDIT, 4): [pytest.approx(80.0), pytest.approx(100.0), pytest.approx(130.0)],
+        ("mlx_lm", sm.CHAT, 4): [pytest.approx(50.0)],
+    }
+    assert sm.spread([80.0, 100.0, 130.0]) == pytest.approx(0.3) and sm.spread([]) is None
+    lines = sm.medians_lines(sm.runs(rows))
+    assert any(line.startswith("uag:lookup") and "100.0  (80.0, 100.0, 130.0)  ±30%" in line for line in lines)
+
+
+def test_targets_are_issue_52s_on_medians_over_runs_for_a_gpu_and_for_a_cpu():
+    per_run = {
+        ("uag:lookup", sm.EDIT, 4): [300.0, 250.0, 280.0],  # median 280
+        ("mlx_lm", sm.EDIT, 4): [100.0, 110.0, 120.0],  # 110: 2.55x
+        ("uag:lookup:serial", sm.EDIT, 4): [200.0],  # 1.4x
+        ("uag:lookup", sm.CHAT, 8): [95.0, 99.0, 100.0],
+        ("mlx_lm", sm.CHAT, 8): [100.0, 100.0, 100.0],  # 0.99x
+        ("uag:off", sm.CHAT, 8): [98.0, 98.0, 98.0],
+        ("uag:lookup", sm.CHAT, 1): [9.8],
+        ("uag:lookup:serial", sm.CHAT, 1): [10.0],
+    }
+    gpu = {what: (value, goal, met) for what, value, goal, met in sm.targets(per_run, gpu=True)}
+    assert gpu["C=4 edit t2-3 tokens/s, uag:lookup / mlx_lm"] == (pytest.approx(280 / 110), ">= 2.5x", True)
+    assert gpu["C=4 edit t2-3 tokens/s, uag:lookup / uag:lookup:serial"] == (pytest.approx(1.4), ">= 1.5x", False)
+    assert gpu["C=8 chat tokens/s, uag:lookup / mlx_lm"] == (pytest.approx(0.99), ">= 1x", False)
+    assert gpu["C=8 chat tokens/s, uag:off / mlx_lm"] == (pytest.approx(0.98), ">= 1x", False)
+    assert gpu["C=1 chat tokens/s, uag:lookup / uag:lookup:serial"] == (pytest.approx(0.98), ">= 0.97x", True)
+    assert gpu["C=8 edit t2-3 tokens/s, uag:lookup / mlx_lm"] == (None, ">= 2.5x", None)
+    spread = next(key for key in gpu if key.startswith("runs within"))
+    assert "uag:lookup edit t2-3 C=4" in spread and gpu[spread] == (pytest.approx(30 / 280), "<= 0.15", True)
+    cpu = {what: (value, goal, met) for what, value, goal, met in sm.targets(per_run, gpu=False)}
+    assert cpu["C=4 edit t2-3 tokens/s, uag:lookup / mlx_lm"][1:] == (">= 2x", True)
+    assert cpu["C=8 chat tokens/s, uag:off / mlx_lm"] == (pytest.approx(0.98), ">= 0.97x", True)
+    assert not any("/ uag:lookup:serial" in what and what.startswith("C=4") for what in cpu)  # a GPU target only
+    assert not any(
+        what.startswith(("C=1 chat tokens/s, uag:off", "C=4 edit t2-3 tokens/s, uag:lookup:serial")) for what in gpu
+    )
 
 
 def test_lossless_compares_the_same_request_with_uag_off():
@@ -233,9 +257,9 @@ def test_summary_prints_a_line_per_level_and_each_verdict():
     text = sm.summary(rows)
     assert "demo-target" in text and "2026-11-27" in text
     lines = text.splitlines()
-    assert sum(line.startswith(("uag:lookup ", "mlx_lm ", "uag:off ")) for line in lines) == 3
+    assert sum(line.startswith(("uag:lookup ", "mlx_lm ", "uag:off ")) for line in lines) == 6  # table, medians
     assert any("uag:lookup / mlx_lm" in line and "1.50x" in line and "NOT met" in line for line in lines)
-    assert any("uag:lookup / uag:lookup:serial" in line and "not measured" in line for line in lines)
+    assert any("a level has 1 run(s), and a verdict counts from 3" in line for line in lines)  # one run: said so
     assert any(line.startswith("lossless: uag:lookup") and "1/1" in line and line.endswith(" met") for line in lines)
 
 
@@ -366,3 +390,27 @@ def test_edit_sends_each_conversations_turns_in_order_after_every_turn_1(monkeyp
     third = [m for m in seen if len(m) == 5]
     assert len(third) == 2 and all([t["content"] for t in m[1::2]] == ["reply 1", "reply 2"] for m in third)
     assert all(s.at_s < 1 for s in sents)
+
+
+def test_several_rows_files_are_summarised_as_one_run_each_files_repeats_after_the_last(tmp_path, capsys):
+    """Runs made one command at a time (a device's time limit) summarised together: repeats renumbered, verdicts'
+    places with them, one meta counting every repeat; --classify, which appends, takes one file."""
+    verdict = {"kind": "parted", "condition": "uag:lookup", "reference": "uag:off", "workload": "edit", "item": "a"}
+    verdict |= {"turn": 2, "where": {"repeat": 0, "concurrency": 4}, "reference_where": {"repeat": 0}}
+    first = [{"kind": "meta", "repeats": 2, "backend": "cuda"}, run("mlx_lm", "edit", 4, 100.0, 0)]
+    first += [run("mlx_lm", "edit", 4, 120.0, 1)]
+    second = [{"kind": "meta", "repeats": 1}, run("mlx_lm", "edit", 4, 90.0, 0), verdict]
+    rows = serving.joined([first, second])
+    assert rows[0] == {"kind": "meta", "repeats": 3, "backend": "cuda"}
+    assert [r.get("repeat") for r in rows[1:]] == [0, 1, 2, None]
+    assert rows[-1]["where"] == {"repeat": 2, "concurrency": 4} and rows[-1]["reference_where"] == {"repeat": 2}
+    assert verdict["where"]["repeat"] == 0  # the rows read are left as they were
+    paths = []
+    for i, part in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.jsonl")
+        paths[-1].write_text("".join(json.dumps(r) + "\n" for r in part))
+    assert serve.main(["--summarize", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "100.0  (100.0, 120.0, 90.0)" in out and "(GPU)" in out
+    with pytest.raises(SystemExit):
+        serve.main(["--summarize", *map(str, paths), "--classify"])
