@@ -92,8 +92,8 @@ def masked(logits: mx.array, rows) -> mx.array:
 def greedy_ids(logits: mx.array) -> list[int] | None:
     """Each row's argmax of its log-probabilities (logits - logsumexp, what mlx-lm's greedy sampler reads), found
     without the log-sum-exp: None where that could differ from the logits' own argmax, for the caller to take the
-    whole path. On a CPU the exponentials over a large vocabulary cost 10x the argmax (262,144 ids: 29 against
-    2.9 ms for 9 rows, docs/results.md, db); on a GPU the two cost the same.
+    whole path. On a CPU the exponentials over a large vocabulary cost 10x the argmax (262,144 ids, 9 rows: the
+    whole path 37 ms, this one 6.7; docs/results.md, db); on a GPU either is a few launches of microseconds.
 
     The subtraction keeps the order of the logits but rounds: two logits closer than the spacing of the dtype's
     numbers near log V (where every log-probability near the top lies) can become equal, and argmax then takes the
@@ -172,8 +172,9 @@ class TargetSampling:
         return self.sampler(logprobs(logits))
 
     def ids(self, logits: mx.array) -> list[int]:
-        """`choose(logits)` read back; greedy, without the log-sum-exp where rounding cannot matter (`greedy_ids`)."""
-        if self.greedy:
+        """`choose(logits)` read back; greedy on a CPU, without the log-sum-exp where rounding cannot matter
+        (`greedy_ids`; on a GPU the log-sum-exp costs what its own few kernels would)."""
+        if self.greedy and mx.default_device().type == mx.cpu:
             picked = greedy_ids(logits)
             if picked is not None:
                 return picked
