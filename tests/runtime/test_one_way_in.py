@@ -216,7 +216,11 @@ def test_a_host_saves_auto_evidence_at_once_alone_and_once_its_batch_has_drained
     from uag.runtime.jobs import JobRunner
 
     host = Host(ModelStore(), JobRunner(MLXWorker(name="test-evidence")), target="org/target")
-    real, busy = host.runner, SimpleNamespace(running=3, backlog=0)
+
+    class Busy:  # a worker's counts, set by hand; `alone` read from them as the worker reads it
+        running, backlog, alone = 3, 0, MLXWorker.alone
+
+    real, busy = host.runner, Busy()
     host.runner = SimpleNamespace(worker=busy)
     try:
         save(calibration(SAVED, QUIET))  # the pair's costs, saved: nothing is measured

@@ -263,7 +263,7 @@ class Host:
         if key is None:
             return
         self.unsaved[json.dumps(key, sort_keys=True)] = (key, evidence)
-        if self.worker.running <= 1 and not self.worker.backlog:
+        if self.worker.alone:
             for pending, taught in self.unsaved.values():
                 keep_evidence(pending, taught)
             self.unsaved.clear()

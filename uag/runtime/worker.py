@@ -226,6 +226,12 @@ class MLXWorker:
         """Jobs waiting to start."""
         return self._jobs.qsize()
 
+    @property
+    def alone(self) -> bool:
+        """Whether the job asking runs by itself, with none waiting to start: where a slow write on this thread
+        (auto's evidence, the caches kept on disk) stalls no other request."""
+        return self.running <= 1 and not self.backlog
+
     def ahead_of(self, job: Job) -> int:
         """How many queued jobs will start before `job` (0 when it is next, or not queued)."""
         with self._jobs.mutex:

@@ -267,8 +267,7 @@ class Service:
         yield Done(text.hold.content, finish, done_report, calls, tail, stop_sequence=text.stop.matched)
         if held is not None:  # the reply has gone out: its caches are written when no other request waits
             self.disk.later(held)
-        worker = self.runner.worker
-        if self.disk is not None and self.disk.pending and not worker.backlog and worker.running <= 1:
+        if self.disk is not None and self.disk.pending and self.runner.worker.alone:
             self.disk.flush()
 
     def host_model(self, host: Host) -> str:
