@@ -493,6 +493,16 @@ def test_the_drafter_drafts_on_while_its_drafts_are_sure_and_proposes_only_those
     assert enough([0.97] * 8) == 8  # the most the offer held: all of them
 
 
+def test_the_stop_rule_runs_at_the_pace_the_choice_just_made_was_made_at_without_pricing_again(monkeypatch):
+    policy = drafting()
+    pace = max(policy.decided.values())
+    monkeypatch.setattr(policy, "rates", lambda: pytest.fail("the rates were worked out again"))
+    heard = []
+    monkeypatch.setattr(policy, "enough", lambda confidences, at, cap: heard.append((at, cap)))
+    policy.stop_rule("model", 8)([0.97])
+    assert heard == [(pace, 8)]
+
+
 def test_a_draft_s_worth_is_what_its_band_of_confidence_earned_on_this_pair():
     evidence = Evidence()
     for _ in range(30):  # this pair's sure drafts are rejected: its confidence reads high

@@ -387,7 +387,8 @@ class AdaptiveK:
             return None
         if not self.settings.stop_rule:
             return lambda confidences: None
-        pace = max(self.rates().values(), default=0.0)
+        rates = self.decided if self.decided is not None else self.rates()  # the `choose` just made, as it saw them
+        pace = max(rates.values(), default=0.0)
         return lambda confidences: self.enough(confidences, pace, k)
 
     def enough(self, confidences: Sequence[float], pace: float, cap: int) -> int | None:
