@@ -93,7 +93,7 @@ def greedy_ids(logits: mx.array) -> list[int] | None:
     """Each row's argmax of its log-probabilities (logits - logsumexp, what mlx-lm's greedy sampler reads), found
     without the log-sum-exp: None where that could differ from the logits' own argmax, for the caller to take the
     whole path. On a CPU the exponentials over a large vocabulary cost 10x the argmax (262,144 ids, 9 rows: the
-    whole path 37 ms, this one 6.7; docs/results.md, db); on a GPU either is a few launches of microseconds.
+    whole path 37 ms, this one 6.7; docs/results.md, dc); on a GPU either is a few launches of microseconds.
 
     The subtraction keeps the order of the logits but rounds: two logits closer than the spacing of the dtype's
     numbers near log V (where every log-probability near the top lies) can become equal, and argmax then takes the
