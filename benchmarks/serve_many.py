@@ -443,7 +443,8 @@ def targets(per_run: dict[Level, list[float]], gpu: bool) -> list[tuple[str, flo
     for c in batched:
         for part in (EDIT, CHAT):
             compare(part, c, "uag:off", "mlx_lm", "off_peer")
-    far = max(((spread(v), key) for key, v in per_run.items() if len(v) > 1), default=None)
+    spreads = [(spread(v), key) for key, v in per_run.items() if len(v) > 1]
+    far = max(((d, key) for d, key in spreads if d is not None), default=None)
     if far is not None:
         (value, (name, part, c)) = far
         what = f"runs within ±{SPREAD:.0%} of their median (worst: {name} {part} C={c})"
