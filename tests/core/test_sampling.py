@@ -160,6 +160,16 @@ def test_ids_take_the_whole_path_where_the_shortcut_cannot_answer_and_only_for_m
     assert not TargetSampling.of(GenerationConfig(temperature=0.7)).greedy
 
 
+def test_on_a_gpu_greedy_ids_take_the_whole_path(monkeypatch):
+    """There the log-sum-exp is a few launches, like the shortcut's own: it is not taken."""
+    import uag.core.sampling as sampling
+
+    logits = mx.array([[0.1, 3.0, 2.0]])
+    monkeypatch.setattr(sampling, "greedy_ids", lambda _: pytest.fail("the shortcut was taken on a GPU"))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert TargetSampling.of(GenerationConfig()).ids(logits) == [1]
+
+
 @pytest.mark.parametrize("penalty", PENALTIES)
 def test_each_verified_row_is_penalized_with_the_history_before_its_position(penalty):
     committed, proposed = [3, 1, 4, 1, 5, 9, 2, 6] * 4, [5, 3, 5, 8]
