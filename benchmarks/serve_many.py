@@ -21,6 +21,7 @@ import argparse
 import math
 import os
 import statistics
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -101,6 +102,23 @@ def waves(items: Sequence[T], size: int) -> list[list[T]]:
     return [list(items[i : i + size]) for i in range(0, len(items) - size + 1, size)]
 
 
+def kernel_cache() -> Path:
+    """Where MLX's CUDA backend keeps the kernels it compiled at first use (one file each; the next process on the
+    machine loads them from there): `MLX_PTX_CACHE_DIR`, else <temp dir>/mlx/<version>/ptx. Empty or absent on a
+    backend that compiles nothing at run time (the CPU's)."""
+    if folder := os.environ.get("MLX_PTX_CACHE_DIR"):
+        return Path(folder)
+    import mlx.core as mx
+
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+
+
+def kernels() -> set[str]:
+    """The names of the kernels in `kernel_cache()` now (what a wave compiled is the difference of two of these)."""
+    folder = kernel_cache()
+    return {f.name for f in folder.iterdir()} if folder.is_dir() else set()
+
+
 def batch_warm_up(i: int) -> list[dict]:
     """The messages of the i-th of the C warm-up requests sent at once: a prompt of a few hundred tokens (read in
     chunks, several together) asking for a copy (drafted and verified in batched passes), unlike the others'."""
@@ -157,11 +175,13 @@ class Client:
         at = time.perf_counter() - start
         return Sent(workload, item, turn, ask(self.openai, self.condition, messages, self.max_tokens), at)
 
-    def edit(self, conversations: list[Conversation]) -> list[Sent]:
-        """Turn 1 of every conversation at once; then, all answered, the later turns of each in order."""
+    def edit(self, conversations: list[Conversation], between: Callable[[], None] = lambda: None) -> list[Sent]:
+        """Turn 1 of every conversation at once; then, all answered (and `between()` called), the later turns of
+        each in order."""
         start = time.perf_counter()
         first = at_once([lambda c=c: self.send(start, "edit", c.id, 1, c.messages([])) for c in conversations])
         replies = {s.item: [s.reply.text] for s in first}
+        between()
 
         def later(c: Conversation, start: float) -> list[Sent]:
             out = []
@@ -173,7 +193,8 @@ class Client:
         start = time.perf_counter()  # turns 2-3 are a wave of their own
         return first + [s for sents in at_once([lambda c=c: later(c, start) for c in conversations]) for s in sents]
 
-    def chat(self, prompts: list[tuple[str, str]]) -> list[Sent]:
+    def chat(self, prompts: list[tuple[str, str]], between: Callable[[], None] = lambda: None) -> list[Sent]:
+        """Every prompt at once (one part: `between` is never called)."""
         start = time.perf_counter()
         return at_once(
             [lambda i=i, t=t: self.send(start, "chat", i, 1, [{"role": "user", "content": t}]) for i, t in prompts]
@@ -193,7 +214,9 @@ def level(
     and of chat."""
     log = logs / f"{condition.name.replace(':', '-')}-c{concurrency}-r{repeat + 1}.log"
     edit, chat = work
+    known = kernels()
     with Server(condition, log) as server:
+        started = kernels()
         client = Client(condition, server.url, args.max_tokens)
         ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)  # loads (uag), calibrates a first `auto` use
         warm = ask(client.openai, condition, WARM_UP, WARM_UP_TOKENS)
@@ -214,6 +237,8 @@ def level(
                 "openblas_mapped": server.openblas,
                 "tokens": warm.completion_tokens,
                 "generation_tps": warm.generation_tps,
+                "kernels_started": sorted(started - known),  # compiled at the server's start (its own warm-up)
+                "kernels_warmed": sorted(kernels() - started),  # and by the warm-up requests above
             }
         )
         say(f"{condition.name} C={concurrency}: up in {server.startup_s:.0f} s, OpenBLAS mapped: {server.openblas}")
@@ -244,23 +269,41 @@ def waves_of(
     jobs: list,
     write: Callable[[dict], None],
 ) -> None:
-    """Every wave of a level on its server: its rows, and where a uag server's batch rounds went in each."""
+    """Every wave of a level on its server: its rows, and where a uag server's batch rounds went in each of its parts
+    (an edit wave's turn 1s, then its turns 2-3; a chat wave whole), with the kernels each part compiled."""
     for run, wave, group in jobs:
-        before = round_times(server.url) if condition.server == "uag" else None
+        marks = []  # (round times, kernels) where each part of the wave starts, and where it ends
+
+        def mark(marks: list = marks) -> None:
+            marks.append((round_times(server.url) if condition.server == "uag" else None, kernels()))
+
+        mark()
         try:
-            sents = run(group)
+            sents = run(group, between=mark)
         except openai.APIError as err:
             raise SystemExit(f"{condition.name} C={concurrency}: {err}\n{server.tail()}") from err
+        mark()
         rows = [request_row(condition, repeat, concurrency, wave, s) for s in sents]
         for r in rows:
             write(r)
-        if before is not None:  # where the server's batch rounds spent this wave's time (GET /metrics)
-            write(
-                rounds_row(condition, repeat, concurrency, wave, rows[0]["workload"], before, round_times(server.url))
-            )
-        for name in dict.fromkeys(filter(None, map(workload_of, rows))):
-            s = Stats.of(r for r in rows if workload_of(r) == name)
-            say(f"  {name} wave {wave + 1}: {s.tokens} tokens in {s.wall_s:.1f} s, {fmt(s.tps, '.2f')} tokens/s")
+        parts = ["1", "2-3"] if len(marks) == 3 else [None]
+        for turns, (before, known), (after, now) in zip(parts, marks, marks[1:]):
+            built, rounds = sorted(now - known), ""
+            if before is not None:  # where the server's batch rounds spent this part's time (GET /metrics)
+                part = rounds_row(condition, repeat, concurrency, wave, rows[0]["workload"], before, after)
+                write({**part, "turns": turns, "kernels": built})  # the kernels it compiled at first use (CPU: none)
+                if part["rounds"]:
+                    per = {p: 1000 * part["wall"].get(p, 0) / part["rounds"] for p in RoundTimes.PARTS}
+                    ms = ", ".join(f"{p} {v:.1f}" for p, v in per.items())
+                    rounds = f"; {part['rounds']:.0f} rounds, ms each: {ms}"
+            compiled = f"; {len(built)} kernels compiled" if built else ""
+            label = f"{rows[0]['workload']} wave {wave + 1}" + (f" turns {turns}" if turns else "")
+            if turns == "1":  # not measured (workload_of): the prompts read
+                say(f"  {label}{rounds}{compiled}")
+            else:
+                s = Stats.of(r for r in rows if workload_of(r))
+                tps = fmt(s.tps, ".2f")
+                say(f"  {label}: {s.tokens} tokens in {s.wall_s:.1f} s, {tps} tokens/s{rounds}{compiled}")
 
 
 # --- the summary (from rows alone) ---------------------------------------------------------------------------------
@@ -302,7 +345,7 @@ def rounds_lines(rows: Iterable[dict]) -> list[str]:
     pooled: dict[tuple, dict] = {}
     for r in rows:
         if r.get("kind") == "rounds" and r["rounds"]:
-            key = (r["condition"], r["workload"], r["concurrency"])
+            key = (r["condition"], r["workload"] + (" turn 1" if r.get("turns") == "1" else ""), r["concurrency"])
             into = pooled.setdefault(key, {"rounds": 0.0, "wall": defaultdict(float), "cpu": defaultdict(float)})
             into["rounds"] += r["rounds"]
             for clock in ("wall", "cpu"):

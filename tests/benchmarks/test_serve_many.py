@@ -7,6 +7,7 @@ import sys
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -90,6 +91,28 @@ def test_rounds_rows_are_scrape_differences_and_pool_to_ms_per_round():
     # 40 rounds: passes (0.2 + 0.6) s, members (0.1 + 0.3) s, cpu passes (0.1 + 0.1) s
     assert "40 rounds" in line and "passes 20.00 / 5.00" in line and "members 10.00 / 0.00" in line
     assert sm.rounds_lines([{"kind": "request"}]) == []
+
+
+def test_an_edit_waves_turn_1_rounds_pool_apart_from_its_measured_turns():
+    condition = Condition("uag:lookup", "uag", ("x",), "demo-target")
+    zero = {"rounds": 0.0, "wall": {"passes": 0.0}, "cpu": {}}
+    read = {**sm.rounds_row(condition, 0, 4, 0, "edit", zero, {"rounds": 2.0, "wall": {"passes": 1.0}, "cpu": {}})}
+    later = {**sm.rounds_row(condition, 0, 4, 0, "edit", zero, {"rounds": 10.0, "wall": {"passes": 0.1}, "cpu": {}})}
+    lines = sm.rounds_lines([{**read, "turns": "1"}, {**later, "turns": "2-3"}])
+    (first,) = [x for x in lines if "edit turn 1" in x]
+    (measured,) = [x for x in lines if x.startswith("uag:lookup") and "turn 1" not in x]
+    assert "2 rounds" in first and "passes 500.00" in first
+    assert "10 rounds" in measured and "passes 10.00" in measured
+
+
+def test_kernels_are_the_files_of_mlxs_kernel_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    assert sm.kernel_cache() == tmp_path / "ptx" and sm.kernels() == set()  # none compiled yet: no folder
+    (tmp_path / "ptx").mkdir()
+    (tmp_path / "ptx" / "gather_2_float.cubin").write_bytes(b"")
+    assert sm.kernels() == {"gather_2_float.cubin"}
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    assert sm.kernel_cache().parts[-3:-1] == ("mlx", mx.__version__) and sm.kernel_cache().name == "ptx"
 
 
 def test_percentile_of_nothing_is_none():
@@ -377,7 +400,9 @@ def test_edit_sends_each_conversations_turns_in_order_after_every_turn_1(monkeyp
         return Reply(f"reply {answered + 1}", 0.01, 0.01, 0.02, usage={"completion_tokens": 2})
 
     monkeypatch.setattr(sm, "ask", fake_ask)
-    sents = sm.Client(UAG, "http://127.0.0.1:9", 8).edit(conversations)
+    marked = []  # how many requests had been sent when `between` was called
+    sents = sm.Client(UAG, "http://127.0.0.1:9", 8).edit(conversations, between=lambda: marked.append(len(seen)))
+    assert marked == [2]  # once, after both turn 1s and before any turn 2
     assert [(s.item, s.turn) for s in sents] == [
         ("edit-a", 1),
         ("edit-b", 1),
