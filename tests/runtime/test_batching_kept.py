@@ -222,16 +222,17 @@ def test_queued_passes_give_the_tokens_waited_for_passes_give(pair):
         assert (queued > 0) == pipelined
 
 
-@pytest.mark.parametrize("beside, first", [(True, [35, 48, 48]), (False, [35, 69, 159])])
+@pytest.mark.parametrize("beside, first", [(True, [48, 48, 48]), (False, [50, 69, 159])])
 def test_prompts_arriving_together_share_their_reads_and_give_the_target_alones_tokens(
     pair, monkeypatch, beside, first
 ):
-    """Three prompts longer than a read (READ tokens), of different lengths, join at once: their reads share a
-    pass (`batched_pass`), a chunk each beside a member decoding, whole where nobody decodes (as mlx-lm prefills a
-    wave of prompts); each member's greedy tokens, plain or speculating, equal the target alone's. The batch prices
-    a pass as a GPU does (its fixed cost worth hundreds of tokens), so that padding the narrower reads pays."""
+    """Three prompts longer than a read (`Batch.narrow`: here 48 tokens), of different lengths, join at once: their
+    reads share a pass (`batched_pass`), a chunk each beside a member decoding, whole where nobody decodes (as mlx-lm
+    prefills a wave of prompts); each member's greedy tokens, plain or speculating, equal the target alone's. The
+    batch prices a pass as a GPU does (its fixed cost worth hundreds of tokens), so that padding the narrower reads
+    pays."""
     target, other = pair
-    prompts = {"short": [3, 5, 7] * 12, "long": [11, 13, 17, 19] * 40, "mid": [23, 29] * 35}
+    prompts = {"short": [3, 5, 7] * 17, "long": [11, 13, 17, 19] * 40, "mid": [23, 29] * 35}
     drafters = {"short": None, "long": DrafterChoice(model=other), "mid": DrafterChoice(lookup=True), "beside": None}
     if beside:
         prompts["beside"] = [31, 37]
@@ -270,3 +271,52 @@ def test_prompts_arriving_together_share_their_reads_and_give_the_target_alones_
         caches = out[name, "caches"]
         assert all(type(c) is KVCache for c in caches.target_cache)
         assert caches.target_cache[0].offset == len(caches.target_ids)
+
+
+@pytest.mark.parametrize("prior_rows, read", [(500, False), (16, True)])
+def test_a_short_prompt_rides_in_the_kept_pass_where_a_pass_costs_hundreds_of_tokens(
+    pair, monkeypatch, prior_rows, read
+):
+    """A prompt of 40 tokens joining a member that decodes: where a pass's fixed cost is worth hundreds of tokens
+    (a GPU), it is read in the batch's pass on the kept caches beside the other's step, padded (`Batch.narrow`); where
+    it is worth a few (a CPU), it is a read of its own on a plain cache. Both give the target alone's tokens."""
+    target, other = pair
+    prompts = {"beside": [31, 37], "turn": [3, 5, 7, 11] * 10}
+    alone = {
+        name: generate(target, None, ids, GenerationConfig("baseline", max_tokens=6)).token_ids
+        for name, ids in prompts.items()
+    }
+    reads, widths = [], []
+    shared_pass, run = uag.runtime.batching.batched_pass, KeptCaches.run
+
+    def recorded(model, inputs, caches):
+        reads.append(sorted(int(x.shape[-1]) for x in inputs))
+        return shared_pass(model, inputs, caches)
+
+    def kept(self, model, rows, inputs, wait=True, trees=None):
+        widths.append(sorted(int(x.shape[-1]) for x in inputs))
+        return run(self, model, rows, inputs, wait, trees)
+
+    monkeypatch.setattr(uag.runtime.batching, "batched_pass", recorded)
+    monkeypatch.setattr(KeptCaches, "run", kept)
+    share(target, "target")
+    share(other, "drafter")
+    out: dict = {}
+    batch = Batch(max_size=4)
+    batch.queued, batch.costs = (lambda: True), PassCosts(prior_rows=prior_rows)
+    jobs = {
+        name: Job(
+            request, (target, None, ids, GenerationConfig("baseline", max_tokens=6), out, name), name, shared=True
+        )
+        for name, ids in prompts.items()
+    }
+    batch.join(jobs["beside"])
+    batch.round()  # it reads its prompt alone, then decodes
+    batch.join(jobs["turn"])
+    while batch:
+        batch.round()
+    for job in jobs.values():
+        list(job)
+    assert {name: out[name].token_ids for name in prompts} == alone
+    assert ([1, 39] in widths) is not read  # the prompt but its last token, beside the other's step
+    assert any(39 in w for w in widths) is not read

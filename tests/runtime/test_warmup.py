@@ -68,6 +68,34 @@ def test_the_warm_up_drafts_with_the_model_as_auto_does_as_well_as_with_fixed_k(
     assert "fixed" in kinds and "until" in kinds
 
 
+def test_the_warm_up_decodes_beside_a_longer_prompts_read(shared_pair, monkeypatch):
+    """Its prompts differ in length, as a wave of first turns does: a member whose read ended decodes on the target
+    in the same round as another's read of the target goes on, which prompts alike never did."""
+    from uag.runtime.batching import Batch
+
+    target, drafter = shared_pair
+    rounds: list[set[str]] = []
+    round_, read, decode = Batch.round, Batch._read, Batch._decode
+
+    def counted_round(self):
+        rounds.append(set())
+        return round_(self)
+
+    monkeypatch.setattr(Batch, "round", counted_round)
+
+    def noted(kind, run):
+        def passes(self, members, *args, **kwargs):
+            rounds[-1].update((kind, self.waiting[m].model.role) for m in members)
+            return run(self, members, *args, **kwargs)
+
+        return passes
+
+    monkeypatch.setattr(Batch, "_read", noted("read", read))
+    monkeypatch.setattr(Batch, "_decode", noted("decode", decode))
+    warm_batch(target, drafter)
+    assert any({("read", "target"), ("decode", "target")} <= kinds for kinds in rounds)
+
+
 def test_the_warm_up_compacts_kept_caches_and_reads_a_tree_once(shared_pair, monkeypatch):
     """What a batch does now and then, which a short made-up batch may never need, runs at start too."""
     target, drafter = shared_pair

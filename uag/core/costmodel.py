@@ -14,7 +14,6 @@ uag.core.speedup; the link term of a target sharded over ranks is at the end.
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -265,10 +264,13 @@ def _curve(table: Any, name: str) -> dict[int, float]:
 
 
 def _at(table: dict[int, float], w: int) -> float:
-    """The table at width w: exact, interpolated, or past the widest entry at the slope of the last two.
+    """The table (sorted by width, w = 1 in it: `_curve`) at width w: exact, interpolated, or past the widest entry
+    at the slope of the last two.
 
-    Plain Python, as `np.interp` computes it: auto prices every width it weighs, for every member of a batch, every
-    round (tens of thousands of calls a second on a GPU), where numpy's per-call overhead was most of the cost.
+    Plain Python, as `np.interp` computes it, and without copying the table: auto prices every width it weighs, for
+    every member of a batch, every round (tens of thousands of calls a second on a GPU), where numpy's per-call
+    overhead was most of the cost, and then listing a calibration's widths at every call 1.6 % of a batching
+    server's worker (docs/results.md, de).
     """
     w = int(w)
     if w < 1:
@@ -276,15 +278,18 @@ def _at(table: dict[int, float], w: int) -> float:
     ms = table.get(w)
     if ms is not None:
         return ms
-    widths = list(table)
-    if w < widths[-1]:
-        i = bisect.bisect_left(widths, w)
-        lo, hi = widths[i - 1], widths[i]
-        return (table[hi] - table[lo]) / (hi - lo) * (w - lo) + table[lo]
-    if len(widths) == 1:
-        return table[widths[0]]
-    w1, w2 = widths[-2], widths[-1]
-    return table[w2] + max(0.0, (table[w2] - table[w1]) / (w2 - w1)) * (w - w2)
+    last = reversed(table)
+    widest = next(last)
+    if w < widest:
+        lo = 1
+        for hi in table:  # from the narrowest: the first entry past w, and the one before it
+            if hi > w:
+                return (table[hi] - table[lo]) / (hi - lo) * (w - lo) + table[lo]
+            lo = hi
+    before = next(last, None)
+    if before is None:
+        return table[widest]
+    return table[widest] + max(0.0, (table[widest] - table[before]) / (widest - before)) * (w - widest)
 
 
 # --- a target sharded over a link ---------------------------------------------------------------------------

@@ -9,10 +9,10 @@ rows. Plain KV caches are kept merged between passes (`uag.core.kept_caches`: a 
 the batch's storage at its first batched pass and plain again when it reads, runs alone or its run ends; a lookup
 tree is a row of the pass like any other: `SharedModel.tree_pass`); other
 caches are merged afresh for each pass (`uag.core.passes.batched_pass`). A pass over more than `READ` tokens (a
-prompt being read) runs on plain caches, in chunks of `read_chunk` tokens while others decode, one chunk per round,
-so that a long prompt does not freeze the other streams; reads waiting together share a pass where that costs less
-than one each (`_read`). A member that runs alone makes exactly the calls it would make
-outside a batch, on its own plain cache.
+prompt being read; on a GPU more than `Batch.narrow`, up to `read_chunk`) runs on plain caches, in chunks of
+`read_chunk` tokens while others decode, one chunk per round, so that a long prompt does not freeze the other
+streams; reads waiting together share a pass where that costs less than one each (`_read`). A member that runs
+alone makes exactly the calls it would make outside a batch, on its own plain cache.
 
     batch = Batch(max_size=4)
     batch.join(job)          # a Job whose function calls models wrapped in SharedModel
@@ -42,7 +42,8 @@ from uag.core.verify import Tree
 
 log = logging.getLogger(__name__)
 
-READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): on plain caches, in chunks
+READ = 32  # a pass over more tokens than this is a read (a prompt, a catch-up): on plain caches, in chunks; where a
+# pass's tokens cost little beside the pass (a GPU running a small model), up to READ_CHUNK tokens ride in it (narrow)
 READ_CHUNK = 128  # tokens of a read per round while other members decode
 LOST = "its cache was lost with a batched pass that failed"
 HOLD_ROUNDS = 16  # rounds the target's passes wait at most while members draft with a model (Batch.round)
@@ -259,6 +260,7 @@ class Batch:
         time is spent in the members)."""
         self.times.begin()
         fixed_rows = self._priced()
+        narrow = self.narrow(fixed_rows)
         by_model: dict[int, list[Member]] = {}
         served: list[tuple[Member, Any, BaseException | None]] = []
         for member, waiting in self.waiting.items():
@@ -267,12 +269,12 @@ class Batch:
             else:
                 by_model.setdefault(id(waiting.model), []).append(member)
         drafters = sum(
-            self.waiting[m].model.role != "target" and self.waiting[m].width <= READ and not m.sharing.rehearsing
+            self.waiting[m].model.role != "target" and self.waiting[m].width <= narrow and not m.sharing.rehearsing
             for members in by_model.values()
             for m in members
         )
         ready = sum(
-            self.waiting[m].model.role == "target" and self._decodes(self.waiting[m])
+            self.waiting[m].model.role == "target" and self._decodes(self.waiting[m], narrow)
             for members in by_model.values()
             for m in members
         )
@@ -280,10 +282,10 @@ class Batch:
         self.held = self.held + 1 if drafting else 0
         for members in by_model.values():
             held = drafting and self.waiting[members[0]].model.role == "target"
-            decoding = [] if held else [m for m in members if self._decodes(self.waiting[m])]
+            decoding = [] if held else [m for m in members if self._decodes(self.waiting[m], narrow)]
             for member in members if held else ():
                 member.sharing.held += 1
-            reading = [m for m in members if not self._decodes(self.waiting[m])]
+            reading = [m for m in members if not self._decodes(self.waiting[m], narrow)]
             with self.times.part("passes"):
                 for group in groups([self.waiting[m].width for m in decoding], fixed_rows):
                     served += self._decode([decoding[i] for i in group])
@@ -296,10 +298,18 @@ class Batch:
             self._noted()
         self.times.end(bool(self.members))
 
+    def narrow(self, fixed_rows: float) -> int:
+        """The widest pass that runs beside the others' on the kept caches rather than as a read: READ tokens, or
+        where a pass costs more than that many tokens' worth beside its tokens (`fixed_rows`: a GPU running a small
+        model, hundreds), as many as that, up to `read_chunk`. A conversation's next turn (its new message: 29-44
+        tokens on the bundled edit turns) then rides in the batch's pass, rather than running a pass of its own on a
+        plain cache, handed back out of the kept caches and adopted again (docs/results.md, de)."""
+        return max(READ, min(self.read_chunk, int(fixed_rows)))
+
     @staticmethod
-    def _decodes(waiting: Pass) -> bool:
-        """A narrow pass, or a tree's (verifying, whatever its width): not a read."""
-        return waiting.width <= READ or waiting.tree is not None
+    def _decodes(waiting: Pass, narrow: int = READ) -> bool:
+        """A narrow pass (`Batch.narrow`), or a tree's (verifying, whatever its width): not a read."""
+        return waiting.width <= narrow or waiting.tree is not None
 
     def _decode(self, members: list[Member]) -> list[tuple[Member, Any, BaseException | None]]:
         """The members' narrow passes: one batched pass on the caches kept merged (plain KV caches, and a member
