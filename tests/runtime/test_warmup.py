@@ -97,13 +97,16 @@ def test_the_warm_up_decodes_beside_a_longer_prompts_read(shared_pair, monkeypat
 
 
 def test_the_warm_up_compacts_kept_caches_and_reads_a_tree_once(shared_pair, monkeypatch):
-    """What a batch does now and then, which a short made-up batch may never need, runs at start too."""
+    """What a batch does now and then, which a short made-up batch may never need, runs at start too: a pass over
+    rows that are not next to each other, a tree, a compaction."""
     target, drafter = shared_pair
     before = generate(target, drafter, [5, 6, 7, 8] * 4, GenerationConfig(k=3, max_tokens=12)).token_ids
     seen, run, compact = [], KeptCaches.run, KeptCaches._compact
 
     def ran(self, model, rows, inputs, wait=True, trees=None):
         seen.append(("tree", sum(t is not None for t in trees or [])))
+        apart = sorted(rows) != list(range(min(rows), min(rows) + len(rows)))  # a row between them sits out
+        seen.append(("apart", apart))
         return run(self, model, rows, inputs, wait, trees)
 
     def compacted(self, longest):
@@ -113,7 +116,7 @@ def test_the_warm_up_compacts_kept_caches_and_reads_a_tree_once(shared_pair, mon
     monkeypatch.setattr(KeptCaches, "run", ran)
     monkeypatch.setattr(KeptCaches, "_compact", compacted)
     warm_batch(target, drafter)
-    assert ("tree", 1) in seen and any(kind == "compact" for kind, _ in seen)
+    assert ("tree", 1) in seen and ("apart", True) in seen and any(kind == "compact" for kind, _ in seen)
     monkeypatch.undo()
     assert generate(target, drafter, [5, 6, 7, 8] * 4, GenerationConfig(k=3, max_tokens=12)).token_ids == before
 
