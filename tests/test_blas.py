@@ -1,6 +1,8 @@
 """The note uag adds to a pair when MLX would compute on a Linux CPU with its slow reference BLAS."""
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -33,3 +35,19 @@ def test_this_process_uses_openblas_where_installed():
         pytest.skip("no system OpenBLAS on this machine")
     assert _blas.status.startswith("openblas:"), _blas.status
     assert _blas.slow_cpu_note("cpu") is None
+
+
+@pytest.mark.slow
+def test_a_command_run_with_one_openblas_thread_ends_with_its_own_code(tmp_path, demo_pair):
+    """Debian 12's OpenBLAS run single-threaded crashed in its exit code after most `uag generate` runs (-11, the
+    output printed): the command line ends without the libraries' exit code there, with the command's own status."""
+    if not _blas.status.startswith("openblas:"):
+        pytest.skip("no system OpenBLAS on this machine")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "uag", "generate", "--max-tokens", "4", "--strategy", "baseline", "--json"]
+    for _ in range(3):  # it crashed in 3 runs of 4
+        done = subprocess.run([*command, "Ala ma"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert len(json.loads(done.stdout)["token_ids"]) == 4
+    done = subprocess.run([*command, "--k", "x", "Ala"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error:")  # a user's mistake keeps its code

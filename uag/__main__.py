@@ -1,6 +1,4 @@
-import sys
-
-from uag.cli import main
+from uag.cli import command_line
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line()

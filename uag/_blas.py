@@ -8,6 +8,7 @@ docs/results.md#which-dtype-benchmarksdtype_costpy). This module does that once,
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import os
@@ -22,6 +23,9 @@ _CANDIDATES = (
 
 #: What happened: "openblas:<path>", "reference", "reference (mlx imported first)", "not linux" ...
 status = "not attempted"
+_library: ctypes.CDLL | None = None  # the OpenBLAS loaded, if any
+#: The code a command line run ends with, once it is known (`end_with`); None: not a command line run
+exit_code: int | None = None
 
 
 def preload_openblas() -> str:
@@ -39,12 +43,51 @@ def preload_openblas() -> str:
         status = "reference (no libopenblas found: apt-get install libopenblas0-pthread)"
         for path in filter(None, paths):
             try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
             status = f"openblas:{path}"
+            _set_library(library)
             break
     return status
+
+
+def _set_library(library: ctypes.CDLL) -> None:
+    global _library
+    _library = library
+    atexit.register(_skip_library_exit)  # first registered, so it runs last: after every other exit handler
+
+
+def single_threaded() -> bool:
+    """Whether the loaded OpenBLAS runs one thread now (OPENBLAS_NUM_THREADS=1, as `make test`'s workers set it, or
+    a one-core machine)."""
+    try:
+        return _library is not None and _library.openblas_get_num_threads() == 1
+    except AttributeError:  # a BLAS without OpenBLAS's thread calls
+        return False
+
+
+def end_with(code: int) -> int:
+    """Note the code a command line run ends with (see `_skip_library_exit`); returns it."""
+    global exit_code
+    exit_code = code
+    return code
+
+
+def _skip_library_exit() -> None:
+    """A command line run ends here, once Python's own exit work is done (threads joined, exit handlers run), without
+    the libraries' exit code, where OpenBLAS runs one thread: Debian 12's OpenBLAS (0.3.21) run single-threaded, as
+    MLX's stream threads call it, crashed in its exit code (`blas_shutdown`, from `_dl_fini`) at the end of most
+    `uag generate` runs, after their output (exit status -11), and mlx-lm's own `generate_step` in 1 of 4 runs.
+    Anything else (a program that imports uag, or uag with several OpenBLAS threads) exits as usual."""
+    if exit_code is None or not single_threaded():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a pipe whose reader left
+            pass
+    os._exit(exit_code)
 
 
 def slow_cpu_note(device: str) -> str | None:

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from uag._blas import end_with
 from uag.command import USER_ERROR, CommandParser, add_generation_options, decoding_config, literal, progress, run, say
 from uag.core.config import MODES, DrafterSpec, GenerationConfig
 from uag.core.prompt_input import read_prompt
@@ -254,6 +255,11 @@ def usage() -> str:
         + "\n".join(lines)
         + ("\n\n`uag COMMAND --help` lists a command's options.")
     )
+
+
+def command_line() -> None:
+    """`uag` on the command line: `main`, its code the process's exit status (uag._blas.end_with)."""
+    sys.exit(end_with(main()))
 
 
 def main(argv: list[str] | None = None) -> int:
