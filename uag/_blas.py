@@ -4,6 +4,8 @@ MLX's Linux wheel links a reference BLAS, far slower than an optimised one. Load
 RTLD_GLOBAL *before* ``mlx.core`` is imported makes libmlx bind ``cblas_*`` to it instead (fp32 only; measured:
 docs/results.md#which-dtype-benchmarksdtype_costpy). This module does that once, on import of ``uag``; set
 ``UAG_OPENBLAS=0`` to keep the reference BLAS, or ``UAG_OPENBLAS=/path/libopenblas.so.0`` to choose the library.
+A command line run with OpenBLAS on one thread ends without the library's exit code, which crashed there
+(`_skip_library_exit`).
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ def warm_batch(target: LoadedModel, drafter: LoadedModel | None = None, cancel: 
     if drafter is not None:  # two, so that the drafter's passes run batched too; one drafts as auto does
         runs += [(drafter, fixed, None), (drafter, fixed, Seams(policy=UntilK(fixed.k)))]
     # of different lengths, as a wave of first turns is: the shorter ones' reads end first and they decode beside
-    # the longer ones' reads, joining the kept caches at different ends (an H200's first edit wave after a warm-up
-    # of four prompts alike still compiled two kernels, its rounds 148 ms against 12-16: docs/results.md, de)
+    # the longer ones' reads, joining the kept caches at different ends (what the first wave compiled on an H200
+    # after a warm-up of prompts alike was a pass over rows apart, though: warm_kept_caches; docs/results.md, de)
     prompts = [target.tokenizer.encode(copy_prompt(i, REPEATS * (i + 1) // 2)) for i in range(len(runs))]
 
     def request(job: Job, i: int):
