@@ -51,3 +51,17 @@ def test_a_command_run_with_one_openblas_thread_ends_with_its_own_code(tmp_path,
         assert len(json.loads(done.stdout)["token_ids"]) == 4
     done = subprocess.run([*command, "--k", "x", "Ala"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("error:")  # a user's mistake keeps its code
+
+
+@pytest.mark.parametrize("script, command", [("bench", "bench"), ("analyze", "analyze"), ("calibrate", "calibrate")])
+def test_the_named_scripts_are_uag_commands_ending_the_same_way(monkeypatch, capsys, script, command):
+    """`uag-bench` is `uag bench` (pyproject's scripts): its status noted for the exit as `uag`'s is."""
+    from uag import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "main", lambda argv: seen.append(argv) or 3)
+    monkeypatch.setattr(sys, "argv", [f"uag-{script}", "--out", "r.db"])
+    monkeypatch.setattr(_blas, "exit_code", None)
+    with pytest.raises(SystemExit) as ended:
+        getattr(cli, script)()
+    assert ended.value.code == 3 and _blas.exit_code == 3 and seen == [[command, "--out", "r.db"]]

@@ -21,6 +21,7 @@ import importlib
 import json
 import sys
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 from uag._blas import end_with
@@ -257,9 +258,13 @@ def usage() -> str:
     )
 
 
-def command_line() -> None:
-    """`uag` on the command line: `main`, its code the process's exit status (uag._blas.end_with)."""
-    sys.exit(end_with(main()))
+def command_line(command: str | None = None) -> None:
+    """`uag` on the command line: `main`, its code the process's exit status (uag._blas.end_with). `command`: the one
+    a script named after it runs (`uag-bench` is `uag bench`)."""
+    sys.exit(end_with(main(sys.argv[1:] if command is None else [command, *sys.argv[1:]])))
+
+
+bench, analyze, calibrate = (partial(command_line, name) for name in ("bench", "analyze", "calibrate"))  # scripts
 
 
 def main(argv: list[str] | None = None) -> int:
