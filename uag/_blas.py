@@ -32,7 +32,7 @@ exit_code: int | None = None
 
 def preload_openblas() -> str:
     """Load OpenBLAS globally if we are on Linux, mlx is not imported yet and a library is found."""
-    global status
+    global status, _library
     choice = os.environ.get("UAG_OPENBLAS", "").strip()
     if not sys.platform.startswith("linux"):
         status = "not needed (not linux)"
@@ -48,16 +48,10 @@ def preload_openblas() -> str:
                 library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
-            status = f"openblas:{path}"
-            _set_library(library)
+            status, _library = f"openblas:{path}", library
+            atexit.register(_skip_library_exit)  # registered on import of uag, so it runs after the others
             break
     return status
-
-
-def _set_library(library: ctypes.CDLL) -> None:
-    global _library
-    _library = library
-    atexit.register(_skip_library_exit)  # first registered, so it runs last: after every other exit handler
 
 
 def single_threaded() -> bool:
@@ -79,9 +73,9 @@ def end_with(code: int) -> int:
 def _skip_library_exit() -> None:
     """A command line run ends here, once Python's own exit work is done (threads joined, exit handlers run), without
     the libraries' exit code, where OpenBLAS runs one thread: Debian 12's OpenBLAS (0.3.21) run single-threaded, as
-    MLX's stream threads call it, crashed in its exit code (`blas_shutdown`, from `_dl_fini`) at the end of most
-    `uag generate` runs, after their output (exit status -11), and mlx-lm's own `generate_step` in 1 of 4 runs.
-    Anything else (a program that imports uag, or uag with several OpenBLAS threads) exits as usual."""
+    MLX's stream threads call it, crashes in its exit code now and then (`blas_shutdown`, from `_dl_fini`), after a
+    run's output (exit status -11); mlx-lm's own `generate_step` does too. Anything else (a program that imports uag,
+    or uag with several OpenBLAS threads) exits as usual."""
     if exit_code is None or not single_threaded():
         return
     for stream in (sys.stdout, sys.stderr):

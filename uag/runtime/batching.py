@@ -307,7 +307,7 @@ class Batch:
         return max(READ, min(self.read_chunk, int(fixed_rows)))
 
     @staticmethod
-    def _decodes(waiting: Pass, narrow: int = READ) -> bool:
+    def _decodes(waiting: Pass, narrow: int) -> bool:
         """A narrow pass (`Batch.narrow`), or a tree's (verifying, whatever its width): not a read."""
         return waiting.width <= narrow or waiting.tree is not None
 
