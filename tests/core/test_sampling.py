@@ -165,9 +165,26 @@ def test_on_a_gpu_greedy_ids_take_the_whole_path(monkeypatch):
     import uag.core.sampling as sampling
 
     logits = mx.array([[0.1, 3.0, 2.0]])
-    monkeypatch.setattr(sampling, "greedy_ids", lambda _: pytest.fail("the shortcut was taken on a GPU"))
+    monkeypatch.setattr(sampling, "_argmax_if_sure", lambda _: pytest.fail("the shortcut was taken on a GPU"))
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     assert TargetSampling.of(GenerationConfig()).ids(logits) == [1]
+    assert sampling.greedy_picks(logits).arrays == [sampling.greedy_picks(logits).ids]  # nothing else to evaluate
+
+
+def test_picks_built_before_they_are_read_give_what_ids_give():
+    """A batch builds its members' picks beside its pass and reads them after (one evaluation for all): the same ids
+    as each member's own `ids`, the whole path included where the shortcut cannot answer (bfloat16 0.01 above zeros)."""
+    from uag.core.sampling import greedy_picks
+
+    mx.random.seed(5)
+    clear = mx.random.normal((4, 1000)) * 3
+    merged = mx.zeros((2, 262_144), dtype=mx.bfloat16)
+    merged[:, 7] = 0.01
+    greedy = TargetSampling.of(GenerationConfig())
+    picks = [greedy_picks(clear), greedy_picks(merged)]
+    mx.eval([a for p in picks for a in p.arrays])
+    assert [p.read() for p in picks] == [greedy.ids(clear), [0, 0]]
+    assert greedy.by_argmax and not TargetSampling.of(GenerationConfig(repetition_penalty=1.2)).by_argmax
 
 
 @pytest.mark.parametrize("penalty", PENALTIES)

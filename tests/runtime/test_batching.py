@@ -306,7 +306,7 @@ def test_a_tree_pass_on_caches_the_batch_cannot_keep_fails_its_member_and_the_ot
     batch, log = Batch(max_size=2), []
 
     def tree(job):
-        yield target.tree_pass(ids(3), Cache("tree/target"), Tree.of([[5], [6]]))
+        yield target.verify(ids(3), Cache("tree/target"), Tree.of([[5], [6]]))
 
     jobs = joined(batch, ("plain", [(target, 1)] * 2), log=log)
     jobs["tree"] = Job(tree, (), "tree", shared=True)

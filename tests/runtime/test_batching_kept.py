@@ -320,3 +320,49 @@ def test_a_short_prompt_rides_in_the_kept_pass_where_a_pass_costs_hundreds_of_to
     assert {name: out[name].token_ids for name in prompts} == alone
     assert ([1, 39] in widths) is not read  # the prompt but its last token, beside the other's step
     assert any(39 in w for w in widths) is not read
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_members_verifying_greedily_get_the_targets_picks_read_with_the_pass(pair, monkeypatch, pipelined):
+    """Greedy members verifying with others (a proposal, a lookup tree, a drafter model's) read none of the target's
+    picks themselves: the batch reads them with the pass (one read-back a round), and every member gets the target
+    alone's tokens, on a GPU's queued passes (`pipelined`) as on a CPU's."""
+    from uag.core.sampling import TargetSampling
+
+    target, other = pair
+    base = [5, 17, 23, 42, 8, 99, 61, 5, 17, 23, 42, 8, 99, 61]
+    requests = {
+        "self": (DrafterChoice(model=target), [3, *base], 3, 20),
+        "other": (DrafterChoice(model=other), [7, 7, 9] * 9, 2, 16),
+        "lookup": (DrafterChoice(lookup=True), base * 3, 4, 24),
+    }
+    alone = {
+        name: generate(target, None, ids, GenerationConfig("baseline", max_tokens=n)).token_ids
+        for name, (_, ids, _, n) in requests.items()
+    }
+    read_back, own = [], TargetSampling.ids
+
+    def counted(sampling, logits):
+        read_back.append(logits.shape[0])
+        return own(sampling, logits)
+
+    monkeypatch.setattr(TargetSampling, "ids", counted)
+    share(target, "target")
+    share(other, "drafter")
+    out: dict = {}
+    batch = Batch(max_size=3)
+    batch.pipelined = pipelined
+    batch.queued = lambda: True  # never alone: every pass is the batch's
+    jobs = {
+        name: Job(request, (target, d, ids, GenerationConfig("context", k, max_tokens=n), out, name), name, shared=True)
+        for name, (d, ids, k, n) in requests.items()
+    }
+    for job in jobs.values():
+        batch.join(job)
+    while batch:
+        batch.round()
+    for job in jobs.values():
+        list(job)
+    assert {name: out[name].token_ids for name in requests} == alone
+    verified = [c.source for name in requests for c in out[name].cycles if c.source]
+    assert {"model", "lookup"} <= set(verified) and len(verified) > 10 and read_back == []

@@ -23,7 +23,16 @@ from uag.core.config import GRAMMAR, LOOKUP, GenerationConfig
 from uag.core.costmodel import CostProfile
 from uag.core.detokenize import Pieces
 from uag.core.drafters import Draft, Drafter, DrafterChoice, make_drafter
-from uag.core.passes import PromptCaches, prefill, reuse, settle_allocator, tree_ready, trim_to, verify_tree
+from uag.core.passes import (
+    PromptCaches,
+    prefill,
+    reuse,
+    settle_allocator,
+    tree_ready,
+    trim_to,
+    verify_pass,
+    verify_tree,
+)
 from uag.core.policy import AutoSettings, Evidence, Policy, StopRule, make_policy, within
 from uag.core.records import Cycle, Event, Run, Sharing
 from uag.core.sampling import PENALTY_CONTEXT, Sampler, TargetSampling
@@ -209,19 +218,21 @@ class Speculation:
         """One target pass over its pending token and the proposal (with lookup's other continuations, as a tree,
         where uag.core.passes.tree_ready); each position picked as the target alone would pick it there."""
         proposed, branches = draft.proposed, [draft.proposed, *draft.branches]
-        if draft.branches and tree_ready(self.target.model, self.cache, self.sampling, batched=self.batched):
-            tree = verify_tree(self.target.model, self.cache, self.committed[-1], branches, self.sampling.ids)
+        model, greedy = self.target.model, self.sampling.by_argmax
+        if draft.branches and tree_ready(model, self.cache, self.sampling, batched=self.batched):
+            tree = verify_tree(model, self.cache, self.committed[-1], branches, self.sampling.ids, greedy=greedy)
             draft.proposed, draft.nodes, self.seen = branches[tree.branch], tree.nodes, self.seen + 1 + len(tree.path)
             return tree.verdict
         draft.branches = []  # verified alone
-        logits = self.target.model(mx.array([self.committed[-1], *proposed])[None], cache=self.cache)[0]
+        inputs = mx.array([self.committed[-1], *proposed])[None]
+        logits, picks = verify_pass(model, inputs, self.cache, greedy=greedy and draft.q is None)
         self.seen += 1 + len(proposed)
-        logits = self.sampling.rows(self.committed, proposed, logits)
+        logits = self.sampling.rows(self.committed, proposed, logits[0])
         if draft.q is not None:
             p = self.sampling.distribution(logits)
             verdict = accept_rejection(p, draft.q, draft.usable, proposed, draft.id_map)
-        else:
-            verdict = accept_greedy(proposed, self.sampling.ids(logits))
+        else:  # picked by its batch with the pass, where it ran in one
+            verdict = accept_greedy(proposed, self.sampling.ids(logits) if picks is None else picks)
         settle_allocator()
         return verdict
 

@@ -239,11 +239,29 @@ def kv_bytes(model, tokens: int) -> int:
 class Shareable(Protocol):
     """A model that requests running together share (uag.runtime.batching.SharedModel): `alone()` says whether a
     call made now is the model's own (no other request's pass waits on it), so that a caller may change the model
-    for one pass; `tree_pass` hands a tree pass to the batch, which reads it beside the others' passes."""
+    for one pass; `verify` hands a verifying pass (one proposal, or a tree of them) to the batch, which reads it
+    beside the others' passes and, where the target picks each row by its argmax, reads the picks with it."""
 
     def alone(self) -> bool: ...
 
-    def tree_pass(self, inputs: mx.array, cache: list, tree: Tree) -> mx.array: ...
+    def verify(
+        self, inputs: mx.array, cache: list, tree: Tree | None = None, greedy: bool = False
+    ) -> tuple[mx.array, list[int] | None]: ...
+
+
+def verify_pass(
+    model, inputs: mx.array, cache: list, *, tree: Tree | None = None, greedy: bool = False
+) -> tuple[mx.array, list[int] | None]:
+    """A pass that verifies (`inputs` (1, w): the pending token, then a proposal or a tree's tokens): the model's
+    logits (1, w, V), and where `greedy` (the target picks each row by its argmax: TargetSampling.by_argmax) and the
+    pass ran in a batch beside others', the target's picks, read with the pass: one read-back for all of a round's
+    members rather than one each after it (on a GPU a read-back is a launch and a wait; docs/results.md, df). Else
+    None: the caller picks. A tree's nodes are placed at their depths (`tree_pass`)."""
+    if (greedy or tree is not None) and isinstance(model, Shareable) and not model.alone():
+        return model.verify(inputs, cache, tree, greedy)
+    if tree is None:
+        return model(inputs, cache=cache), None
+    return _tree_pass(model, inputs, cache, tree), None
 
 
 def tree_ready(model, cache: list, sampling, *, batched: bool = False) -> bool:
@@ -263,18 +281,21 @@ def tree_ready(model, cache: list, sampling, *, batched: bool = False) -> bool:
     return fits and len(model.layers) == len(cache)
 
 
-def verify_tree(model, cache: list, pending: int, proposals: Sequence[Sequence[int]], pick) -> TreeVerdict:
+def verify_tree(
+    model, cache: list, pending: int, proposals: Sequence[Sequence[int]], pick, greedy: bool = False
+) -> TreeVerdict:
     """One target pass over the pending token and every proposal, merged into a tree; the target's choice per row
-    (`pick`: TargetSampling.ids) walks it (uag.core.verify.accept_tree), and the cache is left holding the pending
-    token and the kept nodes, as if it had read them alone (`keep_path`).
+    (`pick`: TargetSampling.ids, or the picks a batch read with the pass where `greedy`: `verify_pass`) walks it
+    (uag.core.verify.accept_tree), and the cache is left holding the pending token and the kept nodes, as if it had
+    read them alone (`keep_path`).
 
     Example: pending 7, proposals [[5, 6], [5, 8]] -> one pass over [7, 5, 6, 8]; the target choosing 5 then 8:
              path [0, 2] (5, 8), cache + [7, 5, 8], branch 1
     """
     tree = Tree.of(proposals)
     read = cache[0].offset
-    logits = tree_pass(model, cache, pending, tree)[0]
-    verdict = accept_tree(tree, pick(logits))
+    logits, picks = verify_pass(model, mx.array([pending, *tree.tokens])[None], cache, tree=tree, greedy=greedy)
+    verdict = accept_tree(tree, pick(logits[0]) if picks is None else picks)
     keep_path(cache, read + 1, verdict.path)
     settle_allocator()
     return verdict
@@ -284,15 +305,18 @@ def tree_pass(model, cache: list, pending: int, tree: Tree) -> mx.array:
     """The model's logits (1, 1 + len(tree), V) over [pending, *tree.tokens]: each row attends to the cached
     text, the pending token and its own ancestors (the tree mask, through each layer's `make_mask`), at the
     position of its depth (each attention layer's `rope` applied per run of consecutive positions, for this pass).
-    A member of a server's batch running with others hands it to the batch (`Shareable.tree_pass`)."""
-    if isinstance(model, Shareable) and not model.alone():  # in a batch: read beside the others' passes
-        return model.tree_pass(mx.array([pending, *tree.tokens])[None], cache, tree)
+    A member of a server's batch running with others hands it to the batch (`Shareable.verify`)."""
+    return verify_pass(model, mx.array([pending, *tree.tokens])[None], cache, tree=tree)[0]
+
+
+def _tree_pass(model, inputs: mx.array, cache: list, tree: Tree) -> mx.array:
+    """`tree_pass` on the model's own plain caches."""
     read, depths = cache[0].offset, [0, *tree.depths]
     positions = read + mx.array(depths)
     mask = mx.concatenate([mx.ones((len(depths), read), dtype=mx.bool_), mx.array(tree.mask())], axis=1)
     with placed(model, [depths], positions[None]):
         layers = [_TreeCache(c, mask, positions) for c in cache]
-        return model(mx.array([pending, *tree.tokens])[None], cache=layers)
+        return model(inputs, cache=layers)
 
 
 def keep_path(cache: list, start: int, path: Sequence[int]) -> None:

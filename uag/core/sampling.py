@@ -103,13 +103,49 @@ def greedy_ids(logits: mx.array) -> list[int] | None:
 
     Example: [[0.1, 3.0, 2.0]] -> [1];  bfloat16 [[0, …, 0.01, …]] over 262,144 ids -> None (it is 0 there)
     """
+    ids, sure = _argmax_if_sure(logits)
+    mx.eval(ids, sure)
+    return ids.tolist() if sure.item() else None
+
+
+def _argmax_if_sure(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """`greedy_ids`' graph, not evaluated: the logits' argmax per row, and whether it is sure to be the answer."""
     top = mx.max(logits, axis=-1, keepdims=True)
     reach = math.log(logits.shape[-1]) + 1  # |log p| of every value near the top, with room for rounding
     slack = 2 * mx.finfo(logits.dtype).eps * 2 ** math.ceil(math.log2(reach))
     near = mx.sum(logits >= top - slack, axis=-1) - mx.sum(logits == top, axis=-1)
-    ids, near, finite = mx.argmax(logits, axis=-1), mx.max(near), mx.all(mx.isfinite(top))
-    mx.eval(ids, near, finite)
-    return ids.tolist() if near.item() == 0 and finite.item() else None
+    return mx.argmax(logits, axis=-1), (mx.max(near) == 0) & mx.all(mx.isfinite(top))
+
+
+@dataclass(frozen=True)
+class Picks:
+    """The target's greedy choice at each row of a pass's logits, built but not yet read (`greedy_picks`). Built
+    beside a pass and evaluated with it (`arrays`), several requests' picks cost the batch's pass no read-back of
+    their own (uag.runtime.batching); `read()` copies them out (evaluating them first where nobody has)."""
+
+    ids: mx.array
+    sure: mx.array | None = None  # on a CPU: whether `ids`, the logits' own argmax, is the answer (`greedy_ids`)
+    logits: mx.array | None = None  # where it may not be, the whole path is taken on these
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.ids] if self.sure is None else [self.ids, self.sure]
+
+    def read(self) -> list[int]:
+        mx.eval(self.arrays)
+        if self.sure is None or self.sure.item():
+            return self.ids.tolist()
+        return greedy_sampler(logprobs(self.logits)).tolist()
+
+
+def greedy_picks(logits: mx.array) -> Picks:
+    """mlx-lm's greedy choice at each row of `logits` (n, V), not yet read: on a CPU the logits' own argmax where
+    rounding cannot matter (`greedy_ids`: the exponentials cost 10x the argmax there), else the sampler's own path
+    (on a GPU the log-sum-exp costs what the shortcut's own few kernels would)."""
+    if mx.default_device().type != mx.cpu:
+        return Picks(greedy_sampler(logprobs(logits)))
+    ids, sure = _argmax_if_sure(logits)
+    return Picks(ids, sure, logits)
 
 
 @dataclass(frozen=True)
@@ -172,18 +208,23 @@ class TargetSampling:
         return self.sampler(logprobs(logits))
 
     def ids(self, logits: mx.array) -> list[int]:
-        """`choose(logits)` read back; greedy on a CPU, without the log-sum-exp where rounding cannot matter
-        (`greedy_ids`; on a GPU the log-sum-exp costs what its own few kernels would)."""
-        if self.greedy and mx.default_device().type == mx.cpu:
-            picked = greedy_ids(logits)
-            if picked is not None:
-                return picked
+        """`choose(logits)` read back; greedy, as `greedy_picks` reads it (on a CPU without the log-sum-exp where
+        rounding cannot matter)."""
+        if self.greedy:
+            return greedy_picks(logits).read()
         return self.choose(logits).tolist()
 
     @property
     def greedy(self) -> bool:
         """Whether the sampler is mlx-lm's greedy one (temperature 0, no cut): argmax of the log-probabilities."""
         return self.sampler is greedy_sampler
+
+    @property
+    def by_argmax(self) -> bool:
+        """Whether each row of a pass is picked from its own logits alone, greedily (no penalties, which read the
+        tokens before it, no grammar, which follows one proposal): what a batch can pick for its members with the
+        pass itself (`greedy_picks`; uag.core.passes.verify_pass)."""
+        return self.greedy and not self.processors and self.grammar is None
 
     def distribution(self, logits: mx.array) -> mx.array:
         """What the sampler draws from, per row of (already penalized) logits, at temperature > 0: the

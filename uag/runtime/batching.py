@@ -7,7 +7,7 @@ hands its pass to the `Batch` and waits. The batch lets every member run up to i
 detokenising: what each does on its own), then runs one pass per model for all of them and hands each member its
 rows. Plain KV caches are kept merged between passes (`uag.core.kept_caches`: a member's cache becomes a row of
 the batch's storage at its first batched pass and plain again when it reads, runs alone or its run ends; a lookup
-tree is a row of the pass like any other: `SharedModel.tree_pass`); other
+tree is a row of the pass like any other: `SharedModel.verify`); other
 caches are merged afresh for each pass (`uag.core.passes.batched_pass`). A pass over more than `READ` tokens (a
 prompt being read; on a GPU more than `Batch.narrow`, up to `read_chunk`) runs on plain caches, in chunks of
 `read_chunk` tokens while others decode, one chunk per round, so that a long prompt does not freeze the other
@@ -38,6 +38,7 @@ from uag.core.evidence import OUTLIER
 from uag.core.kept_caches import KeptCaches
 from uag.core.passes import PREFILL_STEP, batched_pass, mergeable
 from uag.core.records import FIXED_ROWS, Sharing, groups
+from uag.core.sampling import Picks, greedy_picks
 from uag.core.verify import Tree
 
 log = logging.getLogger(__name__)
@@ -90,13 +91,15 @@ class SharedModel:
             member.batch.hand_back(cache)
         return True
 
-    def tree_pass(self, inputs, cache: list, tree: Tree):
-        """A tree pass (uag.core.passes.tree_pass) of a member running with others: its batch reads it on the
-        caches it keeps merged, beside the others' passes (`KeptCaches.run`); the logits of [pending, *nodes]."""
+    def verify(self, inputs, cache: list, tree: Tree | None = None, greedy: bool = False):
+        """A verifying pass (uag.core.passes.verify_pass) of a member running with others: its batch reads it on the
+        caches it keeps merged, beside the others' passes (`KeptCaches.run`; a tree's nodes at their depths). The
+        logits of [pending, *proposal or nodes], and where `greedy` the target's pick at each of them, read with the
+        pass (`Batch._decode`); None where the batch read it as a read of its own (the caller picks)."""
         member = greenlet.getcurrent()
         if not isinstance(member, Member):
-            raise RuntimeError("a tree pass is handed to a batch only by a member running in it (SharedModel.alone)")
-        return member.parent.switch(Pass(self, inputs, cache, tree=tree))
+            raise RuntimeError("a pass is handed to a batch only by a member running in it (SharedModel.alone)")
+        return member.parent.switch(Pass(self, inputs, cache, tree=tree, verifying=True, greedy=greedy))
 
 
 def share(loaded: Any, role: str) -> None:
@@ -115,6 +118,8 @@ class Pass:
     read: int = 0  # tokens of a read run so far
     logits: list = field(default_factory=list)  # a read's chunks' logits
     tree: Tree | None = None  # a tree pass: the proposals its tokens after the pending one are (never a read)
+    verifying: bool = False  # handed by SharedModel.verify: served as (logits, the target's picks or None)
+    greedy: bool = False  # the target picks each row by its argmax: the batch reads the picks with the pass
 
     @property
     def width(self) -> int:
@@ -332,7 +337,8 @@ class Batch:
         rows = kept is not None and any(kept.holds(p.cache) for p in passes)
         keep = (len(passes) > 1 or rows or any(trees)) and keepable
         merged = keep or (len(passes) > 1 and all(mergeable(p.cache) for p in passes))
-        queued = keep and self.pipelined and all(p.width == 1 for p in passes)  # not waited for (see round)
+        picking = any(p.greedy for p in passes)  # the target's picks read with the pass: no read-back a member
+        queued = keep and self.pipelined and all(p.width == 1 for p in passes) and not picking  # not waited (round)
         if keep:
             kept = self.kept.setdefault(id(model), KeptCaches())
             try:
@@ -340,7 +346,7 @@ class Batch:
                     model.inner,
                     [self._adopted(kept, m, p.cache) for m, p in zip(members, passes)],
                     [p.inputs for p in passes],
-                    wait=not queued,
+                    wait=not (queued or picking),
                     trees=trees,
                 )
             except Exception as err:
@@ -354,22 +360,33 @@ class Batch:
                 return [(m, None, RuntimeError(LOST)) for m in members]
             if queued:
                 self.ahead = (kept, out)
+            picks = _picks(passes, out)
+            try:  # the pass, waited for with the picks
+                _evaluated([], [], picks)
+            except Exception as err:
+                log.warning("a batched pass over %d requests failed on the device", len(passes), exc_info=True)
+                kept.broken = True
+                self._lose(kept)
+                return [(m, None, err) for m in members]
         elif merged:
             try:
                 out = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
-                _evaluated(out, passes)
+                picks = _picks(passes, out)
+                _evaluated(out, passes, picks)
             except Exception as err:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
                 return [(m, None, err) for m in members]
         else:
-            out = []
+            out, picks = [], []
             for p in passes:
                 try:
                     out.append(model.inner(p.inputs, cache=p.cache))
-                    if len(passes) > 1:
-                        _evaluated(out[-1:], [p])
+                    picks += _picks([p], out[-1:])
+                    if len(passes) > 1 or p.greedy:
+                        _evaluated(out[-1:], [p], picks[-1:])
                 except Exception as err:
                     out.append(err)
+                    picks.append(None)
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 and not queued else None
         if merged and ms is not None and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
@@ -378,7 +395,10 @@ class Batch:
             for m in members:
                 widest = max((p.width for other, p in zip(members, passes) if other is not m), default=0)
                 m.sharing.shared(len(passes), widest, ms)
-        return [(m, None, x) if isinstance(x, Exception) else (m, x, None) for m, x in zip(members, out)]
+        return [
+            (m, None, x) if isinstance(x, Exception) else (m, (x, pick and pick.read()) if p.verifying else x, None)
+            for m, p, x, pick in zip(members, passes, out, picks)
+        ]
 
     def _read(self, members: list[Member], alone: bool) -> list[tuple[Member, Any, BaseException | None]]:
         """One chunk of the reads of the members waiting on one (all of a lone read when nobody else waits); each
@@ -417,7 +437,7 @@ class Batch:
             if waiting.model.role == "target":
                 widest = max((w for p, w in zip(reads, widths) if p is not waiting), default=0)
                 member.sharing.shared(len(reads), widest, None)
-            served.append((member, done, None))
+            served.append((member, (done, None) if waiting.verifying else done, None))
         return served
 
     def fail(self, err: BaseException) -> None:
@@ -601,6 +621,13 @@ class PassCosts:
         return min(max(fixed / slope, 1.0), 1000.0)
 
 
-def _evaluated(out: list, passes: list[Pass]) -> None:
-    """Run a shared pass now, while the batch waits on it, rather than in whichever member reads its rows first."""
-    mx.eval(out, [c.state for p in passes for c in p.cache])
+def _picks(passes: list[Pass], out: list) -> list[Picks | None]:
+    """The target's picks at each row of each greedy pass's logits (`Pass.greedy`), built to be evaluated with the
+    pass: the members' picks then cost the pass no read-back of their own (on a GPU each was a launch and a wait)."""
+    return [greedy_picks(x[0]) if p.greedy and not isinstance(x, Exception) else None for p, x in zip(passes, out)]
+
+
+def _evaluated(out: list, passes: list[Pass], picks: list[Picks | None] = ()) -> None:
+    """Run a shared pass now, while the batch waits on it, rather than in whichever member reads its rows first;
+    with its members' picks."""
+    mx.eval(out, [c.state for p in passes for c in p.cache], [a for pick in picks if pick for a in pick.arrays])
