@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.saved_costs import learned
 from uag.core.costmodel import CostProfile
-from uag.core.evidence import Counts, Evidence, confidence_band
+from uag.core.evidence import Counts, Evidence, Prices, confidence_band
 from uag.core.lookup import BAND_FLOORS
 
 
@@ -193,3 +193,22 @@ def test_what_a_batch_realised_of_a_kind_s_prices_is_over_its_recent_cycles():
     evidence.saw_realised("", 1.0, 1.0)
     assert evidence.realised["lookup"] == pytest.approx(before + 0.01 * (1.0 - before))
     assert evidence.realised_ms["lookup"][0] == pytest.approx(evidence.realised["lookup"] * sums[1])
+
+
+def test_a_width_never_timed_is_priced_from_the_nearest_timed_one_as_the_widths_grow():
+    """`target_ms` anchors the profile at the timed width nearest w (the narrower of two as near), found by bisection
+    of the widths sorted once: the same width a scan of them finds, as widths are learned between calls."""
+    import random
+
+    rng = random.Random(7)
+    profile = CostProfile({1: 10.0, 8: 12.0, 64: 30.0, 128: 50.0}, drafter_ms=1.0)
+    prices = Prices(profile, Evidence())
+    timed = prices.evidence.verify_ms
+    for _ in range(60):
+        timed[rng.randint(1, 130)] = rng.uniform(5, 60)
+        for w in [rng.randint(1, 140) for _ in range(20)]:
+            near = min(timed, key=lambda v: (abs(v - w), v))
+            expected = timed[w] if w in timed else profile.target_at(w) * timed[near] / profile.target_at(near)
+            assert prices.target_ms(w) == pytest.approx(expected, rel=1e-12)
+    prices.evidence = Evidence(verify_ms={3: 20.0})  # another evidence of its own: its widths, not the old ones'
+    assert prices.target_ms(100) == pytest.approx(profile.target_at(100) * 20.0 / profile.target_at(3))

@@ -11,6 +11,7 @@ Example: Evidence().kept_chance(0.9) -> 0.9 (no verdicts yet: the drafter's conf
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -321,6 +322,7 @@ class Prices:
     learn: bool = True
     sharing: Sharing | None = None
     held_seen: int = field(default=0, init=False, repr=False)  # `Sharing.held` at the last batched cycle
+    _widths: tuple[dict, list[int]] = field(default=({}, []), init=False, repr=False)  # `_nearest`'s sorted widths
 
     def target_ms(self, w: int) -> float | None:
         """Cost of a target pass over w tokens: own timings first; then the profile's, anchored at the nearest
@@ -338,7 +340,7 @@ class Prices:
         if self.profile is not None:  # its times are positive (CostProfile checks them): any width timed anchors
             if not (self.learn and timed):
                 return self.profile.target_at(w) * self.evidence.scale
-            near = min(timed, key=lambda v: (abs(v - w), v))
+            near = self._nearest(timed, w)
             return self.profile.target_at(w) * timed[near] / self.profile.target_at(near)
         if not timed:
             return None
@@ -349,6 +351,18 @@ class Prices:
         lo, hi = known[0], known[-1]
         slope = max(0.0, (timed[hi] - timed[lo]) / (hi - lo))
         return timed[lo] + slope * (w - lo) if w > lo else base
+
+    def _nearest(self, timed: dict[int, float], w: int) -> int:
+        """The timed width nearest w (the narrower of two as near). A member prices every k it might propose at every
+        cycle, each against every pass of its batch's round (`AdaptiveK.lookup_rates`): a scan of the widths a
+        server's evidence has timed was 5 % of its worker's time (docs/results.md, df), a bisection of them sorted
+        once is not. Widths are only ever added to `timed`, so its size says when to sort again."""
+        of, widths = self._widths
+        if of is not timed or len(widths) != len(timed):
+            widths = sorted(timed)
+            self._widths = (timed, widths)
+        i = bisect.bisect_left(widths, w)
+        return min(widths[max(0, i - 1) : i + 1], key=lambda v: (abs(v - w), v))
 
     # --- batched with other requests (a server's): what a proposal costs the whole batch --------------------
     @property
