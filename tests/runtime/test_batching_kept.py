@@ -366,3 +366,39 @@ def test_members_verifying_greedily_get_the_targets_picks_read_with_the_pass(pai
     assert {name: out[name].token_ids for name in requests} == alone
     verified = [c.source for name in requests for c in out[name].cycles if c.source]
     assert {"model", "lookup"} <= set(verified) and len(verified) > 10 and read_back == []
+
+
+def test_a_member_left_alone_verifying_a_proposal_hands_back_only_the_targets_cache(pair):
+    """Once the others have ended, a greedy verify of one proposal is the target's own call, as any pass of a member
+    alone: its target cache comes back plain; its drafter cache stays a row of the kept caches until a drafter pass
+    of its own needs it (handing it back too would copy it out, and in again at its next batched pass)."""
+    from uag.core.kept_caches import RowCache
+    from uag.core.passes import verify_pass
+
+    target, other = pair
+    shared, drafter = SharedModel(target.model, "target"), SharedModel(other.model, "drafter")
+    caches: dict = {}
+    verified = []
+
+    def alone_at_the_end(job):
+        yield from steps(job, [(shared, target, 3), (drafter, other, 3), (shared, target, 1)], caches, "a")
+        own = caches["a", id(shared)]
+        logits, picks = verify_pass(shared, mx.array([[5, 6, 7]]), own, greedy=True)
+        verified.append((logits.shape, picks, [type(c) for c in own], [type(c) for c in caches["a", id(drafter)]]))
+
+    batch = Batch(max_size=2)
+    waiting = [True]
+    batch.queued = lambda: waiting[0]
+    a = Job(alone_at_the_end, (), "a", shared=True)
+    b = Job(steps, ([(shared, target, 3), (drafter, other, 3)], caches, "b"), "b", shared=True)
+    batch.join(a)
+    batch.join(b)
+    while len(batch) > 1:
+        batch.round()
+    waiting[0] = False  # b has ended and nobody waits to start: a runs alone
+    while batch:
+        batch.round()
+    list(a), list(b)
+    [(shape, picks, target_types, drafter_types)] = verified
+    assert shape == (1, 3, target.model.args.vocab_size) and picks is None  # its own call: it picks itself
+    assert set(target_types) == {KVCache} and set(drafter_types) == {RowCache}

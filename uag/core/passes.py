@@ -245,7 +245,7 @@ class Shareable(Protocol):
     def alone(self) -> bool: ...
 
     def verify(
-        self, inputs: mx.array, cache: list, tree: Tree | None = None, greedy: bool = False
+        self, inputs: mx.array, cache: list, tree: Tree | None = None, greedy: bool = True
     ) -> tuple[mx.array, list[int] | None]: ...
 
 
@@ -257,10 +257,12 @@ def verify_pass(
     pass ran in a batch beside others', the target's picks, read with the pass: one read-back for all of a round's
     members rather than one each after it (on a GPU a read-back is a launch and a wait; docs/results.md, df). Else
     None: the caller picks. A tree's nodes are placed at their depths (`tree_pass`)."""
-    if (greedy or tree is not None) and isinstance(model, Shareable) and not model.alone():
-        return model.verify(inputs, cache, tree, greedy)
     if tree is None:
+        if greedy and isinstance(model, Shareable):  # its batch's pass, or where it runs alone the model's own call
+            return model.verify(inputs, cache)
         return model(inputs, cache=cache), None
+    if isinstance(model, Shareable) and not model.alone():
+        return model.verify(inputs, cache, tree, greedy)
     return _tree_pass(model, inputs, cache, tree), None
 
 

@@ -91,14 +91,17 @@ class SharedModel:
             member.batch.hand_back(cache)
         return True
 
-    def verify(self, inputs, cache: list, tree: Tree | None = None, greedy: bool = False):
-        """A verifying pass (uag.core.passes.verify_pass) of a member running with others: its batch reads it on the
-        caches it keeps merged, beside the others' passes (`KeptCaches.run`; a tree's nodes at their depths). The
-        logits of [pending, *proposal or nodes], and where `greedy` the target's pick at each of them, read with the
-        pass (`Batch._decode`); None where the batch read it as a read of its own (the caller picks)."""
+    def verify(self, inputs, cache: list, tree: Tree | None = None, greedy: bool = True):
+        """A verifying pass (uag.core.passes.verify_pass): with others, its batch reads it on the caches it keeps
+        merged, beside theirs (`KeptCaches.run`; a tree's nodes at their depths), and where `greedy` reads the
+        target's pick at each of its tokens with the pass (`Batch._decode`). The logits of [pending, *proposal or
+        nodes], and the picks; None where there are none (read as a read of its own, or a proposal run as the
+        model's own call, `__call__`: outside a batch or alone in it): the caller picks."""
         member = greenlet.getcurrent()
+        if tree is None and (not isinstance(member, Member) or member.batch.solo()):
+            return self(inputs, cache=cache), None
         if not isinstance(member, Member):
-            raise RuntimeError("a pass is handed to a batch only by a member running in it (SharedModel.alone)")
+            raise RuntimeError("a tree pass is handed to a batch only by a member running in it (SharedModel.alone)")
         return member.parent.switch(Pass(self, inputs, cache, tree=tree, verifying=True, greedy=greedy))
 
 
