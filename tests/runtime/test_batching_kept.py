@@ -402,3 +402,40 @@ def test_a_member_left_alone_verifying_a_proposal_hands_back_only_the_targets_ca
     [(shape, picks, target_types, drafter_types)] = verified
     assert shape == (1, 3, target.model.args.vocab_size) and picks is None  # its own call: it picks itself
     assert set(target_types) == {KVCache} and set(drafter_types) == {RowCache}
+
+
+def test_a_verifying_pass_whose_picks_fail_on_the_device_fails_its_members_and_loses_its_kept_caches(
+    pair, monkeypatch
+):
+    """A greedy verifying pass is queued and waited for with its picks; where that fails (the device ran out of
+    memory computing it), the members it served fail with the error, and the kept caches it wrote are lost: their
+    caches come back empty, so that no later turn trusts them."""
+    from uag.core.passes import verify_pass
+
+    device = Device()
+    monkeypatch.setattr(uag.runtime.batching, "mx", device)
+    target, _ = pair
+    shared = SharedModel(target.model, "target")
+    caches: dict = {}
+
+    def verifying(job, name):
+        cache = caches.setdefault(name, target.make_cache())
+        shared(mx.array([[5, 6]]), cache=cache)  # a row of the kept caches from here on
+        yield "read"
+        yield verify_pass(shared, mx.array([[7, 8, 9]]), cache, greedy=True)[1]
+
+    batch = Batch(max_size=2)
+    batch.queued = lambda: True
+    jobs = {name: Job(verifying, (name,), name, shared=True) for name in "ab"}
+    for job in jobs.values():
+        batch.join(job)
+    batch.round()
+    kept = batch.kept[id(shared)]
+    device.fail_next = True
+    while batch:
+        batch.round()
+    for name in "ab":
+        with pytest.raises(RuntimeError, match="Resource limit exceeded"):
+            list(jobs[name])
+        assert all(type(c) is KVCache and c.offset == 0 for c in caches[name])
+    assert kept.broken and not batch.kept and not batch.lost

@@ -255,8 +255,9 @@ def verify_pass(
     """A pass that verifies (`inputs` (1, w): the pending token, then a proposal or a tree's tokens): the model's
     logits (1, w, V), and where `greedy` (the target picks each row by its argmax: TargetSampling.by_argmax) and the
     pass ran in a batch beside others', the target's picks, read with the pass: one read-back for all of a round's
-    members rather than one each after it (on a GPU a read-back is a launch and a wait; docs/results.md, df). Else
-    None: the caller picks. A tree's nodes are placed at their depths (`tree_pass`)."""
+    members rather than one each after it (each a launch and a wait on a GPU; no gain in throughput measured on an
+    H200 or a CPU: docs/results.md, df, dg). Else None: the caller picks. A tree's nodes are placed at their
+    depths (`tree_pass`)."""
     if tree is None:
         if greedy and isinstance(model, Shareable):  # its batch's pass, or where it runs alone the model's own call
             return model.verify(inputs, cache)
