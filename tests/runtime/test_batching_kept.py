@@ -404,9 +404,7 @@ def test_a_member_left_alone_verifying_a_proposal_hands_back_only_the_targets_ca
     assert set(target_types) == {KVCache} and set(drafter_types) == {RowCache}
 
 
-def test_a_verifying_pass_whose_picks_fail_on_the_device_fails_its_members_and_loses_its_kept_caches(
-    pair, monkeypatch
-):
+def test_a_verifying_pass_whose_picks_fail_on_the_device_fails_its_members_and_loses_its_kept_caches(pair, monkeypatch):
     """A greedy verifying pass is queued and waited for with its picks; where that fails (the device ran out of
     memory computing it), the members it served fail with the error, and the kept caches it wrote are lost: their
     caches come back empty, so that no later turn trusts them."""
