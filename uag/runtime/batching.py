@@ -364,13 +364,14 @@ class Batch:
             if queued:
                 self.ahead = (kept, out)
             picks = _picks(passes, out)
-            try:  # the pass, waited for with the picks
-                _evaluated([], [], picks)
-            except Exception as err:
-                log.warning("a batched pass over %d requests failed on the device", len(passes), exc_info=True)
-                kept.broken = True
-                self._lose(kept)
-                return [(m, None, err) for m in members]
+            if picking:
+                try:  # the pass, waited for with the picks
+                    _evaluated([], [], picks)
+                except Exception as err:
+                    log.warning("a batched pass over %d requests failed on the device", len(passes), exc_info=True)
+                    kept.broken = True
+                    self._lose(kept)
+                    return [(m, None, err) for m in members]
         elif merged:
             try:
                 out = batched_pass(model.inner, [p.inputs for p in passes], [p.cache for p in passes])
