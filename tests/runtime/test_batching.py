@@ -713,3 +713,30 @@ def test_run_all_runs_jobs_together_to_their_ends_or_until_cancelled(models):
     for job in jobs:
         with pytest.raises(Cancelled):
             list(job)
+
+
+def test_a_pass_whose_evaluation_fails_fails_its_member_alone_where_passes_run_one_each(monkeypatch):
+    """Caches the batch can neither keep nor merge run one pass each, each evaluated as it runs; where one's
+    evaluation fails (on the device), its member gets the error and the members after it their own rows."""
+    import uag.runtime.batching as batching
+
+    failed: list = []
+
+    class Device:
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def eval(self, *arrays):
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("[metal::malloc] Resource limit exceeded")
+            return mx.eval(*arrays)
+
+    monkeypatch.setattr(batching, "mx", Device())
+    target = SharedModel(Model(), "target")
+    batch, log = Batch(max_size=3), []
+    jobs = joined(batch, *[(name, [(target, w)]) for name, w in (("a", 2), ("b", 3), ("c", 4))], log=log)
+    drained(batch)
+    with pytest.raises(RuntimeError, match="Resource limit exceeded"):
+        list(jobs["a"])
+    assert failed and list(jobs["b"]) == [3] and list(jobs["c"]) == [4]

@@ -384,13 +384,14 @@ class Batch:
             out, picks = [], []
             for p in passes:
                 try:
-                    out.append(model.inner(p.inputs, cache=p.cache))
-                    picks += _picks([p], out[-1:])
+                    logits = model.inner(p.inputs, cache=p.cache)
+                    pick = _picks([p], [logits])
                     if len(passes) > 1 or p.greedy:
-                        _evaluated(out[-1:], [p], picks[-1:])
+                        _evaluated([logits], [p], pick)
                 except Exception as err:
-                    out.append(err)
-                    picks.append(None)
+                    logits, pick = err, [None]
+                out.append(logits)
+                picks += pick
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 and not queued else None
         if merged and ms is not None and model.role == "target":
             self.costs.observe(len(passes) * max(p.width for p in passes), ms)
