@@ -322,7 +322,7 @@ class Prices:
     learn: bool = True
     sharing: Sharing | None = None
     held_seen: int = field(default=0, init=False, repr=False)  # `Sharing.held` at the last batched cycle
-    _widths: tuple[dict, list[int]] = field(default=({}, []), init=False, repr=False)  # `_nearest`'s sorted widths
+    _widths: tuple[dict | None, list[int]] = field(default=(None, []), init=False, repr=False)  # `_nearest`'s, sorted
 
     def target_ms(self, w: int) -> float | None:
         """Cost of a target pass over w tokens: own timings first; then the profile's, anchored at the nearest
