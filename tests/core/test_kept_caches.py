@@ -6,13 +6,14 @@ the same arrays)."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import mlx.core as mx
 import pytest
 
 from tests.support.tiny_models import build_tiny
-from uag.core.kept_caches import STEP, KeptCaches, RowCache
+from uag.core.kept_caches import STEP, KeptCaches, RowCache, packs
 from uag.core.passes import keep_path, prefill, tree_pass, trim_to
 from uag.core.verify import Tree
 
@@ -69,10 +70,10 @@ class Member:
             trim_to(cache, cache[0].offset - (width - keep))
 
 
-def cycle(tiny, kept: KeptCaches, members: list[Member]) -> None:
+def cycle(tiny, kept: KeptCaches, members: list[Member], packed: bool = False) -> None:
     proposals = [m.proposal() for m in members]
     rows = [kept.adopt(m.cache) for m in members]
-    together = kept.run(tiny.model, rows, proposals)
+    together = kept.run(tiny.model, rows, proposals, packed=packed)
     for m, p, logits in zip(members, proposals, together):
         assert same(logits, tiny.model(p[None], cache=m.own))
         assert m.cache[0].offset == m.own[0].offset
@@ -139,10 +140,13 @@ def test_trees_on_kept_caches_read_and_keep_as_each_member_s_own(tiny, span_step
             assert mx.allclose(mine.keys[..., : own.offset, :], own.keys[..., : own.offset, :], atol=1e-5).item()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("span_step", [1, STEP], ids=["cpu-span", "gpu-span"])
-def test_a_pass_on_kept_caches_is_each_member_s_own_through_joins_leaves_and_rejections(tiny, span_step):
+def test_a_pass_on_kept_caches_is_each_member_s_own_through_joins_leaves_and_rejections(tiny, span_step, packed):
     kept = KeptCaches()
     kept.span_step = span_step  # as on a GPU: slots past the pass's tokens attended in whole steps, masked out
+    cycle = functools.partial(globals()["cycle"], packed=packed)  # packed: the rows' tokens as one sequence
+    assert packs(tiny.model)
     a, b, c = Member(tiny, 40, 0), Member(tiny, 7, 1), Member(tiny, 23, 2)
     for _ in range(3):
         cycle(tiny, kept, [a, b])

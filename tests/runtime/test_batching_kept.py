@@ -57,9 +57,9 @@ def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, 
     monkeypatch.setattr(uag.runtime.batching, "batched_pass", merged_afresh)
     passes, run = [], KeptCaches.run
 
-    def recorded(kept, model, rows, inputs, wait=True, trees=None):
+    def recorded(kept, model, rows, inputs, wait=True, trees=None, packed=False):
         passes.append(sorted(int(x.shape[-1]) for x in inputs))
-        return run(kept, model, rows, inputs, wait, trees)
+        return run(kept, model, rows, inputs, wait, trees, packed)
 
     monkeypatch.setattr(KeptCaches, "run", recorded)
     share(target, "target")
@@ -293,9 +293,9 @@ def test_a_short_prompt_rides_in_the_kept_pass_where_a_pass_costs_hundreds_of_to
         reads.append(sorted(int(x.shape[-1]) for x in inputs))
         return shared_pass(model, inputs, caches)
 
-    def kept(self, model, rows, inputs, wait=True, trees=None):
+    def kept(self, model, rows, inputs, wait=True, trees=None, packed=False):
         widths.append(sorted(int(x.shape[-1]) for x in inputs))
-        return run(self, model, rows, inputs, wait, trees)
+        return run(self, model, rows, inputs, wait, trees, packed)
 
     monkeypatch.setattr(uag.runtime.batching, "batched_pass", recorded)
     monkeypatch.setattr(KeptCaches, "run", kept)

@@ -66,10 +66,10 @@ def test_a_check_run_in_a_batch_classifies_as_alone(target, monkeypatch):
     shared_while_checking = []
     run = KeptCaches.run
 
-    def recorded(kept, model, rows, inputs, wait=True, trees=None):
+    def recorded(kept, model, rows, inputs, wait=True, trees=None, packed=False):
         if phase and phase[-1] == "checking":
             shared_while_checking.append(len(rows))
-        return run(kept, model, rows, inputs, wait, trees)
+        return run(kept, model, rows, inputs, wait, trees, packed)
 
     monkeypatch.setattr(KeptCaches, "run", recorded)
     out: dict = {}

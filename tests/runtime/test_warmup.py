@@ -39,9 +39,9 @@ def test_the_warm_up_runs_batched_passes_of_both_models_and_leaves_nothing_behin
     kept_passes: list[int] = []
     run = KeptCaches.run
 
-    def counted(self, model, rows, inputs, wait=True, trees=None):
+    def counted(self, model, rows, inputs, wait=True, trees=None, packed=False):
         kept_passes.append(id(model))
-        return run(self, model, rows, inputs, wait, trees)
+        return run(self, model, rows, inputs, wait, trees, packed)
 
     monkeypatch.setattr(KeptCaches, "run", counted)
     seconds = warm_batch(target, drafter)
@@ -103,11 +103,11 @@ def test_the_warm_up_compacts_kept_caches_and_reads_a_tree_once(shared_pair, mon
     before = generate(target, drafter, [5, 6, 7, 8] * 4, GenerationConfig(k=3, max_tokens=12)).token_ids
     seen, run, compact = [], KeptCaches.run, KeptCaches._compact
 
-    def ran(self, model, rows, inputs, wait=True, trees=None):
+    def ran(self, model, rows, inputs, wait=True, trees=None, packed=False):
         seen.append(("tree", sum(t is not None for t in trees or [])))
         apart = sorted(rows) != list(range(min(rows), min(rows) + len(rows)))  # a row between them sits out
         seen.append(("apart", apart))
-        return run(self, model, rows, inputs, wait, trees)
+        return run(self, model, rows, inputs, wait, trees, packed)
 
     def compacted(self, longest):
         seen.append(("compact", longest))

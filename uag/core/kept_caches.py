@@ -18,6 +18,7 @@ Plain `KVCache`s only; rotating and quantized ones stay on `batched_pass`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -163,6 +164,7 @@ class KeptCaches:
         inputs: Sequence[mx.array],
         wait: bool = True,
         trees: Sequence[Tree | None] | None = None,
+        packed: bool = False,
     ) -> list[mx.array]:
         """One pass of `model` over the given rows' new tokens (ragged widths, right padded: a row's padding comes
         after its tokens, which the causal mask keeps from them); each row's logits, evaluated, and each row
@@ -171,6 +173,10 @@ class KeptCaches:
         `trees`: per row, None, or the `Tree` its tokens are (the pending token, then the tree's nodes): each node
         at the position of its depth, seeing the row's text and its own ancestors only, as `passes.tree_pass` reads
         one alone; the row then holds every node until `keep_path` says which stay.
+        `packed` (rows of one proposal each, a model that `packs`): the rows' tokens run as one sequence of their
+        total, unpadded, and each row attends over its own slots only (`_PackedLayer`): a pass over [17, 1, 1, 1]
+        computes 20 tokens, not 68 — on a CPU, where every token costs its share, one pass where padding would
+        have cost more than a pass of its own (uag.core.records.groups).
 
         Example: rows [0, 2] holding 30 and 12 tokens, inputs of widths [1, 4] -> one pass over 2 × 4 tokens at
                  positions 30… and 12…, written at slots end … end + 3; logits (1, 1, V) and (1, 4, V)
@@ -191,6 +197,12 @@ class KeptCaches:
         lengths = [c[0].offset for c in caches]
         self._tidy(width)
         at = self.end
+        if packed and not any(tree is not None for tree in trees):
+            logits = self._packed(model, rows, inputs, widths, lengths, wait)
+            for cache, w in zip(caches, widths):
+                for layer in cache:
+                    layer.offset += w
+            return logits
         picked = (
             slice(rows[0], rows[0] + len(rows))
             if list(rows) == list(range(rows[0], rows[0] + len(rows)))
@@ -229,6 +241,31 @@ class KeptCaches:
             if tree is not None:
                 self.trees[row] = (at, len(tree))
         return [logits[i : i + 1, :w] for i, w in enumerate(widths)]
+
+    def _packed(self, model, rows: Sequence[int], inputs, widths: list[int], lengths: list[int], wait: bool) -> list:
+        """`run`'s pass over the rows' tokens packed into one sequence (see `run`): each row's tokens written at the
+        slots from `end` on (a narrower row's slots past its tokens are holes, as after padding), each placed at its
+        own positions and attending over its own row."""
+        at, width = self.end, max(widths)
+        span = -(-(at + width) // self.span_step) * self.span_step
+        for row, n in zip(rows, lengths):  # a row's slots past its own tokens: holes once it is that long
+            self.positions[row, at : at + width] = mx.arange(n, n + width)
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        layers = [_PackedLayer(self, layer, rows, at, widths, starts, lengths, span) for layer in range(len(self.keys))]
+        masks: dict = {}
+        for layer in layers:
+            layer.masks = masks
+        tokens = mx.concatenate([x.reshape(1, -1) for x in inputs], axis=1)
+        try:
+            with packing(model, starts, widths, lengths):
+                logits = model(tokens, cache=layers)
+            (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
+        except BaseException:
+            self.broken = True
+            raise
+        self.end = at + width
+        self.stale = self.stale or min(widths) < width
+        return [logits[:, s : s + w] for s, w in zip(starts, widths)]
 
     def keep_path(self, cache: list, start: int, path: Sequence[int]) -> None:
         """After a tree pass over a row (`run` with its `Tree`, from position `start` - 1): the nodes on `path` kept
@@ -365,6 +402,129 @@ class _PassLayer:
                 mask = mask & (queries - slots < window_size)
             self.masks[window_size] = mask
         return self.masks[window_size]
+
+
+class _RowMasks:
+    """A packed pass's masks, one per row ((1, 1, w, span): its tokens over its own slots), handed by the model to
+    its attention unchanged, as it hands any mask (`_PackedLayer.attend` reads them)."""
+
+    def __init__(self, rows: list[mx.array]):
+        self.rows = rows
+
+
+class _PackedLayer:
+    """One layer's cache as the model sees it during a packed `KeptCaches.run`: the model runs one sequence of every
+    row's tokens; this writes each row's keys and values into its own slots, and `attend` (the model's attention,
+    through `packing`) reads each row's queries over that row's slots only."""
+
+    def __init__(self, kept, layer, rows, at, widths, starts, lengths, span):
+        self.kept, self.layer, self.rows, self.at = kept, layer, list(rows), at
+        self.widths, self.starts, self.lengths, self.span = widths, starts, lengths, span
+        self.offset = 0  # what the model passes its rope, which `packing` replaces by each row's positions
+        self.masks: dict = {}
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        kept, at = self.kept, self.at
+        kept._allocated(self.layer, keys, values)
+        for row, s, w in zip(self.rows, self.starts, self.widths):
+            kept.keys[self.layer][row, :, at : at + w] = keys[0, :, s : s + w]
+            kept.values[self.layer][row, :, at : at + w] = values[0, :, s : s + w]
+        return keys, values  # unread: `attend` reads each row's own slots
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> _RowMasks:
+        """Per row: a slot is attended where its position is at most the query's (holes are UNSET), within the
+        window where the model asks for one."""
+        assert n == sum(self.widths), (n, self.widths)
+        if window_size not in self.masks:
+            out = []
+            for row, n0, w in zip(self.rows, self.lengths, self.widths):
+                slots = self.kept.positions[row, : self.span][None, None, None, :]
+                queries = mx.arange(n0, n0 + w)[None, None, :, None]
+                mask = slots <= queries
+                if window_size is not None:
+                    mask = mask & (queries - slots < window_size)
+                out.append(mask)
+            self.masks[window_size] = _RowMasks(out)
+        return self.masks[window_size]
+
+    def attend(self, queries: mx.array, scale: float, mask: _RowMasks, sinks: mx.array | None = None) -> mx.array:
+        """The attention of each row's queries over its own slots, as one (1, heads, tokens, dim) output."""
+        keys, values = self.kept.keys[self.layer], self.kept.values[self.layer]
+        parts = [
+            mx.fast.scaled_dot_product_attention(
+                queries[:, :, s : s + w],
+                keys[row : row + 1, :, : self.span],
+                values[row : row + 1, :, : self.span],
+                scale=scale,
+                mask=m,
+                sinks=sinks,
+            )
+            for row, s, w, m in zip(self.rows, self.starts, self.widths, mask.rows)
+        ]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def _attention_modules(model) -> list | None:
+    """The modules whose `scaled_dot_product_attention` the model's attention layers call, or None where a layer
+    has no rope to place tokens with or calls none (a packed pass cannot run in it)."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return None
+    modules = []
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        module = sys.modules.get(type(attention).__module__) if attention is not None else None
+        if not hasattr(attention, "rope") or not callable(getattr(module, "scaled_dot_product_attention", None)):
+            return None
+        modules += [] if module in modules else [module]
+    return modules
+
+
+def packs(model) -> bool:
+    """Whether `KeptCaches.run` can pack rows with this model (`packed`): attention layers with a `rope` that call
+    mlx-lm's `scaled_dot_product_attention` (llama, qwen2, qwen3, gemma3 and most of mlx-lm's models)."""
+    return _attention_modules(model) is not None
+
+
+@contextmanager
+def packing(model, starts: Sequence[int], widths: Sequence[int], lengths: Sequence[int]) -> Iterator[None]:
+    """For one packed pass: every attention layer's rope places each row's tokens at that row's positions, and the
+    attention its layers call reads each row over its own slots (`_PackedLayer.attend`); any other cache (another
+    model's pass, on any thread) gets mlx-lm's attention as before."""
+    modules = _attention_modules(model)
+    assert modules is not None, "a packed pass needs a model that packs (packs(model))"
+
+    def rope_by_rows(rope) -> Callable:
+        def apply(x: mx.array, offset: Any = 0) -> mx.array:
+            parts = [rope(x[..., s : s + w, :], offset=n) for s, w, n in zip(starts, widths, lengths)]
+            return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+
+        return apply
+
+    originals = [(module, module.scaled_dot_product_attention) for module in modules]
+
+    def attention_of(original: Callable) -> Callable:
+        def attention(*args, **kwargs):  # mlx-lm's: (queries, keys, values, cache, scale, mask, sinks=None)
+            given = dict(zip(("queries", "keys", "values", "cache", "scale", "mask", "sinks"), args), **kwargs)
+            cache = given.get("cache")
+            if isinstance(cache, _PackedLayer):
+                return cache.attend(given["queries"], given["scale"], given["mask"], given.get("sinks"))
+            return original(*args, **kwargs)
+
+        return attention
+
+    attention = [layer.self_attn for layer in model.layers]
+    for layer in attention:  # an instance attribute hides the rope module (nn.Module keeps it as a dict entry)
+        object.__setattr__(layer, "rope", rope_by_rows(layer.rope))
+    for module, original in originals:
+        module.scaled_dot_product_attention = attention_of(original)
+    try:
+        yield
+    finally:
+        for module, original in originals:
+            module.scaled_dot_product_attention = original
+        for layer in attention:
+            object.__delattr__(layer, "rope")
 
 
 def _depths(tree: Tree | None, width: int) -> list[int]:

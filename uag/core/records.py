@@ -417,6 +417,7 @@ class Sharing:
     others: tuple[Sharing, ...] = field(default=(), repr=False)  # the batch's other members now (the batch sets
     #   them as members join and leave)
     fixed_rows: float = FIXED_ROWS  # what the batch's pass costs beside its tokens, in tokens (its `groups`)
+    packed: bool = False  # the batch packs its rows' tokens into one pass, unpadded (uag.core.kept_caches, `run`)
     prior_rows: float | None = None  # the same from this request's pair's calibration (CostProfile.fixed_tokens):
     #   what the batch cuts passes by until it has timed passes of its own
     width: int = 1  # the tokens this request puts in its next target pass (1: a plain step)
@@ -441,10 +442,14 @@ class Sharing:
         the batch cut into passes as `groups` cuts it. What a draft of this request costs is what it adds to the
         whole round: on a CPU a pass of 4 × 17 tokens costs 3 passes of 4 × 1, and all four wait for it.
 
+        Where the batch packs (`packed`), one pass of every row's tokens, unpadded.
+
         Example: alone -> w = 9: [9];  three others at 1, fixed_rows 16 -> w = 1: [4];  w = 2: [8];
-                 w = 17: [3, 17];  None: [3]
+                 w = 17: [3, 17];  None: [3];  packed, w = 17: [20]
         """
         widths = tuple(o.width for o in self.others) + (() if w is None else (w,))
+        if self.packed:
+            return [sum(widths)] if widths else []
         return list(_pass_tokens(widths, self.fixed_rows))
 
     @property

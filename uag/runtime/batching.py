@@ -35,7 +35,7 @@ import greenlet
 import mlx.core as mx
 
 from uag.core.evidence import OUTLIER
-from uag.core.kept_caches import KeptCaches
+from uag.core.kept_caches import KeptCaches, packs
 from uag.core.passes import PREFILL_STEP, batched_pass, mergeable
 from uag.core.records import FIXED_ROWS, Sharing, groups
 from uag.core.sampling import Picks, greedy_picks
@@ -182,6 +182,11 @@ class Batch:
         # queue passes of one token a row rather than wait for them (round): on a GPU; on a CPU the device is the
         # cores the members' Python runs on, and a pass queued beside it ran no faster (benchmarks/batch_rounds.py)
         self.pipelined = mx.default_device() == mx.gpu
+        # pack a pass's rows into one sequence rather than pad them to the widest (KeptCaches.run): on a CPU, where
+        # every token a pass computes costs its share, a pass over [17, 1, 1, 1] then costs 20 tokens, not 68 or
+        # two passes; on a GPU padding costs little beside a pass and each row's attention would be a launch
+        self.packing = not self.pipelined
+        self._packs: dict[int, bool] = {}  # per model: whether its attention layers can run packed (`packs`)
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
         self.queued: Callable[[], bool] = lambda: False  # whether a job waits to start (the worker's queue)
 
@@ -206,6 +211,7 @@ class Batch:
         fixed_rows = self.fixed_rows()
         for member in self.members:
             member.sharing.fixed_rows = fixed_rows
+            member.sharing.packed = self.packing
         return fixed_rows
 
     def solo(self) -> bool:
@@ -295,7 +301,7 @@ class Batch:
                 member.sharing.held += 1
             reading = [m for m in members if not self._decodes(self.waiting[m], narrow)]
             with self.times.part("passes"):
-                for group in groups([self.waiting[m].width for m in decoding], fixed_rows):
+                for group in self._cut([self.waiting[m] for m in decoding], fixed_rows):
                     served += self._decode([decoding[i] for i in group])
                 if reading:
                     served += self._read(reading, alone=not decoding and len(by_model) == 1)
@@ -313,6 +319,25 @@ class Batch:
         tokens on the bundled edit turns) then rides in the batch's pass, rather than running a pass of its own on a
         plain cache, handed back out of the kept caches and adopted again (docs/results.md, de)."""
         return max(READ, min(self.read_chunk, int(fixed_rows)))
+
+    def _cut(self, passes: list[Pass], fixed_rows: float) -> list[list[int]]:
+        """The passes a round runs for one model's narrow passes: one, where the batch packs them (`packed`), else cut
+        where padding to the widest costs more than a pass of their own (`groups`)."""
+        if not passes:
+            return []
+        if self._packed(passes):
+            return [list(range(len(passes)))]
+        return groups([p.width for p in passes], fixed_rows)
+
+    def _packed(self, passes: list[Pass]) -> bool:
+        """Whether these passes run packed (`packing`): rows of one proposal each (a tree's pass is padded), of a
+        model whose attention can (`uag.core.kept_caches.packs`), on caches the batch keeps."""
+        if not self.packing or any(p.tree is not None for p in passes):
+            return False
+        model = passes[0].model
+        if id(model) not in self._packs:
+            self._packs[id(model)] = packs(model.inner)
+        return self._packs[id(model)] and all(KeptCaches.keepable(p.cache) for p in passes)
 
     @staticmethod
     def _decodes(waiting: Pass, narrow: int) -> bool:
@@ -340,6 +365,7 @@ class Batch:
         rows = kept is not None and any(kept.holds(p.cache) for p in passes)
         keep = (len(passes) > 1 or rows or any(trees)) and keepable
         merged = keep or (len(passes) > 1 and all(mergeable(p.cache) for p in passes))
+        packed = keep and self._packed(passes)
         picking = any(p.greedy for p in passes)  # the target's picks read with the pass: no read-back a member
         queued = keep and self.pipelined and all(p.width == 1 for p in passes) and not picking  # not waited (round)
         if keep:
@@ -351,6 +377,7 @@ class Batch:
                     [p.inputs for p in passes],
                     wait=not (queued or picking),
                     trees=trees,
+                    packed=packed,
                 )
             except Exception as err:
                 log.warning("a batched pass over %d requests failed", len(passes), exc_info=True)
@@ -394,7 +421,8 @@ class Batch:
                 picks += pick
         ms = (self.clock() - tic) * 1000 if len(passes) > 1 and not queued else None
         if merged and ms is not None and model.role == "target":
-            self.costs.observe(len(passes) * max(p.width for p in passes), ms)
+            tokens = sum(p.width for p in passes) if packed else len(passes) * max(p.width for p in passes)
+            self.costs.observe(tokens, ms)
             self._priced()
         if model.role == "target":
             for m in members:
