@@ -18,6 +18,12 @@ CONFIG.json`: no download, any backend; the figures depend on shapes and dtype, 
     python benchmarks/batch_passes.py --target coder-target                    # this machine's CPU
     python benchmarks/batch_passes.py --shapes config.json --dtype bfloat16     # e.g. on a GPU (MLX's CUDA backend)
 
+`--ragged` times rounds whose rows propose different widths (one drafting, the others decoding: [17, 1, 1, 1]) on
+caches kept merged three ways: padded to the widest in one pass, cut into two passes (the wide row, the rest: what
+`groups` does where padding costs more than a pass), and packed into one sequence of their tokens (what the batch
+does on a CPU: `KeptCaches.run(packed=True)`), with each way's tokens equal to the padded pass's:
+    python benchmarks/batch_passes.py --target coder-target --ragged 17,1,1,1 33,1,1,1 5,5,5,5 --context 1024
+
 `--margins` measures rounding instead of time: how far a batched pass moves each row's top-two logit gap (and its
 logits) from the row's own pass and from one-token steps — rows of different lengths, widths 1, k + 1 and both
 mixed, on caches kept merged and merged afresh — the drift the near-tie bound of uag/runtime/divergence.py must
@@ -143,6 +149,41 @@ def costs(model: nn.Module, make_cache, batches: list[int], widths: list[int], c
             out[size, w, "afresh"] = timed(afresh, repeats)
             out[size, w, "once"] = timed(once, repeats)
     return out
+
+
+def ragged(model: nn.Module, make_cache, shapes: list[list[int]], context: int, repeats: int) -> list[str]:
+    """Per round of row widths: ms of a pass padded to the widest, of two passes (the widest row; the others), and of
+    one packed pass, on caches kept merged holding `context` tokens a row (trimmed back after every pass), and whether
+    the packed pass's greedy tokens are the padded pass's."""
+    rows = max(len(widths) for widths in shapes)
+    caches = []
+    for r in range(rows):
+        cache = make_cache()
+        prefill(model, cache, [(7 * r + i) % 1000 + 10 for i in range(context)])
+        caches.append(cache)
+    kept = KeptCaches()
+    members = [kept.adopt(cache) for cache in caches]
+    lines = []
+    for widths in shapes:
+        n = len(widths)
+        tokens = [mx.array([(13 * i + j) % 1000 + 10 for j in range(w)]) for i, w in enumerate(widths)]
+
+        def once(packed: bool, split: bool = False, widths=widths, tokens=tokens, n=n) -> list:
+            if split:
+                out = kept.run(model, members[:1], tokens[:1]) + kept.run(model, members[1:n], tokens[1:])
+            else:
+                out = kept.run(model, members[:n], tokens, packed=packed)
+            for cache in caches[:n]:
+                trim_to(cache, context)
+            return [x.argmax(-1).tolist() for x in out]
+
+        same = once(True) == once(False)
+        padded, split, packed = (timed(partial(once, *how), repeats) for how in ((False,), (False, True), (True,)))
+        lines.append(
+            f"{widths}: padded {padded:.0f} ms, two passes {split:.0f} ms, packed {packed:.0f} ms "
+            f"({padded / packed:.2f}x, {split / packed:.2f}x); packed tokens equal padded: {same}"
+        )
+    return lines
 
 
 def report(table: dict, batches: list[int], widths: list[int]) -> str:
@@ -345,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         help="measure how far a batched pass moves each row's top-two logit gap from its own pass (no timing)",
     )
     parser.add_argument("--json", metavar="FILE", help="with --margins: every repeat's figures, as JSON")
+    parser.add_argument(
+        "--ragged",
+        nargs="+",
+        metavar="W,W,…",
+        help="time rounds of these row widths padded, as two passes and packed (e.g. 17,1,1,1)",
+    )
     args = parser.parse_args(argv)
     if args.target:
         from uag.models.store import ModelStore
@@ -359,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.margins:
         return margins(args, model, make_cache, name, dtype)
     print(f"{name} on {mx.default_device()}, MLX {mx.__version__}; context {args.context}, median of {args.repeats}")
+    if args.ragged:
+        shapes = [[int(w) for w in spec.split(",")] for spec in args.ragged]
+        print("\n".join(ragged(model, make_cache, shapes, args.context, args.repeats)))
+        return 0
     args.batches, args.widths = args.batches or [1, 2, 4, 8], args.widths or [1, 2, 4, 8, 16]
     table = costs(
         model, make_cache, sorted(set(args.batches) | {1}), sorted(set(args.widths) | {1}), args.context, args.repeats

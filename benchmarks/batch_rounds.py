@@ -129,10 +129,12 @@ def run_uag(
     drafter: DrafterChoice | None = None,
     profile: CostProfile | None = None,
     times: RoundTimes | None = None,
+    packing: bool | None = None,
 ) -> tuple[float, list]:
     """Seconds for every request's tokens, run as a `uag serve` worker runs shared jobs; and the tokens. With a
     `drafter`, each request runs `auto` over it from the pair's measured costs (`profile`), as `uag serve` runs a
-    request (its `Sharing` passed on). `times`: where the batch's rounds spend their time, added up there."""
+    request (its `Sharing` passed on). `times`: where the batch's rounds spend their time, added up there.
+    `packing`: whether ragged passes run packed (None: the batch's default, on a CPU only)."""
     out: dict[int, list[int]] = {}
     config = GenerationConfig("baseline", max_tokens=max_tokens)
     if drafter is not None:
@@ -144,6 +146,7 @@ def run_uag(
 
     batch = Batch(max_size=len(ids), times=times)
     batch.pipelined = pipelined
+    batch.packing = batch.packing if packing is None else packing
     jobs = [Job(request, (i,), str(i), shared=True) for i in range(len(ids))]
     tic = time.perf_counter()
     batch.run_all(jobs)  # as under load: every member waits for its rounds
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "long drafts)",
     )
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--only", nargs="+", help="run only these conditions, e.g. uag-auto uag-auto-padded")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON line per measurement as well")
     parser.add_argument(
@@ -226,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     conditions: dict[str, dict | None] = {"uag": {"pipelined": True}, "uag-wait": {"pipelined": False}, "mlx_lm": None}
     if choice is not None:
         conditions["uag-auto"] = {"pipelined": True, "drafter": choice, "profile": profile}
+        if mx.default_device() == mx.cpu:  # ragged passes padded to their widest, as before packing (and on a GPU)
+            conditions["uag-auto-padded"] = {**conditions["uag-auto"], "packing": False}
+    if args.only:
+        conditions = {name: conditions[name] for name in args.only if name in conditions}
     runs = {
         name: functools.partial(run_mlx_lm, target, max_tokens=args.max_tokens)
         if options is None
@@ -260,10 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({"batch": b, "condition": name, "repeat": repeat, "seconds": seconds}))
         medians = {name: statistics.median(v) for name, v in tps.items()}
         for name, values in tps.items():
-            print(
-                f"B = {b}  {name:<9} {medians[name]:8.1f} tok/s  (runs {min(values):.1f}-{max(values):.1f}; "
-                f"{medians[name] / medians['mlx_lm']:.2f}x mlx_lm)"
-            )
+            peer = f"; {medians[name] / medians['mlx_lm']:.2f}x mlx_lm" if "mlx_lm" in medians else ""
+            print(f"B = {b}  {name:<9} {medians[name]:8.1f} tok/s  (runs {min(values):.1f}-{max(values):.1f}{peer})")
         if args.breakdown:
             for name, options in [(n, o) for n, o in conditions.items() if o is not None]:
                 times = RoundTimes()
@@ -272,10 +278,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, run in runs.items() if args.profile else ():
             print(f"B = {b}  {name}: the {args.profile} functions it spent most time in (cProfile, tottime)")
             print(profiled(run, ids, args.profile))
-        same = sum(a == c for a, c in zip(texts["uag"], texts["mlx_lm"]))
-        print(
-            f"B = {b}  uag / uag-wait {medians['uag'] / medians['uag-wait']:.2f}x; tokens equal to mlx_lm's: {same}/{b}"
-        )
+        if {"uag", "uag-wait", "mlx_lm"} <= set(medians):
+            same = sum(a == c for a, c in zip(texts["uag"], texts["mlx_lm"]))
+            print(
+                f"B = {b}  uag / uag-wait {medians['uag'] / medians['uag-wait']:.2f}x; "
+                f"tokens equal to mlx_lm's: {same}/{b}"
+            )
+        if {"uag-auto", "uag-auto-padded"} <= set(medians):
+            same = sum(a == c for a, c in zip(texts["uag-auto"], texts["uag-auto-padded"]))
+            print(
+                f"B = {b}  uag-auto packed / padded {medians['uag-auto'] / medians['uag-auto-padded']:.2f}x; "
+                f"tokens equal: {same}/{b}"
+            )
     return 0
 
 

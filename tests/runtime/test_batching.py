@@ -409,6 +409,8 @@ def test_sharing_prices_a_pass_by_the_whole_batch():
     four.shared(4, 9, 12.0)
     four.shared(2, 0, None)
     assert (four.mean_size, four.largest, four.passes, four.size, four.pass_ms) == (3.0, 4, 2, 2, None)
+    four.packed = True  # the batch packs its rows (a CPU): one pass of every row's tokens, unpadded
+    assert (four.pass_tokens(1), four.pass_tokens(17), four.pass_tokens(None)) == ([12], [28], [11])
 
 
 def test_every_member_sees_the_others_and_the_batch_s_cost_of_a_pass(models, monkeypatch):

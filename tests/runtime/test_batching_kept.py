@@ -37,7 +37,9 @@ def request(job, target, drafter, ids: list[int], config: GenerationConfig, out:
     yield name
 
 
-def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, monkeypatch):
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, monkeypatch, packing):
+    """Packed (a CPU's default: a round's rows as one unpadded sequence) and padded (a GPU's) alike."""
     target, other = pair
     base = [5, 17, 23, 42, 8, 99, 61, 5, 17, 23, 42, 8, 99, 61]
     requests = {  # name: (drafter, prompt ids, k, max_tokens)
@@ -59,13 +61,16 @@ def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, 
 
     def recorded(kept, model, rows, inputs, wait=True, trees=None, packed=False):
         passes.append(sorted(int(x.shape[-1]) for x in inputs))
+        packs.append(packed)
         return run(kept, model, rows, inputs, wait, trees, packed)
 
+    packs: list[bool] = []
     monkeypatch.setattr(KeptCaches, "run", recorded)
     share(target, "target")
     share(other, "drafter")
     out: dict = {}
     batch = Batch(max_size=4)
+    batch.packing = packing
     batch.queued = lambda: True  # as under load: a member alone still waits for its rounds
     jobs = {
         name: Job(request, (target, d, ids, GenerationConfig("context", k, max_tokens=n), out, name), name, shared=True)
@@ -86,6 +91,8 @@ def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, 
     assert {name: out[name].token_ids for name in requests} == alone
     assert max(held) >= 3 and not batch.kept  # rows were kept across rounds, and all of them went back
     assert any(len(w) >= 3 and w[0] < w[-1] for w in passes)  # ragged passes of three members and more
+    ragged = [w[0] < w[-1] for w in passes]  # none reads a tree: each ragged pass packs, or none does
+    assert packs == (ragged if packing else [False] * len(passes))
     for name in requests:
         caches = out[name, "caches"]
         assert all(type(c) is KVCache for c in caches.target_cache)

@@ -186,7 +186,7 @@ class KeptCaches:
         if list(rows) != sorted(rows):  # in row order, so that rows next to each other are a view, not a gather
             order = sorted(range(len(rows)), key=rows.__getitem__)
             logits = self.run(
-                model, [rows[i] for i in order], [inputs[i] for i in order], wait, [trees[i] for i in order]
+                model, [rows[i] for i in order], [inputs[i] for i in order], wait, [trees[i] for i in order], packed
             )
             return [logits[order.index(i)] for i in range(len(rows))]
         caches = [self.owners[r] for r in rows]
