@@ -352,9 +352,9 @@ def test_greedy_runs_with_trees_in_a_batch_equal_the_target_alone(tiny, kept_bra
 
     passes, run = [], KeptCaches.run
 
-    def spy(self, model, rows, inputs, wait=True, trees=None):
+    def spy(self, model, rows, inputs, wait=True, trees=None, packed=False):
         passes.append((len(rows), sum(t is not None for t in trees or [])))
-        return run(self, model, rows, inputs, wait, trees)
+        return run(self, model, rows, inputs, wait, trees, packed)
 
     monkeypatch.setattr(KeptCaches, "run", spy)
     prompts = repeating_prompts(4)

@@ -62,9 +62,11 @@ def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, 
     def recorded(kept, model, rows, inputs, wait=True, trees=None, packed=False):
         passes.append(sorted(int(x.shape[-1]) for x in inputs))
         packs.append(packed)
+        read_trees.append(any(t is not None for t in trees or ()))
         return run(kept, model, rows, inputs, wait, trees, packed)
 
     packs: list[bool] = []
+    read_trees: list[bool] = []  # a lookup proposal may go as a tree (its shared index's branches): padded
     monkeypatch.setattr(KeptCaches, "run", recorded)
     share(target, "target")
     share(other, "drafter")
@@ -91,8 +93,8 @@ def test_members_on_kept_caches_match_the_target_alone_and_no_pass_merges(pair, 
     assert {name: out[name].token_ids for name in requests} == alone
     assert max(held) >= 3 and not batch.kept  # rows were kept across rounds, and all of them went back
     assert any(len(w) >= 3 and w[0] < w[-1] for w in passes)  # ragged passes of three members and more
-    ragged = [w[0] < w[-1] for w in passes]  # none reads a tree: each ragged pass packs, or none does
-    assert packs == (ragged if packing else [False] * len(passes))
+    ragged = [w[0] < w[-1] and not tree for w, tree in zip(passes, read_trees)]  # each such pass packs, or none
+    assert packs == (ragged if packing else [False] * len(passes)) and any(ragged)
     for name in requests:
         caches = out[name, "caches"]
         assert all(type(c) is KVCache for c in caches.target_cache)
