@@ -186,7 +186,6 @@ class Batch:
         # every token a pass computes costs its share, a pass over [17, 1, 1, 1] then costs 20 tokens, not 68 or
         # two passes; on a GPU padding costs little beside a pass and each row's attention would be a launch
         self.packing = not self.pipelined
-        self._packs: dict[int, bool] = {}  # per model: whether its attention layers can run packed (`packs`)
         self.history: list[tuple[float, int]] = []  # (time, members) at each change, for the Server tab
         self.queued: Callable[[], bool] = lambda: False  # whether a job waits to start (the worker's queue)
 
@@ -336,10 +335,7 @@ class Batch:
         caches the batch keeps."""
         if not self.packing or len({p.width for p in passes}) < 2 or any(p.tree is not None for p in passes):
             return False
-        model = passes[0].model
-        if id(model) not in self._packs:
-            self._packs[id(model)] = packs(model.inner)
-        return self._packs[id(model)] and all(KeptCaches.keepable(p.cache) for p in passes)
+        return packs(passes[0].model.inner) and all(KeptCaches.keepable(p.cache) for p in passes)
 
     @staticmethod
     def _decodes(waiting: Pass, narrow: int) -> bool:
