@@ -197,19 +197,39 @@ class KeptCaches:
         lengths = [c[0].offset for c in caches]
         self._tidy(width)
         at = self.end
-        if packed and not any(tree is not None for tree in trees):
-            logits = self._packed(model, rows, inputs, widths, lengths, wait)
-            for cache, w in zip(caches, widths):
-                for layer in cache:
-                    layer.offset += w
-            return logits
+        branched = any(tree is not None for tree in trees)  # rows of one proposal only: positions in a row
+        if packed and not branched:
+            tokens, layers, placing, starts = self._packed(model, rows, inputs, widths, lengths)
+        else:
+            tokens, layers, placing = self._padded(model, rows, inputs, widths, lengths, trees, branched)
+            starts = None
+        try:
+            with placing:
+                logits = model(tokens, cache=layers)
+            (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
+        except BaseException:
+            self.broken = True
+            raise
+        self.end = at + width
+        self.stale = self.stale or min(widths) < width  # the narrower rows' padding or slots: past their lengths
+        for row, cache, w, tree in zip(rows, caches, widths, trees):
+            for layer in cache:
+                layer.offset += w
+            if tree is not None:
+                self.trees[row] = (at, len(tree))
+        if starts is not None:
+            return [logits[:, s : s + w] for s, w in zip(starts, widths)]
+        return [logits[i : i + 1, :w] for i, w in enumerate(widths)]
+
+    def _padded(self, model, rows, inputs, widths: list[int], lengths: list[int], trees: list, branched: bool):
+        """`run`'s pass over the rows' tokens right-padded to the widest: (tokens, layers, the rope's placing)."""
+        at, width = self.end, max(widths)
         picked = (
             slice(rows[0], rows[0] + len(rows))
             if list(rows) == list(range(rows[0], rows[0] + len(rows)))
             else mx.array(rows)
         )
         offsets = mx.array(lengths)
-        branched = any(tree is not None for tree in trees)  # rows of one proposal only: positions in a row
         depths = [_depths(tree, width) for tree in trees] if branched else None
         queries = offsets[:, None] + (mx.array(depths) if branched else mx.arange(width)[None])
         self.positions[picked, at : at + width] = queries  # each new token's position
@@ -226,46 +246,23 @@ class KeptCaches:
                 for x, w in zip(inputs, widths)
             ]
         )
-        try:
-            with placed(model, depths, queries) if branched else nullcontext():
-                logits = model(tokens, cache=layers)
-            (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
-        except BaseException:
-            self.broken = True
-            raise
-        self.end = at + width
-        self.stale = self.stale or min(widths) < width  # the narrower rows' padding: past their lengths
-        for row, cache, w, tree in zip(rows, caches, widths, trees):
-            for layer in cache:
-                layer.offset += w
-            if tree is not None:
-                self.trees[row] = (at, len(tree))
-        return [logits[i : i + 1, :w] for i, w in enumerate(widths)]
+        return tokens, layers, placed(model, depths, queries) if branched else nullcontext()
 
-    def _packed(self, model, rows: Sequence[int], inputs, widths: list[int], lengths: list[int], wait: bool) -> list:
+    def _packed(self, model, rows, inputs, widths: list[int], lengths: list[int]):
         """`run`'s pass over the rows' tokens packed into one sequence (see `run`): each row's tokens written at the
         slots from `end` on (a narrower row's slots past its tokens are holes, as after padding), each placed at its
-        own positions and attending over its own row."""
+        own positions and attending over its own row: (tokens, layers, the rope's placing, each row's first token)."""
         at, width = self.end, max(widths)
         span = -(-(at + width) // self.span_step) * self.span_step
         for row, n in zip(rows, lengths):  # a row's slots past its own tokens: holes once it is that long
             self.positions[row, at : at + width] = mx.arange(n, n + width)
         starts = [sum(widths[:i]) for i in range(len(widths))]
-        layers = [_PackedLayer(self, layer, rows, at, widths, starts, lengths, span) for layer in range(len(self.keys))]
         masks: dict = {}
-        for layer in layers:
-            layer.masks = masks
+        layers = [
+            _PackedLayer(self, layer, rows, at, widths, starts, lengths, span, masks) for layer in range(len(self.keys))
+        ]
         tokens = mx.concatenate([x.reshape(1, -1) for x in inputs], axis=1)
-        try:
-            with packing(model, starts, widths, lengths):
-                logits = model(tokens, cache=layers)
-            (mx.eval if wait else mx.async_eval)(logits, self.positions, self.storage())
-        except BaseException:
-            self.broken = True
-            raise
-        self.end = at + width
-        self.stale = self.stale or min(widths) < width
-        return [logits[:, s : s + w] for s, w in zip(starts, widths)]
+        return tokens, layers, packing(model, starts, widths, lengths), starts
 
     def keep_path(self, cache: list, start: int, path: Sequence[int]) -> None:
         """After a tree pass over a row (`run` with its `Tree`, from position `start` - 1): the nodes on `path` kept
@@ -417,11 +414,11 @@ class _PackedLayer:
     row's tokens; this writes each row's keys and values into its own slots, and `attend` (the model's attention,
     through `packing`) reads each row's queries over that row's slots only."""
 
-    def __init__(self, kept, layer, rows, at, widths, starts, lengths, span):
+    def __init__(self, kept, layer, rows, at, widths, starts, lengths, span, masks: dict):
         self.kept, self.layer, self.rows, self.at = kept, layer, list(rows), at
         self.widths, self.starts, self.lengths, self.span = widths, starts, lengths, span
         self.offset = 0  # what the model passes its rope, which `packing` replaces by each row's positions
-        self.masks: dict = {}
+        self.masks = masks  # per window size, shared by the pass's layers
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         kept, at = self.kept, self.at
