@@ -330,8 +330,8 @@ class Batch:
 
     def _packed(self, passes: list[Pass]) -> bool:
         """Whether these passes run packed (`packing`): rows of one proposal each (a tree's pass is padded) and of
-        different widths (rows alike pad nothing, and one batched attention costs less than one a row: 2-5 % of a
-        pass of the coder target on this CPU), of a model whose attention can (`uag.core.kept_caches.packs`), on
+        different widths (rows alike pad nothing, and one batched attention costs no more than one a row:
+        docs/results.md, di), of a model whose attention can (`uag.core.kept_caches.packs`), on
         caches the batch keeps."""
         if not self.packing or len({p.width for p in passes}) < 2 or any(p.tree is not None for p in passes):
             return False
