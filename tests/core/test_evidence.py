@@ -129,6 +129,34 @@ def test_in_a_batch_a_pass_is_priced_as_the_batch_s_round_and_not_learned():
     assert prices.evidence.verify_ms == {1: 110.0} and prices.evidence.scale == pytest.approx(1.1)
 
 
+def test_a_cycle_that_waited_for_a_batch_s_round_learns_no_cost_of_its_own():
+    """A member whose pass was the only sequence of its round still waited for that round, which also ran another
+    member's read (or the others' passes before they left): its wall time is not its pass's. Learnt as its own, a
+    plain step of the coder target timed at 3.9 s against its calibration's 0.41 s, and every draft beside it
+    looked nearly free (docs/results.md, dk). Only a cycle whose passes since the last one learnt all ran as the
+    model's own call, alone in the batch (`Sharing.solo`), teaches the run its costs; a rehearsal likewise."""
+    from uag.core.policy import AdaptiveK
+    from uag.core.records import Cycle, Rehearsal, Sharing
+
+    profile = CostProfile(target_ms={1: 400.0, 4: 460.0}, drafter_ms=40.0, translate_ms=0.0)
+    shared = Sharing()
+    auto = AdaptiveK(k_max=4, profile=profile, sharing=shared)
+    auto.begin(0, 64)
+    shared.rounds, shared.solo = 1, False  # its pass went to the batch: a read ran in the same round
+    shared.shared(1, 0, None)
+    auto.observe(Cycle.plain(0, verify_ms=3900.0))
+    assert auto.evidence.verify_ms == {}  # not a cost of its own
+    shared.solo = True  # the others gone and nobody queued: its next pass is the model's own call
+    auto.observe(Cycle.plain(0, verify_ms=420.0))
+    assert auto.evidence.verify_ms == {1: 420.0}
+    shared.rounds, shared.solo = 2, False  # the rehearsal's drafter pass waited for a round
+    auto.rehearsed(Rehearsal(hits=[], read=9, ms=900.0, target_tokens=8))
+    assert auto.evidence.read_ms is None
+    shared.solo = True
+    auto.rehearsed(Rehearsal(hits=[], read=9, ms=120.0, target_tokens=8))
+    assert auto.evidence.read_ms == pytest.approx((120.0 - 40.0 * 420 / 400) / 8)  # a step at the run's scale
+
+
 def test_a_tree_pass_is_timed_at_the_rows_it_read():
     """A tree pass reads every branch's nodes: its time is that width's, not the kept branch's (a 16-row pass on a
     CPU whose curve dips at 16 would otherwise be priced as a 23-row one)."""

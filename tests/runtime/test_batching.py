@@ -378,6 +378,37 @@ def test_a_request_alone_runs_its_passes_at_once_and_waits_for_rounds_once_anoth
     assert drained(batch) >= 1 and list(first) == [1, 1, 1] and list(second) == [1]
 
 
+def marked(job, plan, seen: list, cache: Cache):
+    """A member's work that notes, after each pass, how many of its passes waited for a round and whether its last
+    one was the model's own call (`Sharing.rounds`, `Sharing.solo`); `then()` after each pass."""
+    sharing = sharing_now()
+    for model, width, then in plan:
+        model(ids(width), cache=cache)
+        seen.append((sharing.rounds, sharing.solo))
+        then()
+        yield width
+
+
+def test_a_pass_that_waited_for_a_round_is_marked_so_that_auto_learns_no_cost_from_it(models):
+    """A pass handed to the batch waits for a round that also runs the others' work (their passes, reads, Python):
+    the member's `Sharing` counts it and says its last pass was not the model's own call, which its auto reads
+    before it learns a cost (uag.core.evidence.Prices.timed_alone). Alone again, a pass is the model's own call."""
+    target, _ = models
+    batch, queue, seen = Batch(max_size=2), [], {"a": [], "b": []}
+    batch.queued = lambda: bool(queue)
+    noop = lambda: None  # noqa: E731
+    plan = [(target, 1, lambda: queue.append("b")), (target, 1, noop), (target, 1, noop), (target, 1, noop)]
+    a = Job(marked, (plan, seen["a"], Cache("a")), "a", shared=True)
+    batch.join(a)  # alone: its first pass is the model's own call; then a request queues
+    queue.clear()
+    b = Job(marked, ([(target, 1, noop)], seen["b"], Cache("b")), "b", shared=True)
+    batch.join(b)
+    drained(batch)
+    assert list(a) == [1] * 4 and list(b) == [1]
+    assert seen["a"] == [(0, True), (1, False), (2, False), (2, True)]  # the last: b gone, nobody queued
+    assert seen["b"] == [(1, False)]
+
+
 def test_a_shared_model_called_outside_a_member_is_the_model(models):
     target, _ = models
     target.inner.vocab_size = 7

@@ -322,6 +322,7 @@ class Prices:
     learn: bool = True
     sharing: Sharing | None = None
     held_seen: int = field(default=0, init=False, repr=False)  # `Sharing.held` at the last batched cycle
+    rounds_seen: int = field(default=0, init=False, repr=False)  # `Sharing.rounds` when `timed_alone` last looked
     _widths: tuple[dict | None, list[int]] = field(default=(None, []), init=False, repr=False)  # `_nearest`'s, sorted
 
     def target_ms(self, w: int) -> float | None:
@@ -460,15 +461,31 @@ class Prices:
         return (n - 1) * per_token * self.drafter_step_ms(step) / step
 
     # --- learning from the run's own timings ------------------------------------------------------------
-    def time_verify(self, cycle: Cycle) -> None:
+    def timed_alone(self) -> bool:
+        """Whether what the request timed since this was last asked is its own work: outside a batch, always; in one,
+        only where every pass since then ran as the model's own call, alone in the batch (`Sharing.solo`). A pass
+        handed to the batch waits for a round, and the round runs the others' passes, reads and Python too: learnt
+        as the request's own, such waits priced a plain step of the coder target at 3.9 s (its calibration: 0.41 s)
+        and every draft beside it as nearly free (docs/results.md, dk)."""
+        shared = self.sharing
+        if shared is None:
+            return True
+        alone = shared.solo and shared.rounds == self.rounds_seen
+        self.rounds_seen = shared.rounds
+        return alone
+
+    def time_verify(self, cycle: Cycle, alone: bool = True) -> None:
         """The run's own target timings, and how they compare with the profile's (`Evidence.scale`); a tree pass's
         at the width it read (every branch's nodes), not the kept branch's. A timing counts at most OUTLIER times
         what was expected of it: the width's estimate, or for its first what the profile (anchored at the run's
-        other widths) expects (`learned`)."""
+        other widths) expects (`learned`). `alone` False (`timed_alone`): the cycle waited on a batch's rounds, and
+        its time is not its pass's."""
         evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
         if (shared := self.sharing) is not None and shared.size > 1:
             self.time_realised(cycle)  # a batched pass: rows over caches of their own cost more than one row of
             return  # their tokens; what the cycle came to against its price is learned instead
+        if not alone:  # the only sequence of its pass, but the round held others' work (a read beside it)
+            return
         if self.learn or not (self.profile and w in self.profile.target_ms):
             expected = self.target_ms(w) if self.profile is not None else None
             evidence.verify_ms[w] = learned(evidence.verify_ms.get(w), ms, expected)
@@ -523,11 +540,11 @@ class Prices:
         if self.learn:
             self.evidence.lookup_ms = ema(self.evidence.lookup_ms, cycle.draft_ms + cycle.translate_ms)
 
-    def time_drafting(self, cycle: Cycle) -> None:
+    def time_drafting(self, cycle: Cycle, alone: bool = True) -> None:
         """A model cycle: its drafter steps, or, where its first pass caught up on the prompt or a parked
-        stretch, what reading a token costs; translation and re-sync."""
+        stretch, what reading a token costs; translation and re-sync (`alone` as for `time_verify`)."""
         evidence = self.evidence
-        if self.batched:  # its drafter passes waited on the batch's rounds: `cycle_ms` prices those apart
+        if self.batched or not alone:  # its drafter passes waited on the batch's rounds: `cycle_ms` prices those apart
             return
         passes = cycle.drafter_passes if self.learn else 0
         if passes and cycle.drafter_read <= 2 * passes + 1:
@@ -539,9 +556,10 @@ class Prices:
         if self.learn:
             evidence.overhead_ms = learned(evidence.overhead_ms, cycle.translate_ms + cycle.resync_ms)
 
-    def time_rehearsal(self, rehearsal: Rehearsal) -> None:
-        """A rehearsal is one drafter pass: a step, and what each token it read added."""
-        if self.learn and rehearsal.read > 1 and not self.batched:
+    def time_rehearsal(self, rehearsal: Rehearsal, alone: bool = True) -> None:
+        """A rehearsal is one drafter pass: a step, and what each token it read added (`alone` as for
+        `time_verify`)."""
+        if self.learn and rehearsal.read > 1 and not self.batched and alone:
             step = self.drafter_step_ms(self.target_ms(1) or 0.0)
             per_token = max(0.0, rehearsal.ms - step) / (rehearsal.read - 1)
             self.evidence.read_ms = learned(self.evidence.read_ms, per_token)  # as a drafting cycle's catch-up

@@ -508,7 +508,7 @@ class AdaptiveK:
 
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         """Learn from a rehearsal: what reading cost, and how sure the drafter was of its guesses."""
-        self.prices.time_rehearsal(rehearsal)
+        self.prices.time_rehearsal(rehearsal, self.prices.timed_alone())
         self.unread = self.parked_for = 0
         self.evidence.saw_guesses(rehearsal.confidence)
         # Still parked: rehearse half as often (over a long run, its cost fades); drafting again: as at first.
@@ -517,7 +517,7 @@ class AdaptiveK:
 
     def observe(self, cycle: Cycle) -> None:
         """Learn from a finished cycle: which drafts the target kept, and what each phase cost."""
-        evidence, self.opening = self.evidence, False
+        evidence, self.opening, alone = self.evidence, False, self.prices.timed_alone()
         if self.remaining is not None:
             self.remaining = max(0, self.remaining - cycle.emitted)
         if self.declined_lookup is not None:  # passed over: a source that failed once is tried again later
@@ -525,7 +525,7 @@ class AdaptiveK:
             if self.declined_lookup >= 0:
                 evidence.lookup_bands[self.declined_lookup].age()
             self.declined_lookup = None
-        self.prices.time_verify(cycle)
+        self.prices.time_verify(cycle, alone)
         if cycle.k == 0 or cycle.source in (LOOKUP, GRAMMAR):  # the model drafter reads these tokens later
             self.parked_for += cycle.emitted
             self.unread += cycle.emitted
@@ -536,7 +536,7 @@ class AdaptiveK:
                     evidence.saw_copy(cycle.match, len(cycle.proposed_ids), cycle.accepted)
             return
         self.unread, self.parked_for, self.rehearsal_gap = 0, 0, self.settings.rehearse_every
-        self.prices.time_drafting(cycle)
+        self.prices.time_drafting(cycle, alone)
         if cycle.draft_ids:
             evidence.expansion = ema(evidence.expansion, max(len(cycle.proposed_ids), 1) / len(cycle.draft_ids))
         if cycle.confidence:  # drafts the target kept, in drafter tokens (the proposal's share of them); a draft

@@ -424,6 +424,8 @@ class Sharing:
     tokens: float = 1.0  # the tokens it expects to commit per round of the batch, at that width
     rehearsing: bool = False  # its drafter is reading a parked stretch: it drafts nothing the batch could wait for
     held: int = 0  # rounds its target pass waited while other members drafted with a model (`Batch.round`)
+    rounds: int = 0  # its passes (target or drafter) that ran in the batch's rounds, beside the others' work
+    solo: bool = True  # its last pass ran as the model's own call, alone in the batch: its wall time is that pass's
 
     def shared(self, size: int, widest: int, ms: float | None) -> None:
         """A target pass ran over `size` sequences, the widest of the others `widest` tokens, in `ms`."""

@@ -73,8 +73,9 @@ class SharedModel:
             member.batch.hand_back(cache)  # its own plain cache again, as outside a batch
             if self.role == "target":
                 member.sharing.shared(1, 0, None)
+            member.sharing.solo = True
             return self.inner(inputs, cache=cache)
-        return member.parent.switch(Pass(self, inputs, cache))
+        return member.waits(Pass(self, inputs, cache))
 
     def alone(self) -> bool:
         """Whether a call made now is the model's own: outside a batch, or from a member running alone in it
@@ -102,7 +103,7 @@ class SharedModel:
             return self(inputs, cache=cache), None
         if not isinstance(member, Member):
             raise RuntimeError("a tree pass is handed to a batch only by a member running in it (SharedModel.alone)")
-        return member.parent.switch(Pass(self, inputs, cache, tree=tree, verifying=True, greedy=greedy))
+        return member.waits(Pass(self, inputs, cache, tree=tree, verifying=True, greedy=greedy))
 
 
 def share(loaded: Any, role: str) -> None:
@@ -139,6 +140,14 @@ class Member(greenlet.greenlet):
 
     def _main(self, *_start) -> None:
         self.job._run()
+
+    def waits(self, waiting: Pass) -> Any:
+        """Hand `waiting` to the batch and wait for the round that runs it: what the request times of that pass then
+        holds the round's other work too (the others' passes and reads, their Python), so its auto learns no cost of
+        its own from it (`Sharing.rounds`, uag.core.evidence.Prices.timed_alone)."""
+        self.sharing.rounds += 1
+        self.sharing.solo = False
+        return self.parent.switch(waiting)
 
 
 def handed_back() -> None:
