@@ -112,6 +112,7 @@ def test_a_lookup_drafter_drafts_from_the_shared_index_and_says_so():
     drafter.start([1, 2, 12, 13, 14])
     offer = drafter.offer(8)
     assert dict(offer) == {"lookup": 3} and offer.match == 3  # as much as the document holds after the match
+    assert offer.recalled  # auto prices it by how earlier requests' text held (Evidence.recall_bands)
     draft = drafter.propose("lookup", 8, 2)
     assert draft.proposed == [15, 16] and draft.match == 3 and draft.shared_index
     record = draft.cycle(8, 2, 3, verify_ms=1.0, resync_ms=0.0, resync_absorbed=False, loss=Loss())
