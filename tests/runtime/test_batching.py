@@ -392,7 +392,7 @@ def marked(job, plan, seen: list, cache: Cache):
 def test_a_pass_that_waited_for_a_round_is_marked_so_that_auto_learns_no_cost_from_it(models):
     """A pass handed to the batch waits for a round that also runs the others' work (their passes, reads, Python):
     the member's `Sharing` counts it and says its last pass was not the model's own call, which its auto reads
-    before it learns a cost (uag.core.evidence.Prices.timed_alone). Alone again, a pass is the model's own call."""
+    before it learns a cost (uag.core.evidence.Prices.alone_since_last). Alone again, a pass is the model's own call."""
     target, _ = models
     batch, queue, seen = Batch(max_size=2), [], {"a": [], "b": []}
     batch.queued = lambda: bool(queue)

@@ -126,8 +126,8 @@ class Evidence:
     lookup_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
     # the same for proposals recalled from earlier requests' text (uag.core.lookup.SharedIndex), kept apart: a match
     # that runs back over what every reply starts with (a chat template's assistant header and a token: 6 on the
-    # coder target) continues another request's reply far less often than one in the request's own text, and chat
-    # priced such recalls from the copies edits had made (docs/results.md, dl)
+    # coder target) continues another request's reply far less often than one of the same length in the request's
+    # own text, and chat priced such recalls from the copies edits had made (docs/results.md, dl)
     recall_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
     # the model's, per band of the drafter's confidence in a draft (`confidence_band`): whether the target kept
     # a draft of that confidence, wherever in its proposal it stood; and how often drafts fall in each band
@@ -150,21 +150,19 @@ class Evidence:
         runs `match` tokens back: position i continues a copy of match + i tokens, and has the chance of that
         length's band. A band's chance is its verdicts leaning on the next shorter band's (a longer copy breaks no
         more often), the shortest on `prior`, and on its floor where that is higher (`floors`, one a band; None:
-        none), until its own verdicts say otherwise. A proposal `recalled` from earlier requests' text has its own
-        verdicts per band (`recall_bands`), each leaning on that band's chance in the request's own text.
+        none), until its own verdicts say otherwise. A proposal `recalled` from earlier requests' text is judged by
+        the verdicts on such recalls (`recall_bands`), alike.
 
         Example: no verdicts, prior 0.5 -> [0.5] * n;  the 2-3 band rejected 4, prior 0.5, floors BAND_FLOORS
                  -> match 2: [0.1] * 6 + [0.8] * 8 + [0.9, …] (0.5 / 5 for lengths 2-3, the 4-7 band leaning on
-                 it, 0.8 the floor for 8-15);  recalled, no verdicts prior 0.5, its 4-7 band rejected 4 times (3.4
-                 decayed) -> match 6: [0.11] * 2 + [0.8] * … (0.5 / 4.4 for lengths 6-7)
+                 it, 0.8 the floor for 8-15)
         """
         chances, lean = [], prior
-        for band, counts in enumerate(self.lookup_bands):
+        for band, counts in enumerate(self.recall_bands if recalled else self.lookup_bands):
             lean = max(lean, floors[band]) if floors else lean
-            lean = _leaning(counts, lean)
+            a, r = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
+            lean = (a + BAND_WEIGHT * lean) / (a + r + BAND_WEIGHT)
             chances.append(lean)
-        if recalled:
-            chances = [_leaning(counts, own) for counts, own in zip(self.recall_bands, chances)]
         return [chances[match_band(min(match + i, MATCH_CAP))] for i in range(n)]
 
     def saw_copy(self, match: int, tried: int, kept: int, recalled: bool = False) -> None:
@@ -315,15 +313,6 @@ class Evidence:
         return evidence
 
 
-def _leaning(counts: Counts, lean: float) -> float:
-    """A band's chance: its verdicts (on its one position) and BAND_WEIGHT pseudo-observations at `lean`.
-
-    Example: no verdicts, lean 0.8 -> 0.8;  1 kept, 3 rejected, lean 0.8 -> (1 + 0.8) / (4 + 1) = 0.36
-    """
-    a, r = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
-    return (a + BAND_WEIGHT * lean) / (a + r + BAND_WEIGHT)
-
-
 def expected_tokens(acceptances: Sequence[float]) -> float:
     """Tokens a cycle commits on average when it proposes len(acceptances) target tokens, each kept with its
     chance given the ones before it kept (and the target's own token after them).
@@ -350,7 +339,7 @@ class Prices:
     learn: bool = True
     sharing: Sharing | None = None
     held_seen: int = field(default=0, init=False, repr=False)  # `Sharing.held` at the last batched cycle
-    rounds_seen: int = field(default=0, init=False, repr=False)  # `Sharing.rounds` when `timed_alone` last looked
+    rounds_seen: int = field(default=0, init=False, repr=False)  # `Sharing.rounds` when `alone_since_last` last looked
     _widths: tuple[dict | None, list[int]] = field(default=(None, []), init=False, repr=False)  # `_nearest`'s, sorted
 
     def target_ms(self, w: int) -> float | None:
@@ -489,8 +478,9 @@ class Prices:
         return (n - 1) * per_token * self.drafter_step_ms(step) / step
 
     # --- learning from the run's own timings ------------------------------------------------------------
-    def timed_alone(self) -> bool:
-        """Whether what the request timed since this was last asked is its own work: outside a batch, always; in one,
+    def alone_since_last(self) -> bool:
+        """Whether what the request timed since this was last asked is its own work, and from now on, a new span: ask
+        it once per cycle or rehearsal learnt (`AdaptiveK.observe`, `rehearsed`). Outside a batch, always; in one,
         only where every pass since then ran as the model's own call, alone in the batch (`Sharing.solo`). A pass
         handed to the batch waits for a round, and the round runs the others' passes, reads and Python too: learnt
         as the request's own, such waits priced a plain step of the coder target at 3.9 s (its calibration: 0.41 s)
@@ -506,7 +496,7 @@ class Prices:
         """The run's own target timings, and how they compare with the profile's (`Evidence.scale`); a tree pass's
         at the width it read (every branch's nodes), not the kept branch's. A timing counts at most OUTLIER times
         what was expected of it: the width's estimate, or for its first what the profile (anchored at the run's
-        other widths) expects (`learned`). `alone` False (`timed_alone`): the cycle waited on a batch's rounds, and
+        other widths) expects (`learned`). `alone` False (`alone_since_last`): the cycle waited on a batch's rounds, and
         its time is not its pass's."""
         evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
         if (shared := self.sharing) is not None and shared.size > 1:

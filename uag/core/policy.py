@@ -217,14 +217,16 @@ class AdaptiveK:
         the prior before it has drafted. Lookup's: its counts per position; for a match of known length, the
         chance of the copy's length at each position (`Evidence.copy_chances`: the 2-3-token band leaning on
         lookup's first position, each longer band on the shorter one's or its floor, `lookup.BAND_FLOORS`; a match
-        `recalled` from earlier requests' text, its own verdicts leaning on those)."""
+        `recalled` from earlier requests' text by the verdicts on such recalls alike, the shortest leaning on the
+        prior: what the request's own text kept says nothing of how another request's reply goes on)."""
         if source == MODEL:
             mean = self.evidence.mean_chance(self.settings.confidence_bands)
             return [self.settings.prior if mean is None else mean ** (1 / self.evidence.expansion)] * n
         chances = self.evidence.lookup.chances(n, self.settings.prior)
         if match is not None and n:
             floors = BAND_FLOORS if self.settings.band_floors else None
-            return self.evidence.copy_chances(match, n, chances[0], floors, recalled)
+            prior = self.settings.prior if recalled else chances[0]
+            return self.evidence.copy_chances(match, n, prior, floors, recalled)
         return chances
 
     def acceptance(self, i: int, source: str = MODEL) -> float:
@@ -516,7 +518,7 @@ class AdaptiveK:
 
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         """Learn from a rehearsal: what reading cost, and how sure the drafter was of its guesses."""
-        self.prices.time_rehearsal(rehearsal, self.prices.timed_alone())
+        self.prices.time_rehearsal(rehearsal, self.prices.alone_since_last())
         self.unread = self.parked_for = 0
         self.evidence.saw_guesses(rehearsal.confidence)
         # Still parked: rehearse half as often (over a long run, its cost fades); drafting again: as at first.
@@ -525,7 +527,7 @@ class AdaptiveK:
 
     def observe(self, cycle: Cycle) -> None:
         """Learn from a finished cycle: which drafts the target kept, and what each phase cost."""
-        evidence, self.opening, alone = self.evidence, False, self.prices.timed_alone()
+        evidence, self.opening, alone = self.evidence, False, self.prices.alone_since_last()
         if self.remaining is not None:
             self.remaining = max(0, self.remaining - cycle.emitted)
         if self.declined_lookup is not None:  # passed over: a source that failed once is tried again later

@@ -144,7 +144,7 @@ class Member(greenlet.greenlet):
     def waits(self, waiting: Pass) -> Any:
         """Hand `waiting` to the batch and wait for the round that runs it: what the request times of that pass then
         holds the round's other work too (the others' passes and reads, their Python), so its auto learns no cost of
-        its own from it (`Sharing.rounds`, uag.core.evidence.Prices.timed_alone)."""
+        its own from it (`Sharing.rounds`, uag.core.evidence.Prices.alone_since_last)."""
         self.sharing.rounds += 1
         self.sharing.solo = False
         return self.parent.switch(waiting)
