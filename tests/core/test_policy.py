@@ -280,7 +280,7 @@ def test_a_match_in_earlier_requests_text_is_priced_by_how_their_recalls_held_no
     assert policy.choose(own)[0] == "lookup" and expected() > 16
     assert [(c.accepted, c.rejected) for c in policy.evidence.lookup_bands] == bands  # own text: as it was
     source, k = policy.choose(Offer({"lookup": 64}, match=64, recalled=True))  # a retried request's reply
-    assert source == "lookup" and k > 16
+    assert source == "lookup" and k >= 16  # k_max at least: a copy
 
 
 def test_a_lookup_proposal_passed_over_is_kept_as_it_was_priced():
