@@ -79,22 +79,20 @@ def test_a_copy_s_token_is_judged_by_the_length_the_copy_has_reached():
     assert rejected.copy_chances(2, 16, 0.5) == pytest.approx([chances[0]] * 16)  # no floors: leaning on band 0
 
 
-def test_a_recall_is_judged_by_how_recalls_held_not_by_the_request_s_own_copies():
-    """A proposal from earlier requests' text (`recalled`) is judged in `recall_bands`, its chain leaning on the prior
-    it is given (and the floors) as the request's own does on lookup's first position: the request's own copies do
-    not vouch for another request's reply, nor do failed recalls count against them."""
+def test_a_recall_s_verdicts_are_its_own_and_lean_on_the_request_s_own_text_until_it_has_some():
+    """A proposal from earlier requests' text (`recalled`) is judged in `recall_bands`; without verdicts there a
+    band's chance is the request's own at that length, and its verdicts move it from there."""
     evidence = Evidence()
     evidence.saw_copy(6, tried=16, kept=16)  # the request's own copy: lengths 6-7, 8-15, 16-21 kept
-    own = evidence.copy_chances(6, 16, 0.9, BAND_FLOORS)
-    fresh = evidence.copy_chances(6, 16, 0.5, BAND_FLOORS, recalled=True)
-    assert fresh == Evidence().copy_chances(6, 16, 0.5, BAND_FLOORS)  # no recall verdicts: the prior, the floors
+    own = evidence.copy_chances(6, 16, 0.5, BAND_FLOORS)
+    assert evidence.copy_chances(6, 16, 0.5, BAND_FLOORS, recalled=True) == own
     for _ in range(4):
         evidence.saw_copy(6, tried=16, kept=0, recalled=True)
     rejected = evidence.recall_bands[1].rejected[0]
     assert rejected == pytest.approx(1 + 0.9 + 0.81 + 0.729) and evidence.recall_bands[0].rejected == []
     recalled = evidence.copy_chances(6, 16, 0.5, BAND_FLOORS, recalled=True)
-    assert recalled[:2] == pytest.approx([0.5 / (rejected + 1)] * 2) and recalled[2:] == fresh[2:]  # floors: 8+
-    assert evidence.copy_chances(6, 16, 0.9, BAND_FLOORS) == own  # the request's own text: as it was
+    assert recalled[:2] == pytest.approx([own[0] / (rejected + 1)] * 2) and recalled[2:] == own[2:]
+    assert evidence.copy_chances(6, 16, 0.5, BAND_FLOORS) == own  # the request's own text: as it was
     back = Evidence.from_dict(json.loads(json.dumps(evidence.to_dict())))
     assert back.recall_bands == evidence.recall_bands and back.lookup_bands == evidence.lookup_bands
     saved = {k: v for k, v in evidence.to_dict().items() if k != "recall_bands"}  # a file from before recalls

@@ -126,8 +126,8 @@ class Evidence:
     lookup_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
     # the same for proposals recalled from earlier requests' text (uag.core.lookup.SharedIndex), kept apart: a match
     # that runs back over what every reply starts with (a chat template's assistant header and a token: 6 on the
-    # coder target) continues another request's reply far less often than one of the same length in the request's
-    # own text, and chat priced such recalls from the copies edits had made (docs/results.md, dl)
+    # coder target) continues another request's reply far less often than one in the request's own text, and chat
+    # priced such recalls from the copies edits had made (docs/results.md, dl)
     recall_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
     # the model's, per band of the drafter's confidence in a draft (`confidence_band`): whether the target kept
     # a draft of that confidence, wherever in its proposal it stood; and how often drafts fall in each band
@@ -150,19 +150,21 @@ class Evidence:
         runs `match` tokens back: position i continues a copy of match + i tokens, and has the chance of that
         length's band. A band's chance is its verdicts leaning on the next shorter band's (a longer copy breaks no
         more often), the shortest on `prior`, and on its floor where that is higher (`floors`, one a band; None:
-        none), until its own verdicts say otherwise. A proposal `recalled` from earlier requests' text is judged by
-        the verdicts on such recalls (`recall_bands`), alike.
+        none), until its own verdicts say otherwise. A proposal `recalled` from earlier requests' text has its own
+        verdicts per band (`recall_bands`), each leaning on that band's chance in the request's own text.
 
         Example: no verdicts, prior 0.5 -> [0.5] * n;  the 2-3 band rejected 4, prior 0.5, floors BAND_FLOORS
                  -> match 2: [0.1] * 6 + [0.8] * 8 + [0.9, …] (0.5 / 5 for lengths 2-3, the 4-7 band leaning on
-                 it, 0.8 the floor for 8-15)
+                 it, 0.8 the floor for 8-15);  recalled, its 4-7 band rejected 4 times (3.4 decayed), prior 0.5 ->
+                 match 6: [0.11] * 2 + [0.8] * … (lengths 6-7: 0.5 / 4.4, leaning on the request's own 0.5)
         """
         chances, lean = [], prior
-        for band, counts in enumerate(self.recall_bands if recalled else self.lookup_bands):
+        for band, counts in enumerate(self.lookup_bands):
             lean = max(lean, floors[band]) if floors else lean
-            a, r = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
-            lean = (a + BAND_WEIGHT * lean) / (a + r + BAND_WEIGHT)
+            lean = _leaning(counts, lean)
             chances.append(lean)
+        if recalled:
+            chances = [_leaning(counts, own) for counts, own in zip(self.recall_bands, chances)]
         return [chances[match_band(min(match + i, MATCH_CAP))] for i in range(n)]
 
     def saw_copy(self, match: int, tried: int, kept: int, recalled: bool = False) -> None:
@@ -311,6 +313,15 @@ class Evidence:
                 raise ValueError("evidence drafted weights must be non-negative")
             evidence.confidence, evidence.drafted = confidence, drafted
         return evidence
+
+
+def _leaning(counts: Counts, lean: float) -> float:
+    """A band's chance: its verdicts (on its one position) and BAND_WEIGHT pseudo-observations at `lean`.
+
+    Example: no verdicts, lean 0.8 -> 0.8;  1 kept, 3 rejected, lean 0.8 -> (1 + 0.8) / (4 + 1) = 0.36
+    """
+    a, r = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
+    return (a + BAND_WEIGHT * lean) / (a + r + BAND_WEIGHT)
 
 
 def expected_tokens(acceptances: Sequence[float]) -> float:

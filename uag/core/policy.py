@@ -217,16 +217,14 @@ class AdaptiveK:
         the prior before it has drafted. Lookup's: its counts per position; for a match of known length, the
         chance of the copy's length at each position (`Evidence.copy_chances`: the 2-3-token band leaning on
         lookup's first position, each longer band on the shorter one's or its floor, `lookup.BAND_FLOORS`; a match
-        `recalled` from earlier requests' text by the verdicts on such recalls alike, the shortest leaning on the
-        prior: what the request's own text kept says nothing of how another request's reply goes on)."""
+        `recalled` from earlier requests' text, its own verdicts leaning on those)."""
         if source == MODEL:
             mean = self.evidence.mean_chance(self.settings.confidence_bands)
             return [self.settings.prior if mean is None else mean ** (1 / self.evidence.expansion)] * n
         chances = self.evidence.lookup.chances(n, self.settings.prior)
         if match is not None and n:
             floors = BAND_FLOORS if self.settings.band_floors else None
-            prior = self.settings.prior if recalled else chances[0]
-            return self.evidence.copy_chances(match, n, prior, floors, recalled)
+            return self.evidence.copy_chances(match, n, chances[0], floors, recalled)
         return chances
 
     def acceptance(self, i: int, source: str = MODEL) -> float:
