@@ -33,8 +33,6 @@ def test_evidence_keeps_what_earlier_runs_accepted_but_not_their_costs():
         {**Evidence().to_dict(), "lookup_bands": [{"accepted": [1.0], "rejected": [-1.0]}] * 4},
         {**Evidence().to_dict(), "confidence": [{"accepted": [], "rejected": []}] * 3},  # bands of another version
         {**Evidence().to_dict(), "drafted": [-1.0] * 7},
-        {**Evidence().to_dict(), "recall_bands": [{"accepted": [1.0], "rejected": [1.0]}] * 4},  # not one a band
-        {**Evidence().to_dict(), "recall_bands": [{"accepted": [1.0], "rejected": ["nan"]}] * 6},
     ],
 )
 def test_damaged_evidence_is_refused(bad):
@@ -77,30 +75,6 @@ def test_a_copy_s_token_is_judged_by_the_length_the_copy_has_reached():
     assert chances[:6] == pytest.approx([0.0 + 0.5 * 1 / (rejected.lookup_bands[0].rejected[0] + 1)] * 6)
     assert chances[6:14] == pytest.approx([0.8] * 8) and chances[14:] == pytest.approx([0.9] * 2)  # floors: 8+, 16+
     assert rejected.copy_chances(2, 16, 0.5) == pytest.approx([chances[0]] * 16)  # no floors: leaning on band 0
-
-
-def test_a_recall_s_verdicts_are_its_own_and_lean_on_the_request_s_own_text_until_it_has_some():
-    """A proposal from earlier requests' text (`recalled`) is judged in `recall_bands`; without verdicts there a
-    band's chance is the request's own at that length, and its verdicts move it from there."""
-    evidence = Evidence()
-    evidence.saw_copy(6, tried=16, kept=16)  # the request's own copy: lengths 6-7, 8-15, 16-21 kept
-    own = evidence.copy_chances(6, 16, 0.5, BAND_FLOORS)
-    assert evidence.copy_chances(6, 16, 0.5, BAND_FLOORS, recalled=True) == own
-    for _ in range(4):
-        evidence.saw_copy(6, tried=16, kept=0, recalled=True)
-    rejected = evidence.recall_bands[1].rejected[0]
-    assert rejected == pytest.approx(1 + 0.9 + 0.81 + 0.729) and evidence.recall_bands[0].rejected == []
-    recalled = evidence.copy_chances(6, 16, 0.5, BAND_FLOORS, recalled=True)
-    assert recalled[:2] == pytest.approx([own[0] / (rejected + 1)] * 2) and recalled[2:] == own[2:]
-    assert evidence.copy_chances(6, 16, 0.5, BAND_FLOORS) == own  # the request's own text: as it was
-    back = Evidence.from_dict(json.loads(json.dumps(evidence.to_dict())))
-    assert back.recall_bands == evidence.recall_bands and back.lookup_bands == evidence.lookup_bands
-    saved = {k: v for k, v in evidence.to_dict().items() if k != "recall_bands"}  # a file from before recalls
-    assert Evidence.from_dict(saved).recall_bands == Evidence().recall_bands
-    evidence.carry(2.0)
-    assert sum(evidence.recall_bands[1].rejected) == pytest.approx(2.0)
-    evidence.forget()
-    assert evidence.recall_bands == Evidence().recall_bands
 
 
 def test_a_draft_s_chance_is_its_confidence_until_the_target_s_verdicts_on_its_band_say_otherwise():

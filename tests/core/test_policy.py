@@ -252,36 +252,6 @@ def test_a_lookup_match_that_runs_far_back_drafts_long_and_a_short_one_does_not(
     assert bands[1].accepted == bands[1].rejected == [] and bands[0].accepted == [0.0]
 
 
-def test_a_match_in_earlier_requests_text_is_priced_by_how_their_recalls_held_not_by_the_request_s_own_copies():
-    """Found in open chat through a server that had served edits: every reply begins with the chat template's
-    assistant header, so each chat's first token matched an earlier reply's opening for 6 tokens in the shared index
-    (uag.core.lookup.SharedIndex), which auto priced from the edits' copies at 4-7 tokens: 16-token proposals
-    expecting 6 tokens, none kept in eight. Recalls keep verdicts of their own; the request's own copies are priced
-    as before, and the recalls' failures do not teach the request's own text."""
-    policy = AdaptiveK(k_max=16, profile=replace(CODER_CPU, drafter_ms=0.0), settings=PINNED)
-    looked_up = lambda match, kept, recalled: replace(  # noqa: E731
-        cycle(16, 16, kept, verify_ms=1000.0, draft_ms=0.0),
-        source="lookup",
-        match=match,
-        drafter_passes=0,
-        shared_index=recalled,
-    )
-    for _ in range(6):
-        policy.observe(looked_up(6, 16, recalled=False))  # edits: the file copied from a 6-token match
-    own, recalled = Offer({"lookup": 32}, match=6), Offer({"lookup": 32}, match=6, recalled=True)
-    assert policy.choose(own)[0] == "lookup" and policy.choose(recalled)[0] == "lookup"  # nothing against them yet
-    bands = [(c.accepted, c.rejected) for c in policy.evidence.lookup_bands]
-    for _ in range(4):
-        policy.observe(looked_up(6, 0, recalled=True))  # chat: four replies' openings, none kept
-    assert policy.choose(recalled) == ("", 0) and policy.choose(own)[0] == "lookup"
-    assert [(c.accepted, c.rejected) for c in policy.evidence.lookup_bands] == bands  # own text: as it was
-    assert policy.evidence.recall_bands[1].rejected[0] > 3
-    assert expected_tokens(policy.acceptances(16, "lookup", 6, recalled=True)) < 2  # the pass's own token and 1
-    assert expected_tokens(policy.acceptances(16, "lookup", 6)) > 16
-    source, k = policy.choose(Offer({"lookup": 64}, match=64, recalled=True))  # a retried request's reply
-    assert source == "lookup" and k >= 16  # k_max at least: a copy
-
-
 def test_a_lookup_proposal_passed_over_is_kept_as_it_was_priced():
     """Where auto parks at a lookup match, `passed_over` says the proposal as it priced it (its match, the k that priced
     best, the tokens it expected, its rate against parking's, below 1) until the next decision; where it drafts the

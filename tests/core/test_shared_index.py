@@ -4,14 +4,13 @@ bounded, replaced by the conversation turn that re-sends them, per owner; lossle
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from tests.support.tiny_models import build_tiny
 from uag.core.anatomy import Loss
 from uag.core.config import GenerationConfig
-from uag.core.drafters import DrafterChoice, HybridDrafter, LookupDrafter
+from uag.core.drafters import DrafterChoice, LookupDrafter
 from uag.core.engine import generate, prompt_ids
 from uag.core.lookup import MATCH_CAP, NgramIndex, SharedIndex, SharedIndexes, proposal, recall
 
@@ -113,12 +112,6 @@ def test_a_lookup_drafter_drafts_from_the_shared_index_and_says_so():
     drafter.start([1, 2, 12, 13, 14])
     offer = drafter.offer(8)
     assert dict(offer) == {"lookup": 3} and offer.match == 3  # as much as the document holds after the match
-    assert offer.recalled  # auto prices it by how earlier requests' text held (Evidence.recall_bands)
-    beside_a_model = HybridDrafter(
-        drafter, SimpleNamespace(name="m", translation="naive", offer=lambda k: {"model": k})
-    )
-    offer = beside_a_model.offer(8)
-    assert dict(offer) == {"lookup": 3, "model": 8} and offer.match == 3 and offer.recalled
     draft = drafter.propose("lookup", 8, 2)
     assert draft.proposed == [15, 16] and draft.match == 3 and draft.shared_index
     record = draft.cycle(8, 2, 3, verify_ms=1.0, resync_ms=0.0, resync_absorbed=False, loss=Loss())

@@ -217,7 +217,7 @@ class LookupDrafter:
         written, mine, viewed = own_match(self.index, self.views, reach)
         match, recalled = recall(self.shared, self.index, reach, mine)
         if recalled:  # the request's own continuation, where it has a match, may go beside it (lookup.proposal)
-            return Offer({LOOKUP: len(recalled)}, match=match, branched=self.index.match is not None, recalled=True)
+            return Offer({LOOKUP: len(recalled)}, match=match, branched=self.index.match is not None)
         if viewed:
             return Offer({LOOKUP: len(written)}, match=mine)
         return lookup_offer(self.index, k_max)
@@ -448,8 +448,7 @@ class HybridDrafter:
 
     def offer(self, k_max: int) -> Offer:
         lookup = self.lookup.offer(k_max)
-        model = self.model.offer(k_max)
-        return Offer({**lookup, **model}, match=lookup.match, branched=lookup.branched, recalled=lookup.recalled)
+        return Offer({**lookup, **self.model.offer(k_max)}, match=lookup.match, branched=lookup.branched)
 
     def propose(self, source: str, k: int, budget: int, stop: StopRule | None = None) -> Draft:
         return (self.lookup if source == LOOKUP else self.model).propose(source, k, budget, stop)

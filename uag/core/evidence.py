@@ -124,11 +124,6 @@ class Evidence:
     # next token of a copy that long kept?) are `copy_chances`'s; a token from a 2-3-token match is kept far less
     # often than one from a 16-token match
     lookup_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
-    # the same for proposals recalled from earlier requests' text (uag.core.lookup.SharedIndex), kept apart: a match
-    # that runs back over what every reply starts with (a chat template's assistant header and a token: 6 on the
-    # coder target) continues another request's reply far less often than one in the request's own text, and chat
-    # priced such recalls from the copies edits had made (docs/results.md, dl)
-    recall_bands: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(MATCH_BANDS) + 1)])
     # the model's, per band of the drafter's confidence in a draft (`confidence_band`): whether the target kept
     # a draft of that confidence, wherever in its proposal it stood; and how often drafts fall in each band
     confidence: list[Counts] = field(default_factory=lambda: [Counts() for _ in range(len(CONFIDENCE_BANDS) + 1)])
@@ -143,37 +138,30 @@ class Evidence:
     # batched, per kind (PLAIN, MODEL, LOOKUP), decayed sums of its cycles' [wall ms, priced ms] (`saw_realised`)
     realised_ms: dict[str, list[float]] = field(default_factory=dict)
 
-    def copy_chances(
-        self, match: int, n: int, prior: float, floors: Sequence[float] | None = None, recalled: bool = False
-    ) -> list[float]:
+    def copy_chances(self, match: int, n: int, prior: float, floors: Sequence[float] | None = None) -> list[float]:
         """P(position i of a lookup proposal kept | the ones before it kept) for i < n, where the proposal's match
         runs `match` tokens back: position i continues a copy of match + i tokens, and has the chance of that
         length's band. A band's chance is its verdicts leaning on the next shorter band's (a longer copy breaks no
         more often), the shortest on `prior`, and on its floor where that is higher (`floors`, one a band; None:
-        none), until its own verdicts say otherwise. A proposal `recalled` from earlier requests' text has its own
-        verdicts per band (`recall_bands`), each leaning on that band's chance in the request's own text.
+        none), until its own verdicts say otherwise.
 
         Example: no verdicts, prior 0.5 -> [0.5] * n;  the 2-3 band rejected 4, prior 0.5, floors BAND_FLOORS
                  -> match 2: [0.1] * 6 + [0.8] * 8 + [0.9, …] (0.5 / 5 for lengths 2-3, the 4-7 band leaning on
-                 it, 0.8 the floor for 8-15);  recalled, its 4-7 band rejected 4 times (3.4 decayed), prior 0.5 ->
-                 match 6: [0.11] * 2 + [0.8] * … (lengths 6-7: 0.5 / 4.4, leaning on the request's own 0.5)
+                 it, 0.8 the floor for 8-15)
         """
         chances, lean = [], prior
         for band, counts in enumerate(self.lookup_bands):
             lean = max(lean, floors[band]) if floors else lean
-            lean = _leaning(counts, lean)
+            a, r = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
+            lean = (a + BAND_WEIGHT * lean) / (a + r + BAND_WEIGHT)
             chances.append(lean)
-        if recalled:
-            chances = [_leaning(counts, own) for counts, own in zip(self.recall_bands, chances)]
         return [chances[match_band(min(match + i, MATCH_CAP))] for i in range(n)]
 
-    def saw_copy(self, match: int, tried: int, kept: int, recalled: bool = False) -> None:
+    def saw_copy(self, match: int, tried: int, kept: int) -> None:
         """A lookup proposal's verdicts: of the `tried` tokens it proposed from a match of `match` tokens, the first
-        `kept` were kept, the next one not (later ones were never judged), each in its length's band (`recalled`
-        from earlier requests' text: `recall_bands`)."""
-        bands = self.recall_bands if recalled else self.lookup_bands
+        `kept` were kept, the next one not (later ones were never judged), each in its length's band."""
         for i in range(min(tried, kept + 1)):
-            bands[match_band(min(match + i, MATCH_CAP))].add(1, int(i < kept))
+            self.lookup_bands[match_band(min(match + i, MATCH_CAP))].add(1, int(i < kept))
 
     def kept_chance(self, q: float, bands: bool = True) -> float:
         """The chance that the target keeps a model draft of confidence q (its position's earlier drafts kept):
@@ -251,7 +239,7 @@ class Evidence:
         """A new run starts from this: what lookup accepted weighs at most `weight` cycles per position, and how
         sure the drafter was at most `weight` drafts (the next text may differ). The confidence bands' verdicts
         stay as they are: their decay already holds each to about ten."""
-        for counts in (self.lookup, *self.lookup_bands, *self.recall_bands):
+        for counts in (self.lookup, *self.lookup_bands):
             counts.limit(weight)
         total = sum(self.drafted)
         if total > weight:
@@ -260,7 +248,7 @@ class Evidence:
     def forget(self) -> None:
         """A new run that carries nothing: every acceptance estimate back to its prior (costs are kept)."""
         fresh = Evidence()
-        self.lookup, self.lookup_bands, self.recall_bands = fresh.lookup, fresh.lookup_bands, fresh.recall_bands
+        self.lookup, self.lookup_bands = fresh.lookup, fresh.lookup_bands
         self.confidence, self.drafted, self.expansion = fresh.confidence, fresh.drafted, fresh.expansion
 
     def to_dict(self) -> dict[str, Any]:
@@ -269,7 +257,6 @@ class Evidence:
         return {
             "lookup": self.lookup.to_dict(),
             "lookup_bands": [c.to_dict() for c in self.lookup_bands],
-            "recall_bands": [c.to_dict() for c in self.recall_bands],
             "confidence": [c.to_dict() for c in self.confidence],
             "drafted": list(self.drafted),
             "expansion": self.expansion,
@@ -296,12 +283,6 @@ class Evidence:
             if len(bands) not in (4, len(MATCH_BANDS) + 1) or not all(c.valid() for c in bands):
                 raise ValueError(f"evidence lookup_bands must be {len(MATCH_BANDS) + 1} valid counts")
             evidence.lookup_bands[: len(bands)] = bands
-        recalls = data.get("recall_bands")  # absent in files saved before recalls had bands of their own
-        if recalls is not None:
-            recalls = [Counts.from_dict(c) for c in recalls]
-            if len(recalls) != len(MATCH_BANDS) + 1 or not all(c.valid() and len(c.accepted) <= 1 for c in recalls):
-                raise ValueError(f"evidence recall_bands must be {len(MATCH_BANDS) + 1} valid counts")
-            evidence.recall_bands = recalls
         confidence = data.get("confidence")  # absent in files saved before the confidence bands
         if confidence is not None:
             confidence = [Counts.from_dict(c) for c in confidence]
@@ -313,15 +294,6 @@ class Evidence:
                 raise ValueError("evidence drafted weights must be non-negative")
             evidence.confidence, evidence.drafted = confidence, drafted
         return evidence
-
-
-def _leaning(counts: Counts, lean: float) -> float:
-    """A band's chance: its verdicts (on its one position) and BAND_WEIGHT pseudo-observations at `lean`.
-
-    Example: no verdicts, lean 0.8 -> 0.8;  1 kept, 3 rejected, lean 0.8 -> (1 + 0.8) / (4 + 1) = 0.36
-    """
-    a, r = (counts.accepted[0], counts.rejected[0]) if counts.accepted else (0.0, 0.0)
-    return (a + BAND_WEIGHT * lean) / (a + r + BAND_WEIGHT)
 
 
 def expected_tokens(acceptances: Sequence[float]) -> float:

@@ -189,7 +189,6 @@ class AdaptiveK:
     remaining: int | None = field(default=None, init=False)  # tokens the run has yet to write (None: unknown)
     declined_lookup: int | None = field(default=None, init=False)  # the decision in flight passed a lookup match
     #   over (the band of its match; -1 unknown): `observe` ages lookup's evidence for it
-    declined_recall: bool = field(default=False, init=False)  # that match was in earlier requests' text
     rehearses: bool = field(default=True, init=False)  # the last decision was offered a model drafter: only a
     #   model catches up on a parked stretch (lookup's index reads every token as it comes)
     passed: int | None = field(default=None, init=False)  # the band of the lookup match the last decision passed
@@ -211,20 +210,19 @@ class AdaptiveK:
             self.sharing.prior_rows = self.profile.fixed_tokens()
 
     # --- what a proposal earns and costs -----------------------------------------------------------------
-    def acceptances(self, n: int, source: str = MODEL, match: int | None = None, recalled: bool = False) -> list[float]:
+    def acceptances(self, n: int, source: str = MODEL, match: int | None = None) -> list[float]:
         """Estimated P(position i accepted | positions before it accepted) for i = 0..n−1. The model's: the
         chance its drafter's confidence gives a draft not yet made (`Evidence.mean_chance`), per target token;
         the prior before it has drafted. Lookup's: its counts per position; for a match of known length, the
         chance of the copy's length at each position (`Evidence.copy_chances`: the 2-3-token band leaning on
-        lookup's first position, each longer band on the shorter one's or its floor, `lookup.BAND_FLOORS`; a match
-        `recalled` from earlier requests' text, its own verdicts leaning on those)."""
+        lookup's first position, each longer band on the shorter one's or its floor, `lookup.BAND_FLOORS`)."""
         if source == MODEL:
             mean = self.evidence.mean_chance(self.settings.confidence_bands)
             return [self.settings.prior if mean is None else mean ** (1 / self.evidence.expansion)] * n
         chances = self.evidence.lookup.chances(n, self.settings.prior)
         if match is not None and n:
             floors = BAND_FLOORS if self.settings.band_floors else None
-            return self.evidence.copy_chances(match, n, chances[0], floors, recalled)
+            return self.evidence.copy_chances(match, n, chances[0], floors)
         return chances
 
     def acceptance(self, i: int, source: str = MODEL) -> float:
@@ -283,15 +281,12 @@ class AdaptiveK:
         ms = self.prices.common_ms(w, drafting_ms)
         return rate if not (plain_alike and ms) else min(rate, plain * own * plain_alike / ms)
 
-    def lookup_rates(
-        self, k_max: int, match: int | None = None, branched: bool = False, recalled: bool = False
-    ) -> dict[int, float]:
+    def lookup_rates(self, k_max: int, match: int | None = None, branched: bool = False) -> dict[int, float]:
         """Expected tokens per millisecond of a lookup proposal of k tokens (it costs a lookup and the wider
-        pass), from a match of `match` tokens (None: unknown; `recalled`: in earlier requests' text). A `branched`
-        proposal's pass also reads its other continuations (lookup.branch_room(k) rows), which it pays for by its
-        own tokens: what a branch might add is not counted, so they ride along only where the proposal pays for
-        their rows."""
-        acceptances = self.acceptances(k_max, LOOKUP, match, recalled)
+        pass), from a match of `match` tokens (None: unknown). A `branched` proposal's pass also reads its other
+        continuations (lookup.branch_room(k) rows), which it pays for by its own tokens: what a branch might
+        add is not counted, so they ride along only where the proposal pays for their rows."""
+        acceptances = self.acceptances(k_max, LOOKUP, match)
         others = self.prices.others_tokens()  # batched: the others' tokens in the round it widens (`rates`)
         plain = (1 + others) / (self.prices.verify_ms(1) or math.inf) if self.prices.batched else 0.0
         plain_alike = self.prices.common_ms(1) if plain else None
@@ -352,19 +347,16 @@ class AdaptiveK:
         if LOOKUP in offer:
             match = offer.match if isinstance(offer, Offer) and offer.match else None
             branched = isinstance(offer, Offer) and offer.branched
-            recalled = isinstance(offer, Offer) and offer.recalled
-            lookup = self.lookup_rates(self.copy_reach(offer[LOOKUP], match), match, branched, recalled)
+            lookup = self.lookup_rates(self.copy_reach(offer[LOOKUP], match), match, branched)
             k = max(lookup, key=lambda k: (lookup[k], -k), default=0)
             chosen = rates[model_k if cap else 0]
             if k and lookup[k] > chosen:
                 decision = within((LOOKUP, k), left)
-                expected = expected_tokens(self.acceptances(decision[1], LOOKUP, match, recalled))
-                self._proposing(decision[1] + 1, expected)
+                self._proposing(decision[1] + 1, expected_tokens(self.acceptances(decision[1], LOOKUP, match)))
                 return decision
             self.declined_lookup = self.passed = -1 if match is None else match_band(match)
-            self.declined_recall = recalled
             if k:
-                self.last_passed = self._passed(lookup[k], chosen, k, match, branched, recalled)
+                self.last_passed = self._passed(lookup[k], chosen, k, match, branched)
         if not cap:
             self._proposing(1, 1.0)
             return "", 0
@@ -372,9 +364,9 @@ class AdaptiveK:
         self._proposing(n + 1, expected_tokens(self.acceptances(n)) / (min(model_k, cap) + 1))
         return MODEL, cap
 
-    def _passed(self, rate: float, chosen: float, k: int, match: int | None, branched: bool, recalled: bool) -> Passed:
+    def _passed(self, rate: float, chosen: float, k: int, match: int | None, branched: bool) -> Passed:
         """The lookup proposal of k tokens `choose` passed over (its `rate` below the `chosen` one), as it priced it."""
-        prices, expected = self.prices, expected_tokens(self.acceptances(k, LOOKUP, match, recalled))
+        prices, expected = self.prices, expected_tokens(self.acceptances(k, LOOKUP, match))
         cycle_ms = self.evidence.lookup_ms + (prices.verify_ms(k + 1 + (branch_room(k) if branched else 0)) or 0.0)
         others = prices.others_tokens()
         uncapped = prices.realised(LOOKUP) * (expected + others) / cycle_ms if cycle_ms > 0 else math.inf
@@ -531,8 +523,7 @@ class AdaptiveK:
         if self.declined_lookup is not None:  # passed over: a source that failed once is tried again later
             evidence.lookup.age()
             if self.declined_lookup >= 0:
-                bands = evidence.recall_bands if self.declined_recall else evidence.lookup_bands
-                bands[self.declined_lookup].age()
+                evidence.lookup_bands[self.declined_lookup].age()
             self.declined_lookup = None
         self.prices.time_verify(cycle, alone)
         if cycle.k == 0 or cycle.source in (LOOKUP, GRAMMAR):  # the model drafter reads these tokens later
@@ -540,10 +531,9 @@ class AdaptiveK:
             self.unread += cycle.emitted
             if cycle.k and cycle.source == LOOKUP:
                 self.prices.time_lookup(cycle)
-                if not cycle.shared_index:  # lookup's first position: the request's own text (as its 2-3 band leans)
-                    evidence.lookup.add(len(cycle.proposed_ids), cycle.accepted)
+                evidence.lookup.add(len(cycle.proposed_ids), cycle.accepted)
                 if cycle.match:
-                    evidence.saw_copy(cycle.match, len(cycle.proposed_ids), cycle.accepted, cycle.shared_index)
+                    evidence.saw_copy(cycle.match, len(cycle.proposed_ids), cycle.accepted)
             return
         self.unread, self.parked_for, self.rehearsal_gap = 0, 0, self.settings.rehearse_every
         self.prices.time_drafting(cycle, alone)

@@ -93,18 +93,14 @@ class Offer(dict[str, int]):
     """What can draft now, as a drafter tells its policy: source -> the most tokens it could propose; and
     `match`, where prompt lookup has a match, how many tokens that match runs back (uag.core.lookup: the
     longer, the likelier its proposal holds), else 0; `branched`, whether lookup's proposal would bring other
-    continuations into its pass (a tree: up to `lookup.branch_room(k)` more rows to pay for); `recalled`, whether
-    lookup's proposal would continue earlier requests' text (uag.core.lookup.SharedIndex) rather than the request's
-    own (auto prices the two apart: uag.core.evidence.Evidence.recall_bands).
+    continuations into its pass (a tree: up to `lookup.branch_room(k)` more rows to pay for).
 
     Example: Offer({"lookup": 8, "model": 8}, match=23)
     """
 
-    def __init__(
-        self, sources: dict[str, int] | None = None, match: int = 0, branched: bool = False, recalled: bool = False
-    ):
+    def __init__(self, sources: dict[str, int] | None = None, match: int = 0, branched: bool = False):
         super().__init__(sources or {})
-        self.match, self.branched, self.recalled = match, branched, recalled
+        self.match, self.branched = match, branched
 
 
 @dataclass(frozen=True, slots=True)
