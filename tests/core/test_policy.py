@@ -423,6 +423,72 @@ def test_the_opening_follows_what_earlier_runs_of_the_pair_accepted():
     assert opening(DEMO, sure(0.25))[1] == ("", 0)
 
 
+# The coder pair with the 0.5B drafter on a 2-core CPU (AMD EPYC, `uag calibrate`, 2026-12-05): a drafter step
+# costs 0.38 of a target step, and reading a prompt ~10 ms a token.
+CODER_05B = CostProfile(
+    {1: 378.0, 2: 441.0, 3: 489.0, 5: 564.0, 9: 670.0, 16: 723.0, 33: 1211.0, 65: 1988.0},
+    drafter_ms=142.0,
+    read_ms={1: 138.0, 16: 249.0, 32: 376.0, 64: 661.0, 128: 1255.0, 256: 2587.0},
+)
+
+
+def parked_at_opening(evidence: Evidence, budget: int, settings=PINNED) -> AdaptiveK:
+    """A run of the 0.5B pair opening on `evidence` with a 90-token prompt unread, parked after its prompt pass."""
+    policy = AdaptiveK(k_max=16, profile=CODER_05B, evidence=evidence, settings=settings)
+    policy.begin(90, budget)
+    assert policy.choose({"model": 16}, budget) == ("", 0) and policy.plain_steps() == 1
+    policy.observe(Cycle.plain(0, 378.0))
+    assert policy.choose({"model": 16}, budget - 1) == ("", 0)
+    return policy
+
+
+def test_a_run_parked_on_other_texts_evidence_looks_at_its_own_early_where_drafting_may_pay():
+    """The budget's first rehearsal over a 90-token prompt comes after ~650 parked steps here: a reply shorter than
+    that, parked on evidence carried from other texts, never drafted, however well the model would have done on it
+    (docs/results.md, dl). Where what a look may show is worth its reading, the run rehearses after 16 steps."""
+    policy = parked_at_opening(sure(0.55), budget=64)
+    assert policy._budgeted_wait() > 600  # the budget alone: parked throughout
+    assert policy.plain_steps() == 15 and policy.look_at == 16
+    steps = 1
+    while not policy.wants_rehearsal():
+        policy.observe(Cycle.plain(0, 378.0))
+        steps += 1
+    assert steps == 16
+    cost = CODER_05B.drafter_ms + policy.prices.reading_ms(90 + 16)
+    assert policy.first_look_ms(64 - 16) > cost
+    policy.rehearsed(Rehearsal([True] * 16, 106, cost, 16, [0.99] * 16))  # its own text: the drafter is sure of it
+    assert policy.looked and policy.next_k() > 0
+    # off: as before, the budget alone
+    off = parked_at_opening(sure(0.55), budget=64, settings=replace(PINNED, first_look=False))
+    assert off.plain_steps() == off.settings.stretch_max and not off.wants_rehearsal()
+
+
+def test_a_first_look_is_taken_only_where_it_may_pay_for_its_reading():
+    # a longer reply: the same chance of a better text saves more tokens' time
+    assert parked_at_opening(sure(0.3), budget=400).first_look() == 16
+    # a 64-token reply on evidence that its drafts hardly pay: the look would cost more than it may save
+    unlikely = parked_at_opening(sure(0.3), budget=64)
+    assert unlikely.first_look_ms(48) < CODER_05B.drafter_ms + unlikely.prices.reading_ms(106)
+    assert unlikely.first_look() == math.inf and unlikely.plain_steps() == unlikely.settings.stretch_max
+    # too few tokens left to earn any reading back
+    assert parked_at_opening(sure(0.5), budget=24).first_look() == math.inf
+    # the more certain the evidence of a poor drafter, the less a look is worth
+    assert parked_at_opening(sure(0.1), budget=400).first_look_ms(384) < unlikely.first_look_ms(384)
+
+
+def test_after_one_look_the_rehearsal_budget_paces_the_rest():
+    policy = parked_at_opening(sure(0.5), budget=400)
+    assert policy.plain_steps() == 15
+    for _ in range(15):
+        policy.observe(Cycle.plain(0, 378.0))
+    assert policy.wants_rehearsal()
+    policy.rehearsed(Rehearsal([False] * 16, 106, 1200.0, 16, [0.05] * 16))  # its text: the drafter is lost here
+    assert policy.next_k() == 0 and policy.looked
+    assert policy.rehearsal_wait() == policy._budgeted_wait() > 16
+    policy.begin(90, 400)  # the next run looks again, at its own text
+    assert not policy.looked and policy.look_at is None
+
+
 def test_evidence_of_earlier_runs_is_overruled_within_a_few_cycles_both_ways():
     # opened on long drafts that this text rejects: parked within 6 cycles, each draft shorter than the last
     policy, (_, k) = opening(CODER, sure(0.8), budget=200)

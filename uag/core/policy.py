@@ -43,10 +43,15 @@ class AutoSettings:
     slow_start: bool = True  # a lookup proposal past k reaches at most COPY_GROWTH times its match (off: as far
     #   as the verify curve pays, LOOKUP_REACH)
     carried: bool = True  # a run opens from what earlier runs of the pair taught (off: from the prior)
+    first_look: bool = True  # a run parked before its drafter saw any of its text rehearses early where what it
+    #   would learn is worth the reading (off: only as `rehearsal_budget` allows)
 
 
 # The names --ablate takes (benchmarks/policy_replay.py, auto_vs_fixed.py): the switches of `AutoSettings`.
-MECHANISMS = ("confidence_bands", "stop_rule", "rehearsals", "band_floors", "slow_start", "carried")
+MECHANISMS = ("confidence_bands", "stop_rule", "rehearsals", "band_floors", "slow_start", "carried", "first_look")
+
+# Points at which `AdaptiveK.first_look_ms` prices the model's unknown chance (midpoints of equal steps of it)
+LOOK_POINTS = 20
 
 # Asked by a model drafter after each draft, with its confidence in every draft so far: None to draft on, or how
 # many of them to propose (`AdaptiveK.enough`). Without one, a drafter drafts the k asked, pipelined.
@@ -199,6 +204,9 @@ class AdaptiveK:
     opening: bool = field(default=False, init=False)  # the prompt pass is next: a model drafter with a backlog
     #   does not draft in it, so that its reading of the prompt never delays the first token (it reads the prompt
     #   at its first draft, or in a rehearsal)
+    looked: bool = field(default=False, init=False)  # the model drafter has drafted or rehearsed on this run's text
+    look_at: float | None = field(default=None, init=False)  # parked steps before a first look (`first_look`), once
+    #   decided; math.inf: none
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -234,7 +242,7 @@ class AdaptiveK:
         are too few to earn it back."""
         return self.prices.reading_ms(self.unread)
 
-    def rates(self) -> dict[int, float]:
+    def rates(self, chance: float | None = None) -> dict[int, float]:
         """Expected tokens per millisecond for each k (empty until a cost is known). Batched with other requests,
         the whole batch's: this request's tokens and the others' over its cycle's time (`Prices.cycle_ms`). The
         batch holds the target's passes while a member drafts with a model, so the others commit only in the
@@ -242,14 +250,20 @@ class AdaptiveK:
         drafter steps and its wider pass; alone, the run's own. Where the drafter has a backlog to read first,
         drafting's rate includes it, spread over the tokens left to write. Batched, a draft's rate is cut by what
         drafting cycles have realised of their prices in the batch, against plain steps (`Prices.realised`).
+        `chance`: price the model's drafts as though each were kept with that chance and the backlog were read
+        (what a rehearsal might show: `first_look_ms`); None, as the evidence has it.
 
         Example: a pass over n tokens costs 28 + n ms, drafter steps 2 ms, α 0.4 -> alone: k = 1 1.4 / 32 >
                  k = 0 1 / 29 (it drafts); beside three parked members: k = 1 (1.4 + 3) / (2 + 36) = 0.116 <
                  k = 0 (1 + 3) / 32 = 0.125 (it parks: all four wait on its drafter step and its wider pass)
         """
         prices = self.prices
-        acceptances = self.acceptances(prices.proposal_length(self.k_max))
-        others, backlog = prices.others_tokens(), self.backlog_ms() if self.remaining else 0.0
+        n = prices.proposal_length(self.k_max)
+        if chance is None:
+            acceptances, backlog = self.acceptances(n), self.backlog_ms() if self.remaining else 0.0
+        else:
+            acceptances, backlog = [chance ** (1 / self.evidence.expansion)] * n, 0.0
+        others = prices.others_tokens()
         plain_alike = prices.common_ms(1) if prices.batched else None
         realised = prices.realised(MODEL)  # batched: what drafting realises of its price, against a plain step
         out = {}
@@ -436,11 +450,15 @@ class AdaptiveK:
         prompt, on the first) and one token per parked step, costs at most the settings' rehearsal budget of
         the stretch; math.inf when no stretch is long enough (a token read costs more than that share of a step).
         Batched, the rehearsal waits a round of the others' passes, and each of their rounds waits on its drafter
-        pass: the budget is the batch's, shared by its members.
+        pass: the budget is the batch's, shared by its members. Sooner where a first look pays (`first_look`).
 
         Example: target step 450 ms, drafter step 65 ms, 3 ms a token read, a 40-token prompt unread
         -> 65 + 3 × (40 + s − 1) <= 13.5 s from s = 18 on; a 400-token prompt -> s = 121
         """
+        budgeted = self._budgeted_wait()
+        return budgeted if self.looked or self.look_at is None else min(budgeted, self.look_at)
+
+    def _budgeted_wait(self) -> float:
         prices, settings = self.prices, self.settings
         step, waits = prices.verify_ms(1), prices.round_ms()  # batched: a round, and the one its rehearsal waits
         if not settings.rehearsals:
@@ -460,6 +478,56 @@ class AdaptiveK:
             lo, hi = (lo, mid) if over(mid) <= 0 else (mid, hi)
         return hi
 
+    def first_look(self) -> float:
+        """Parked steps before a first rehearsal, for a run whose model drafter has seen none of its text (no draft,
+        no rehearsal): the rehearsal gap, where what that rehearsal may show is worth its reading (`first_look_ms`
+        against a drafter pass over the backlog and the stretch, and the round it waits), else math.inf (the
+        rehearsal budget alone paces it, `rehearsal_wait`). A run opens from other texts' evidence, which a look at
+        its own may overturn: a short reply parked on it never reached the budget's first rehearsal and never drafted
+        where the model would have paid (docs/results.md, dl). Decided once a run (`plain_steps`).
+
+        Example: the 0.5B coder pair on a CPU (a step 378 ms, a drafter step 142 ms, ~10 ms a token read), evidence
+        of chance 0.55 carried, a 90-token prompt unread, 64 tokens to write -> after 16 steps a look costs 1.06 s
+        and may save 1.38 s: 16;  carried chance 0.3: 0.30 s, math.inf;  0.3 with 400 tokens to write: 2.37 s, 16
+        """
+        prices, settings = self.prices, self.settings
+        if not (settings.first_look and settings.rehearsals) or self.looked:
+            return math.inf
+        s = max(self.rehearsal_gap, self.parked_for + 1)
+        horizon = self.remaining if self.remaining is not None else settings.stretch_max
+        left, step = horizon - (s - self.parked_for), prices.verify_ms(1)
+        if left <= 1 or not step:
+            return math.inf
+        backlog = max(0, self.unread - self.parked_for) + s
+        cost = prices.drafter_step_ms(step) + prices.round_ms() + prices.reading_ms(backlog)
+        return s if self.first_look_ms(left) > cost else math.inf
+
+    def first_look_ms(self, left: int) -> float:
+        """What a look at the run's own text is expected to save over the `left` tokens it then has to write. The
+        model's chance of a kept draft here is unknown until its drafter reads this text; the evidence the run opened
+        with weighs `carry` observations (`Evidence.carry`), so the chance is taken as Beta-distributed about the
+        evidence's mean with that weight. Wherever it would make drafting beat a plain step (`rates(chance)`), the
+        look saves the difference over `left` tokens (batched, with the others' tokens made beside them); elsewhere
+        nothing. 0 before the model has a chance of its own (the prior: it drafts at once).
+
+        Example: the pair of `first_look`'s: a plain step makes a token in 378 ms, drafting at chance 0.7 in 343 ms,
+        at 0.9 in 276 ms; a mean of 0.3 over 3 observations -> 296 ms over 48 tokens, 0.55 -> 1,383 ms
+        """
+        mean = self.evidence.mean_chance(self.settings.confidence_bands)
+        plain = self.rates().get(0)
+        if mean is None or not plain:
+            return 0.0
+        weight = max(self.settings.carry, 1.0)
+        a, b = max(mean, 1e-3) * weight, max(1 - mean, 1e-3) * weight
+        saved = total = 0.0
+        for i in range(LOOK_POINTS):  # each step's share of the weight: exact for x^(a-1), then for (1-x)^(b-1)
+            lo, hi = i / LOOK_POINTS, (i + 1) / LOOK_POINTS
+            mass = (hi**a - lo**a) / a * ((1 - lo) ** b - (1 - hi) ** b) / b / (hi - lo)
+            drafting = max((rate for k, rate in self.rates((lo + hi) / 2).items() if k), default=0.0)
+            saved += mass * (1 / plain - 1 / drafting) if drafting > plain else 0.0
+            total += mass
+        return left * (1 + self.prices.others_tokens()) * saved / total
+
     def plain_steps(self) -> int:
         """Plain target steps to take in a row after choosing none: up to the next rehearsal (at most the
         settings' stretch_max: the decision is revisited as the run's own timings come in)."""
@@ -470,6 +538,8 @@ class AdaptiveK:
             return 1
         if not self.rehearses:
             return self.settings.stretch_max
+        if self.look_at is None:
+            self.look_at = self.first_look()
         return max(1, min(self.settings.stretch_max, self.rehearsal_wait() - self.parked_for))
 
     def wants_rehearsal(self) -> bool:
@@ -504,12 +574,13 @@ class AdaptiveK:
             self.evidence.forget()
         self.unread, self.remaining, self.parked_for = unread, budget, 0
         self.rehearsal_gap, self.declined_lookup, self.opening = self.settings.rehearse_every, None, True
-        self.passed = None
+        self.passed, self.looked, self.look_at = None, False, None
 
     def rehearsed(self, rehearsal: Rehearsal) -> None:
         """Learn from a rehearsal: what reading cost, and how sure the drafter was of its guesses."""
         self.prices.time_rehearsal(rehearsal, self.prices.alone_since_last())
         self.unread = self.parked_for = 0
+        self.looked = True
         self.evidence.saw_guesses(rehearsal.confidence)
         # Still parked: rehearse half as often (over a long run, its cost fades); drafting again: as at first.
         gap = self.settings.rehearse_every
@@ -535,7 +606,7 @@ class AdaptiveK:
                 if cycle.match:
                     evidence.saw_copy(cycle.match, len(cycle.proposed_ids), cycle.accepted)
             return
-        self.unread, self.parked_for, self.rehearsal_gap = 0, 0, self.settings.rehearse_every
+        self.unread, self.parked_for, self.rehearsal_gap, self.looked = 0, 0, self.settings.rehearse_every, True
         self.prices.time_drafting(cycle, alone)
         if cycle.draft_ids:
             evidence.expansion = ema(evidence.expansion, max(len(cycle.proposed_ids), 1) / len(cycle.draft_ids))
