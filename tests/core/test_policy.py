@@ -476,6 +476,15 @@ def test_a_first_look_is_taken_only_where_it_may_pay_for_its_reading():
     assert parked_at_opening(sure(0.1), budget=400).first_look_ms(384) < unlikely.first_look_ms(384)
 
 
+def test_a_drafter_the_prior_parks_is_looked_at_once_before_it_ever_drafted():
+    """A drafter costing 0.38 of a target step does not pay at the prior's 50 %: with nothing seen yet the chance is
+    taken about the prior with the weight of one observation, and a look at 16 steps pays for its reading."""
+    policy = parked_at_opening(Evidence(), budget=64)
+    assert policy.evidence.mean_chance() is None
+    assert policy.plain_steps() == 15 and policy.look_at == 16
+    assert policy.first_look_ms(48) > 1.5 * (CODER_05B.drafter_ms + policy.prices.reading_ms(106))
+
+
 def test_after_one_look_the_rehearsal_budget_paces_the_rest():
     policy = parked_at_opening(sure(0.5), budget=400)
     assert policy.plain_steps() == 15

@@ -505,19 +505,23 @@ class AdaptiveK:
     def first_look_ms(self, left: int) -> float:
         """What a look at the run's own text is expected to save over the `left` tokens it then has to write. The
         model's chance of a kept draft here is unknown until its drafter reads this text; the evidence the run opened
-        with weighs `carry` observations (`Evidence.carry`), so the chance is taken as Beta-distributed about the
-        evidence's mean with that weight. Wherever it would make drafting beat a plain step (`rates(chance)`), the
+        with weighs what its drafter's drafts and guesses showed, at most `carry` observations (`Evidence.carry`), so
+        the chance is taken as Beta-distributed about the evidence's mean with that weight. Wherever it would make drafting beat a plain step (`rates(chance)`), the
         look saves the difference over `left` tokens (batched, with the others' tokens made beside them); elsewhere
-        nothing. 0 before the model has a chance of its own (the prior: it drafts at once).
+        nothing. Before the pair's drafter has drafted or rehearsed at all, about the settings' prior with the weight
+        of one observation: a drafter that the prior parks (one that costs 0.38 of a target step) would otherwise
+        never be tried.
 
         Example: the pair of `first_look`'s: a plain step makes a token in 378 ms, drafting at chance 0.7 in 343 ms,
         at 0.9 in 276 ms; a mean of 0.3 over 3 observations -> 296 ms over 48 tokens, 0.55 -> 1,383 ms
         """
-        mean = self.evidence.mean_chance(self.settings.confidence_bands)
+        evidence, settings = self.evidence, self.settings
         plain = self.rates().get(0)
-        if mean is None or not plain:
+        if not plain:
             return 0.0
-        weight = max(self.settings.carry, 1.0)
+        mean = evidence.mean_chance(settings.confidence_bands)
+        mean = settings.prior if mean is None else mean
+        weight = max(1.0, min(sum(evidence.drafted), settings.carry))  # what it has seen, at most what a run carries
         a, b = max(mean, 1e-3) * weight, max(1 - mean, 1e-3) * weight
         saved = total = 0.0
         for i in range(LOOK_POINTS):  # each step's share of the weight: exact for x^(a-1), then for (1-x)^(b-1)
