@@ -506,11 +506,11 @@ class AdaptiveK:
         """What a look at the run's own text is expected to save over the `left` tokens it then has to write. The
         model's chance of a kept draft here is unknown until its drafter reads this text; the evidence the run opened
         with weighs what its drafter's drafts and guesses showed, at most `carry` observations (`Evidence.carry`), so
-        the chance is taken as Beta-distributed about the evidence's mean with that weight. Wherever it would make drafting beat a plain step (`rates(chance)`), the
-        look saves the difference over `left` tokens (batched, with the others' tokens made beside them); elsewhere
-        nothing. Before the pair's drafter has drafted or rehearsed at all, about the settings' prior with the weight
-        of one observation: a drafter that the prior parks (one that costs 0.38 of a target step) would otherwise
-        never be tried.
+        the chance is taken as Beta-distributed about the evidence's mean with that weight. Wherever a chance would
+        make drafting beat a plain step (`rates(chance)`), the look saves the difference over `left` tokens (batched,
+        with the others' tokens made beside them); elsewhere nothing. Before the pair's drafter has drafted or
+        rehearsed at all, the chance is taken about the settings' prior with the weight of one observation: a drafter
+        that the prior parks (one that costs 0.38 of a target step) would otherwise never be tried.
 
         Example: the pair of `first_look`'s: a plain step makes a token in 378 ms, drafting at chance 0.7 in 343 ms,
         at 0.9 in 276 ms; a mean of 0.3 over 3 observations -> 296 ms over 48 tokens, 0.55 -> 1,383 ms
