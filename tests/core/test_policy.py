@@ -423,8 +423,8 @@ def test_the_opening_follows_what_earlier_runs_of_the_pair_accepted():
     assert opening(DEMO, sure(0.25))[1] == ("", 0)
 
 
-# The coder pair with the 0.5B drafter on a 2-core CPU (AMD EPYC, `uag calibrate`, 2026-12-05): a drafter step
-# costs 0.38 of a target step, and reading a prompt ~10 ms a token.
+# The coder pair with the 0.5B drafter on a 2-core CPU, as `uag calibrate` measured it: a drafter step costs 0.38
+# of a target step, and reading a prompt ~10 ms a token.
 CODER_05B = CostProfile(
     {1: 378.0, 2: 441.0, 3: 489.0, 5: 564.0, 9: 670.0, 16: 723.0, 33: 1211.0, 65: 1988.0},
     drafter_ms=142.0,

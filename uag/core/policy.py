@@ -465,9 +465,9 @@ class AdaptiveK:
             return math.inf
         if step is None or step <= 0:
             return self.rehearsal_gap
-        budget, backlog = settings.rehearsal_budget * step, max(0, self.unread - self.parked_for)
-        budget /= prices.size  # batched, every member's round waits on its drafter pass: the budget is shared
-        over = lambda s: prices.drafter_step_ms(step) + waits + prices.reading_ms(backlog + s) - budget * s  # noqa: E731
+        budget = settings.rehearsal_budget * step / prices.size  # batched, every member's round waits on its
+        #   drafter pass: the budget is shared
+        over = lambda s: self.rehearsal_ms(s, step, waits) - budget * s  # noqa: E731
         lo, hi = self.rehearsal_gap, 64 * settings.stretch_max  # reading grows linearly past the measured widths
         if over(lo) <= 0:
             return lo
@@ -477,6 +477,13 @@ class AdaptiveK:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if over(mid) <= 0 else (mid, hi)
         return hi
+
+    def rehearsal_ms(self, s: int, step: float, waits: float) -> float:
+        """What a rehearsal after `s` parked steps costs: one drafter pass over the backlog from before the stretch (the
+        prompt, on the first) and the stretch, and the round of the others' passes it waits (`waits`, 0 alone); `step`,
+        a target step (the drafter's when it has no timing of its own: `Prices.drafter_step_ms`)."""
+        prices = self.prices
+        return prices.drafter_step_ms(step) + waits + prices.reading_ms(max(0, self.unread - self.parked_for) + s)
 
     def first_look(self) -> float:
         """Parked steps before a first rehearsal, for a run whose model drafter has seen none of its text (no draft,
@@ -498,9 +505,7 @@ class AdaptiveK:
         left, step = horizon - (s - self.parked_for), prices.verify_ms(1)
         if left <= 1 or not step:
             return math.inf
-        backlog = max(0, self.unread - self.parked_for) + s
-        cost = prices.drafter_step_ms(step) + prices.round_ms() + prices.reading_ms(backlog)
-        return s if self.first_look_ms(left) > cost else math.inf
+        return s if self.first_look_ms(left) > self.rehearsal_ms(s, step, prices.round_ms()) else math.inf
 
     def first_look_ms(self, left: int) -> float:
         """What a look at the run's own text is expected to save over the `left` tokens it then has to write. The
@@ -516,9 +521,6 @@ class AdaptiveK:
         at 0.9 in 276 ms; a mean of 0.3 over 3 observations -> 296 ms over 48 tokens, 0.55 -> 1,383 ms
         """
         evidence, settings = self.evidence, self.settings
-        plain = self.rates().get(0)
-        if not plain:
-            return 0.0
         mean = evidence.mean_chance(settings.confidence_bands)
         mean = settings.prior if mean is None else mean
         weight = max(1.0, min(sum(evidence.drafted), settings.carry))  # what it has seen, at most what a run carries
@@ -527,7 +529,11 @@ class AdaptiveK:
         for i in range(LOOK_POINTS):  # each step's share of the weight: exact for x^(a-1), then for (1-x)^(b-1)
             lo, hi = i / LOOK_POINTS, (i + 1) / LOOK_POINTS
             mass = (hi**a - lo**a) / a * ((1 - lo) ** b - (1 - hi) ** b) / b / (hi - lo)
-            drafting = max((rate for k, rate in self.rates((lo + hi) / 2).items() if k), default=0.0)
+            rates = self.rates((lo + hi) / 2)  # a plain step's rate, at 0, is the same at every chance
+            plain = rates.get(0)
+            if not plain:
+                return 0.0
+            drafting = max((rate for k, rate in rates.items() if k), default=0.0)
             saved += mass * (1 / plain - 1 / drafting) if drafting > plain else 0.0
             total += mass
         return left * (1 + self.prices.others_tokens()) * saved / total
