@@ -712,3 +712,22 @@ def test_a_batched_policy_tells_its_batch_what_its_calibration_says_a_pass_costs
     AdaptiveK(k_max=4, profile=CostProfile({1: 10.0, 9: 14.0}, drafter_ms=1.0), sharing=sharing)
     AdaptiveK(k_max=4, sharing=alone)
     assert sharing.prior_rows == 20.0 and alone.prior_rows is None
+
+
+def test_a_plain_step_timed_under_a_burst_of_load_does_not_keep_auto_drafting():
+    """A width is learned only where the run passes: a plain step timed while something else held the machine stayed
+    that dear for as long as auto drafted, and drafts that lost (α 0.2 with a drafter at 0.3 of a step: 1.2 tokens
+    in 1.45 steps) looked to pay against it for the whole run. A wider pass caps the plain step's price at what it
+    took, so auto parks once its drafts are seen to lose."""
+    profile = CostProfile({1: 100.0, 2: 115.0, 3: 130.0, 5: 160.0}, drafter_ms=30.0, translate_ms=0.1)
+    policy = AdaptiveK(k_max=4, profile=profile)
+    policy.observe(cycle(0, 0, 0, verify_ms=350.0))  # 3.5 times its step: a burst of load, within OUTLIER
+    assert policy.evidence.verify_ms == {1: 350.0}
+    decisions = []
+    for i in range(40):
+        k = policy.next_k()
+        decisions.append(k)
+        kept = 1 if k and i % 5 == 0 else 0
+        policy.observe(cycle(k, k, kept, verify_ms=profile.target_at(k + 1), draft_ms=30.0 * k))
+    assert decisions[0] > 0 and decisions[-20:] == [0] * 20  # it tried, then parked for good
+    assert policy.evidence.verify_ms[1] == pytest.approx(100.0, rel=0.01)  # re-timed once parked

@@ -480,7 +480,13 @@ class Prices:
         at the width it read (every branch's nodes), not the kept branch's. A timing counts at most OUTLIER times
         what was expected of it: the width's estimate, or for its first what the profile (anchored at the run's
         other widths) expects (`learned`). `alone` False (`alone_since_last`): the cycle waited on a batch's rounds, and
-        its time is not its pass's."""
+        its time is not its pass's.
+
+        A wider pass also caps the plain step's price at what it took: a width is learned only where the run passes,
+        so a plain step timed while something else held the machine (a burst of load, a download) stayed that dear
+        for as long as auto drafted, and drafting, priced against it, looked to pay for as long as it was priced so.
+        Only the plain step: a CPU's wider passes are not dearer the wider they are (the coder target's 16-token
+        pass took 587 ms, its 9-token ones 750–1,050: docs/results.md), but a one-token pass is the cheapest."""
         evidence, w, ms = self.evidence, (cycle.nodes or len(cycle.proposed_ids)) + 1, cycle.verify_ms
         if (shared := self.sharing) is not None and shared.size > 1:
             self.time_realised(cycle)  # a batched pass: rows over caches of their own cost more than one row of
@@ -490,6 +496,8 @@ class Prices:
         if self.learn or not (self.profile and w in self.profile.target_ms):
             expected = self.target_ms(w) if self.profile is not None else None
             evidence.verify_ms[w] = learned(evidence.verify_ms.get(w), ms, expected)
+        if self.learn and w > 1 and evidence.verify_ms.get(1, 0.0) > ms:  # a plain step costs no more than this
+            evidence.verify_ms[1] = ms
         if self.learn and self.profile is not None:
             evidence.scale = statistics.median(ms / self.profile.target_at(v) for v, ms in evidence.verify_ms.items())
 
