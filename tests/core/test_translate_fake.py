@@ -77,6 +77,22 @@ def test_drafter_prompt_is_the_same_text_without_the_targets_bos():
     assert drafter_prompt == D.encode("Ala ma kota")[0]  # the fake drafter adds no BOS
 
 
+def test_begin_starts_once_on_a_prompt_and_again_on_another_or_after_a_commit(monkeypatch):
+    """A server's request thread starts the translator to check the drafter's room; the run's `begin` on the same
+    prompt does not translate it again, but a translator that has moved on, or another prompt, starts afresh."""
+    tr = TextTranslator(T, D, window=4)
+    prompt = T.encode_prompt("Ala ma kota")
+    first = tr.start(prompt)
+    starts = []
+    start = TextTranslator.start
+    monkeypatch.setattr(TextTranslator, "start", lambda self, ids: starts.append(list(ids)) or start(self, ids))
+    assert tr.begin(list(prompt)) == first and starts == []
+    tr.commit([], T.tokens("▁i"))
+    assert tr.begin(prompt) == first and starts == [prompt]  # moved on: started again, where the run begins
+    other = T.encode_prompt("Ala ma psa")
+    assert D.decode(tr.begin(other)) == "Ala ma psa" and starts == [prompt, other]
+
+
 def cycle(tr, drafts, target_says):
     """Propose drafts, let the 'target' accept per `target_says`, commit; return (proposal, resync)."""
     proposal = tr.propose(drafts)

@@ -244,6 +244,20 @@ def test_a_request_cut_by_a_stop_string_beside_others(served, alone):
     assert [r.same for r in replies] == [expected.same, alone(ASKS[0]).same, alone(ASKS[2]).same]
 
 
+def test_a_batched_request_s_prompt_is_translated_once(served, alone, monkeypatch):
+    """Checking the drafter's room translates the prompt for the demo drafter (its own tokenizer); the run takes that
+    translator rather than translate the prompt again on the batch's worker, whose time every member waits on (a
+    worker's profile on an H200 spent 4.6 % of it translating prompts, twice each: docs/results.md, do)."""
+    from uag.core.translate import TextTranslator
+
+    requests = [ASKS[4], replace(ASKS[4], name="story-2", prompt="Opowiedz krótką bajkę o psie.")]
+    expected = [alone(request).same for request in requests]
+    start, prompts = TextTranslator.start, []
+    monkeypatch.setattr(TextTranslator, "start", lambda self, ids: prompts.append(len(ids)) or start(self, ids))
+    assert [r.same for r in together(served, requests)] == expected
+    assert len(prompts) == 2  # one each
+
+
 def test_a_second_turn_after_its_conversation_cache_was_evicted(served, alone):
     """Conversation caches on, with room for one: two first turns together leave one cache (the other evicted); the
     two second turns together, one warm and one cold, give the replies each gets alone and cold."""

@@ -267,7 +267,7 @@ class ModelDrafter:
         self.prompt_length = 0
 
     def start(self, prompt: Sequence[int]) -> int:
-        ids = self.translator.start(prompt)
+        ids = self.translator.begin(prompt)
         check_context(len(ids), self.model.context_length, "drafter", self.model.name)
         self.prompt_length = len(ids)
         held = self.caches.drafter_cache if self.caches.drafter_model in (None, self.model.name) else None
@@ -501,16 +501,19 @@ def load_drafter_choice(
         return DrafterChoice(lookup=spec.lookup, model=model)
 
 
-def check_drafter_fits(target, drafter, ids: Sequence[int], config: GenerationConfig) -> None:
+def check_drafter_fits(target, drafter, ids: Sequence[int], config: GenerationConfig) -> Translator | None:
     """InputError when the prompt `ids` (the target's) leaves the drafter model no room to generate in its
     context; nothing to check for the baseline or prompt lookup alone (`drafter`: a `DrafterChoice`, a loaded
     model or None). The length checked is the translator's own drafter-side prompt, so exactly what the run
-    will feed the drafter (the target's own check is uag.core.engine.prompt_ids)."""
+    will feed the drafter (the target's own check is uag.core.engine.prompt_ids). Returns that translator, started
+    on `ids`, which the run may take (`Seams.translator`) rather than translate the prompt again; None where
+    nothing was checked."""
     if drafter is None or not config.speculative:
-        return
+        return None
     model = DrafterChoice.of(drafter).model
     if model is None or model.context_length is None:
-        return
+        return None
     shared = same_vocabulary(target.vocab, model.vocab)
     translator = make_translator(config.translation, target.vocab, model.vocab, window=config.window, shared=shared)
     check_context(len(translator.start(ids)), model.context_length, "drafter", model.name)
+    return translator

@@ -194,6 +194,14 @@ class Translator:
         self.target_ids: list[int] = []
         self.drafter_ids: list[int] = []
 
+    def begin(self, prompt_ids: Sequence[int]) -> list[int]:
+        """`start`, unless this translator was started on `prompt_ids` and has been given no token since: a server
+        checks the drafter's room with it first (uag.core.drafters.check_drafter_fits), and the run that follows,
+        on the batch's worker thread like the check, need not translate the prompt again."""
+        if self.drafter_ids and len(self.target_ids) == len(prompt_ids) and self.target_ids == list(prompt_ids):
+            return list(self.drafter_ids)
+        return self.start(prompt_ids)
+
     def start(self, prompt_ids: Sequence[int]) -> list[int]:
         """Begin a run on the target's prompt; return the drafter's prompt ids."""
         self.target_ids = list(prompt_ids)

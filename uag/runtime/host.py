@@ -34,6 +34,7 @@ from uag.core.lookup import SharedIndexes
 from uag.core.passes import kv_bytes
 from uag.core.policy import AutoSettings
 from uag.core.records import Event, Run, Sharing
+from uag.core.translate import Translator
 from uag.costs.pair import AutoInputs, evidence_key, keep_evidence, open_auto, read_calibration, why_short
 from uag.costs.profiles import pair_name
 from uag.models.memory import available_bytes
@@ -54,7 +55,8 @@ WARM_UP_PROMPT = "Hello"
 class Streams(Protocol):
     """How a host runs a pair: `uag.core.engine.stream`'s signature, or a sharded target's run over its ranks
     (`uag.distributed.serving.Leader.stream`). `seams` is passed only to an ablated auto (`uag serve --auto-off`)
-    and `sharing` only to a request batched with others."""
+    or the engine's own run (the translator the drafter's check started), `sharing` only to a request batched with
+    others."""
 
     def __call__(
         self,
@@ -286,6 +288,7 @@ class Host:
         remember: bool = False,
         caches: Any = None,
         copy_forms: bool = False,
+        translator: Translator | None = None,
     ) -> Iterator[Running]:
         """Run the pair on `ids` (the host's `stream`, cancelled with the job), batched with the requests running
         together now where it is; at the end, also when stopped early, the engine's `finally` leaves the caches
@@ -293,11 +296,15 @@ class Host:
         request, where the host keeps a lookup memory): prompt lookup also drafts from the earlier requests of the
         API key it presented (`key`; None: none, or the server's one) and of no other, and this run's prompt and
         reply join them when it ends without an error. `copy_forms` (a reply that may write JSON: a request with tools
-        or a JSON grammar): lookup also drafts from the prompt as a JSON string holds it (uag.core.copy_forms)."""
+        or a JSON grammar): lookup also drafts from the prompt as a JSON string holds it (uag.core.copy_forms).
+        `translator`: the drafter's, started on `ids` when the drafter's room was checked
+        (uag.runtime.pair.checked_prompt): the run takes it rather than translate the prompt again (a sharded
+        target's ranks translate it for themselves)."""
         target, choice = loaded.target, loaded.choice
         extra: dict[str, Any] = {} if auto is None else auto.engine_kwargs()
-        if self.auto is not None:
-            extra["seams"] = Seams(auto=self.auto)
+        translator = translator if self.stream is engine_stream else None
+        if self.auto is not None or translator is not None:
+            extra["seams"] = Seams(auto=self.auto, translator=translator)
         if (sharing := sharing_now()) is not None:
             extra["sharing"] = sharing
         owner = (hashlib.sha256((key or "").encode()).hexdigest(), target.name)  # never the key itself

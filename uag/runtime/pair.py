@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from uag.core.config import DrafterSpec, GenerationConfig
 from uag.core.costmodel import CostProfile
@@ -23,6 +23,7 @@ from uag.core.engine import PromptCaches, prompt_ids
 from uag.core.engine import stream as engine_stream
 from uag.core.prompt_input import check_context
 from uag.core.records import Event, Run
+from uag.core.translate import Translator
 from uag.costs.pair import saved_profile
 from uag.errors import InputError
 from uag.models.loading import check_memory, load_model
@@ -164,14 +165,21 @@ def check_prompt_chars(target: LoadedModel, chars: int) -> None:
         )
 
 
-def prompt_ids_for(loaded: Loaded, prompt: str | Sequence[int], config: GenerationConfig) -> list[int]:
+class PromptIds(NamedTuple):
+    """A prompt as the target's ids, checked (`checked_prompt`), and the translator the drafter's check started on
+    them (None: nothing to check), which a run may take rather than translate the prompt again."""
+
+    ids: list[int]
+    translator: Translator | None = None
+
+
+def checked_prompt(loaded: Loaded, prompt: str | Sequence[int], config: GenerationConfig) -> PromptIds:
     """The prompt as the target's ids, checked against the target's context and the drafter's: text through
     the target's tokenizer (its chat template with `config.chat`: uag.core.engine.prompt_ids; one far too long
     for the context is refused first, `check_prompt_chars`), or ids as given (a server renders a conversation
-    and its tools first, after the same character check). InputError saying what to shorten.
-
-    Example: prompt_ids_for(loaded, "Stolica Polski to", GenerationConfig()) -> [1, 29879, …]
-    """
+    and its tools first, after the same character check). InputError saying what to shorten. The drafter's check
+    translates the prompt (uag.core.drafters.check_drafter_fits): a server hands that translator to the run, which
+    does not translate the prompt again."""
     target = loaded.target
     if isinstance(prompt, str):
         check_prompt_chars(target, len(prompt))  # a prompt far too long is not tokenised
@@ -181,8 +189,15 @@ def prompt_ids_for(loaded: Loaded, prompt: str | Sequence[int], config: Generati
         if not ids:
             raise InputError("the prompt is empty")
         check_context(len(ids), target.context_length, "target", target.name)
-    check_drafter_fits(target, loaded.choice, ids, config)
-    return ids
+    return PromptIds(ids, check_drafter_fits(target, loaded.choice, ids, config))
+
+
+def prompt_ids_for(loaded: Loaded, prompt: str | Sequence[int], config: GenerationConfig) -> list[int]:
+    """`checked_prompt`'s ids.
+
+    Example: prompt_ids_for(loaded, "Stolica Polski to", GenerationConfig()) -> [1, 29879, …]
+    """
+    return checked_prompt(loaded, prompt, config).ids
 
 
 @dataclass(frozen=True)

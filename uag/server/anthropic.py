@@ -495,4 +495,4 @@ def count_tokens(service: Any, job: Any, request: Request, key: str | None = Non
     key, …)`): the target loaded, the request's prompt rendered and checked as `Service.job` renders it, its
     length as one `Accepted`. `key` is unused: counting reads no earlier request."""
     loaded = service.load(job, None, host=service.host_for(request.model))
-    yield Accepted(len(service.prompt(loaded, request)))
+    yield Accepted(len(service.prompt(loaded, request).ids))

@@ -27,7 +27,7 @@ from uag.errors import InputError
 from uag.runtime.host import Host
 from uag.runtime.jobs import JobRunner, tell, watched
 from uag.runtime.keeper import CostKeeper
-from uag.runtime.pair import Loaded, check_prompt_chars, max_prompt_chars, prompt_ids_for
+from uag.runtime.pair import Loaded, PromptIds, check_prompt_chars, checked_prompt, max_prompt_chars
 from uag.runtime.worker import Job
 from uag.server import fim
 from uag.server.chat import render
@@ -149,10 +149,11 @@ class Service:
             )
         raise APIError(499, "the request was cancelled", code="cancelled")  # nobody is left to read it
 
-    def prompt(self, loaded: Loaded, request: Request) -> list[int]:
+    def prompt(self, loaded: Loaded, request: Request) -> PromptIds:
         """The request's prompt as target ids (a conversation through the target's chat template, with its tools),
-        checked as every front end checks it (uag.runtime.pair.prompt_ids_for); a prompt with more characters
-        than the target's context can hold is refused before it is tokenised."""
+        checked as every front end checks it (uag.runtime.pair.checked_prompt: with the translator the drafter's
+        check started on them); a prompt with more characters than the target's context can hold is refused before
+        it is tokenised."""
         target = loaded.target
         chars = sum(len(m["content"]) for m in request.messages) if request.kind == "chat" else len(request.prompt)
         try:
@@ -165,7 +166,7 @@ class Service:
                 ids = list(target.tokenizer.encode(request.prompt))
             if not ids:
                 raise bad("messages", "the messages hold no text")
-            return prompt_ids_for(loaded, ids, request.config)
+            return checked_prompt(loaded, ids, request.config)
         except InputError as err:
             raise APIError(400, str(err), param="messages", code="context_length_exceeded") from None
 
@@ -186,7 +187,7 @@ class Service:
     ) -> Iterator[Accepted | Delta | Done]:
         """`job` once the served model's pair is loaded (and pinned)."""
         target, choice = loaded.target, loaded.choice
-        ids = self.prompt(loaded, request)
+        ids, translator = self.prompt(loaded, request)
         self._go_on(job, "reading the prompt")
         host.admit(target, len(ids) + request.config.max_tokens)
         config = request.config
@@ -209,7 +210,16 @@ class Service:
         fed = 0  # characters of the run's text given to `text` so far
         writes_json = bool(request.tools) or config.constraint is not None  # lookup also copies the prompt as JSON
         with host.running(
-            job, loaded, ids, config, auto=auto, key=key, remember=True, caches=caches, copy_forms=writes_json
+            job,
+            loaded,
+            ids,
+            config,
+            auto=auto,
+            key=key,
+            remember=True,
+            caches=caches,
+            copy_forms=writes_json,
+            translator=translator,
         ) as running:
             events = watched(job, iter(running))
             try:
