@@ -59,6 +59,32 @@ def test_a_document_that_a_new_one_starts_with_is_replaced_others_stay():
     assert index.find(turn[:30], 2) == (30, turn[30:32])  # the whole query matched (at most MATCH_CAP back)
 
 
+def test_a_conversation_s_next_turn_extends_its_document_and_indexes_only_its_new_tokens(monkeypatch):
+    """A server adds every request's prompt and reply when it ends: a conversation's next turn re-sends its history,
+    whose n-grams the index holds already where no other request's came in between (only the new ones are hashed);
+    after another request's, the whole turn is indexed again, so its n-grams' latest occurrences are its own."""
+    rng = random.Random(5)
+    index, noted = SharedIndex(10_000, ngrams=(4, 3, 2)), []
+    note = SharedIndex._note
+    monkeypatch.setattr(
+        SharedIndex, "_note", lambda self, serial, ids, start=0: noted.append(start) or note(self, serial, ids, start)
+    )
+    turn1 = [rng.randrange(8) for _ in range(200)]
+    turn2 = turn1 + [rng.randrange(8) for _ in range(60)]
+    other = turn1[:50] + [rng.randrange(8) for _ in range(40)]  # another request's: much of it alike
+    turn3 = turn2 + [rng.randrange(8) for _ in range(30)]
+    expected, kept = [0, 200, 0, 0], []
+    for ids in (turn1, turn2, other, turn3):
+        index.add(ids)
+        kept = [d for d in kept if not (len(d) <= len(ids) and ids[: len(d)] == d)] + [ids]
+        assert list(index.documents.values()) == kept and len(index) == sum(map(len, kept))
+        for _ in range(40):
+            end = rng.randrange(1, len(ids))
+            context = ids[max(0, end - rng.randrange(1, 12)) : end]
+            assert index.find(context, 5) == reference_find(kept, (4, 3, 2), context, 5), context
+    assert noted == expected  # turn 2 from its new tokens on; turn 3, after `other`, whole
+
+
 def test_bounded_evicts_the_oldest_never_exceeds_max_tokens_and_rebuilds_keep_the_answers_right():
     rng = random.Random(3)
     index, kept = SharedIndex(300, ngrams=(4, 3, 2)), []

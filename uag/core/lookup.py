@@ -218,17 +218,26 @@ class SharedIndex:
         return self.tokens
 
     def add(self, ids: Iterable[int]) -> None:
-        """Hold `ids` as the newest document (its last `max_tokens` where longer), replacing any it starts with."""
+        """Hold `ids` as the newest document (its last `max_tokens` where longer), replacing any it starts with.
+        Where the newest document is one of those (a conversation's next turn, no other request's in between), it
+        is extended in place, and only the n-grams its new tokens end are indexed: the rest are its already."""
         ids = list(ids)[-self.max_tokens :]
         if len(ids) <= self.ngrams[-1]:
             return  # no n-gram with a token after it
+        newest, extended = next(reversed(self.documents), None), False
         for serial, doc in list(self.documents.items()):
             if len(doc) <= len(ids) and doc[0] == ids[0] and ids[: len(doc)] == doc:
-                self._drop(serial, stale=False)  # its n-grams all recur in `ids`, at the same offsets
-        serial, self._serial = self._serial, self._serial + 1
-        self.documents[serial] = ids
-        self.tokens += len(ids)
-        self._note(serial, ids)
+                if serial == newest:
+                    self.documents[serial], self.tokens = ids, self.tokens + len(ids) - len(doc)
+                    self._note(serial, ids, start=len(doc))
+                    extended = True
+                else:
+                    self._drop(serial, stale=False)  # its n-grams all recur in `ids`, at the same offsets
+        if not extended:
+            serial, self._serial = self._serial, self._serial + 1
+            self.documents[serial] = ids
+            self.tokens += len(ids)
+            self._note(serial, ids)
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self.documents)), stale=True)
         if self._dropped > self.tokens:  # amortised: the table is rebuilt after as many tokens went as it holds
@@ -255,10 +264,11 @@ class SharedIndex:
             return run_back(doc, start, context, n, cap), doc[start : start + k]
         return 0, []
 
-    def _note(self, serial: int, ids: list[int]) -> None:
-        """Index every n-gram of a document that a token follows (later documents override earlier ones)."""
+    def _note(self, serial: int, ids: list[int], start: int = 0) -> None:
+        """Index every n-gram of a document that a token follows (later documents override earlier ones); from
+        `start`, those that end at or after it."""
         after, high = self._after, serial << 32
-        for end in range(self.ngrams[-1], len(ids)):
+        for end in range(max(start, self.ngrams[-1]), len(ids)):
             for n in self.ngrams:
                 if end >= n:
                     after[hash(tuple(ids[end - n : end]))] = high | end
