@@ -88,9 +88,12 @@ def test_a_second_turn_with_reused_caches_equals_a_cold_run(tiny, strategy, kind
     assert caches.target_ids == committed[:-1]  # every committed token but the newest
 
     second_ids = [*committed, *encode(target, " Dalej:")]
+    index = caches.lookup  # prompt lookup's, over all the first run committed: the second goes on with it
+    assert (index is not None and index.ids == committed) == ("lookup" in (kind or ""))
     second = generate(target, drafter, second_ids, config, caches=caches)
     cold = generate(target, drafter, second_ids, config)
     assert second.token_ids == cold.token_ids
+    assert caches.lookup is index and (index is None or index.ids == [*second_ids, *second.token_ids])
     assert second.cached_tokens == len(committed) - 1 and cold.cached_tokens == 0
     assert second.stats()["cached_tokens"] == second.to_dict()["stats"]["cached_tokens"] == second.cached_tokens
     drafter_model = target if kind == "self" else model if kind in ("model", "lookup+model") else None
@@ -113,9 +116,12 @@ def test_a_prompt_that_parts_early_reuses_only_the_common_prefix(tiny, strategy,
     other = prompt_ids(target, "1. jabłko\n2. wiśnia, a potem zupełnie inna lista")
     shared = longest_common_prefix(held, other)
     assert 0 < shared < len(other) - 1  # parts within the prompt
+    index = caches.lookup
     run = generate(target, drafter, other, config, caches=caches)
     assert run.cached_tokens == shared
     assert run.token_ids == generate(target, drafter, other, config).token_ids
+    if index is not None:  # lookup's index holds what this prompt does not go on from: indexed anew
+        assert caches.lookup is not index and caches.lookup.ids == [*other, *run.token_ids]
     assert_exact(caches, target, model if kind is not None else None)
 
 

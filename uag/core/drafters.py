@@ -198,17 +198,32 @@ class LookupDrafter:
     name = translation = LOOKUP
 
     def __init__(
-        self, vocab: Vocab, ngrams: Sequence[int] = NGRAMS, shared: SharedIndex | None = None, copy_forms: bool = False
+        self,
+        vocab: Vocab,
+        ngrams: Sequence[int] = NGRAMS,
+        shared: SharedIndex | None = None,
+        copy_forms: bool = False,
+        caches: PromptCaches | None = None,
     ):
         self.vocab = vocab  # the target's: lookup's proposals are target tokens
         self.index = NgramIndex(ngrams)
         self.shared = shared
         self.copy_forms = copy_forms
+        self.caches = caches  # the conversation's: its last run's index, which this run goes on with (`start`)
         self.views: SharedIndex | None = None  # the prompt's copy forms, built by `start`
 
     def start(self, prompt: Sequence[int]) -> int:
-        self.index = NgramIndex(self.index.ngrams)  # rebuilt for every run: microseconds per thousand tokens
-        self.index.extend(prompt)
+        """Index the prompt: where the conversation's last run indexed the start of it (its prompt and reply, which
+        a next turn re-sends), only the rest; indexing costs ~3 ms a thousand tokens on a CPU core."""
+        held = None if self.caches is None else self.caches.lookup
+        if held is not None and held.ngrams == self.index.ngrams and list(prompt[: len(held)]) == held.ids:
+            self.index = held
+            self.index.extend(prompt[len(held.ids) :])
+        else:
+            self.index = NgramIndex(self.index.ngrams)
+            self.index.extend(prompt)
+        if self.caches is not None:
+            self.caches.lookup = self.index  # extended in place by every token the run commits
         self.views = copy_views(self.vocab, prompt) if self.copy_forms else None  # a decode, an escape, an encode
         return 0
 
@@ -477,9 +492,12 @@ def make_drafter(
     shared: bool = False,
 ) -> Drafter:
     """The stateful drafter of one run for a loaded choice (the translation strategy applies to the model;
-    `caches` is the conversation's, whose drafter side the model reads from and leaves ready)."""
+    `caches` is the conversation's, whose drafter side the model reads from and leaves ready, and whose lookup index
+    prompt lookup goes on with)."""
     lookup = (
-        LookupDrafter(target.vocab, shared=choice.shared_index, copy_forms=choice.copy_forms) if choice.lookup else None
+        LookupDrafter(target.vocab, shared=choice.shared_index, copy_forms=choice.copy_forms, caches=caches)
+        if choice.lookup
+        else None
     )
     if choice.model is None:
         return lookup

@@ -466,7 +466,7 @@ def _drafter(
         return drafter, (), 0.0  # ready made
     choice = DrafterChoice.of(drafter)
     if choice.model is None:
-        return make_drafter(choice, target, config), (), 0.0
+        return make_drafter(choice, target, config, caches=caches), (), 0.0
     pair = check_pair(target, choice.model)
     made = make_drafter(choice, target, config, translator=translator, caches=caches, shared=pair.shared_vocabulary)
     return made, pair.notes, pair.r

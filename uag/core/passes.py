@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +14,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, ma
 
 from uag.core.kept_caches import KeptCaches, RowCache, placed, trees_fit
 from uag.core.translate import longest_common_prefix
+
+if TYPE_CHECKING:
+    from uag.core.lookup import NgramIndex
 from uag.core.verify import Tree, TreeVerdict, accept_tree
 
 PREFILL_STEP = 2048  # tokens per forward pass when reading a long stretch (a prompt), as mlx-lm's generate_step
@@ -48,7 +51,10 @@ class PromptCaches:
     and when it ends (also when stopped or cancelled) leaves the object describing what the caches then
     hold: every committed token but the newest. A run that fails part way leaves it empty. `target_model`
     and `drafter_model` name the models that filled the caches, whose caches no other model reuses (None: a
-    cache its maker gives with the model it belongs to).
+    cache its maker gives with the model it belongs to). `lookup`: prompt lookup's n-gram index of the last run
+    (uag.core.lookup.NgramIndex, over its prompt and every token it committed), which a later run whose prompt
+    goes on from those tokens extends rather than index its prompt anew (about 0.6 KB a token, which `nbytes` leaves
+    out: a KV cache holds tens of KB a token).
     """
 
     target_cache: list | None = None
@@ -57,6 +63,7 @@ class PromptCaches:
     drafter_ids: list[int] = field(default_factory=list)
     target_model: str | None = None
     drafter_model: str | None = None
+    lookup: NgramIndex | None = None
 
     @classmethod
     def empty(cls) -> PromptCaches:
@@ -76,6 +83,7 @@ class PromptCaches:
         """Forget both caches (their contents are unknown, say after a failed pass)."""
         self.target_cache, self.target_ids, self.target_model = None, [], None
         self.drafter_cache, self.drafter_ids, self.drafter_model = None, [], None
+        self.lookup = None
 
     def prefix(self, n: int) -> PromptCaches | None:
         """A copy of the target cache's first `n` tokens, this one left as it is (the drafter's cache is not copied:
