@@ -14,10 +14,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, ma
 
 from uag.core.kept_caches import KeptCaches, RowCache, placed, trees_fit
 from uag.core.translate import longest_common_prefix
+from uag.core.verify import Tree, TreeVerdict, accept_tree
 
 if TYPE_CHECKING:
     from uag.core.lookup import NgramIndex
-from uag.core.verify import Tree, TreeVerdict, accept_tree
 
 PREFILL_STEP = 2048  # tokens per forward pass when reading a long stretch (a prompt), as mlx-lm's generate_step
 

@@ -196,8 +196,8 @@ class Translator:
 
     def begin(self, prompt_ids: Sequence[int]) -> list[int]:
         """`start`, unless this translator was started on `prompt_ids` and has been given no token since: a server
-        checks the drafter's room with it first (uag.core.drafters.check_drafter_fits), and the run that follows,
-        on the batch's worker thread like the check, need not translate the prompt again."""
+        checks the drafter's room with it first (uag.core.drafters.check_drafter_fits), and the run that follows
+        need not translate the prompt again (both on the batch's worker, whose time every member waits on)."""
         if self.drafter_ids and len(self.target_ids) == len(prompt_ids) and self.target_ids == list(prompt_ids):
             return list(self.drafter_ids)
         return self.start(prompt_ids)
