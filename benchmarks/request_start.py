@@ -15,12 +15,15 @@ conversations' second turns (turn 1's file copied back as the reply, as a whole-
 
 Medians of `--repeats` timings per conversation, pooled; no model is run (the tokenizers only).
 
-    python benchmarks/request_start.py [--target demo-target] [--drafter demo-drafter] [--repeats 20]
+The target needs a chat template (the demo target has none): the coder target's, after `make models-coder`.
+
+    python benchmarks/request_start.py [--target coder-target] [--drafter demo-drafter] [--repeats 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import statistics
@@ -101,7 +104,7 @@ def measure(held: list[int], prompt: list[int], translator: Callable, repeats: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="demo-target")
+    parser.add_argument("--target", default="coder-target", help="a model with a chat template")
     parser.add_argument("--drafter", default="demo-drafter", help="a drafter model (its tokenizer is all it needs)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# {args.target} ← {args.drafter}, {len(turns)} edit conversations' turn 2 "
         f"({min(len(p) for _, p in turns)}–{max(len(p) for _, p in turns)} prompt tokens), medians of "
-        f"{args.repeats}, {platform.processor() or platform.machine()}, {datetime.now():%Y-%m-%dT%H:%M}"
+        f"{args.repeats}, {platform.processor() or platform.machine()}, {datetime.now():%Y-%m-%dT%H:%M}, "
+        f"load {os.getloadavg()[0]:.2f}"
     )
 
     def translator():
